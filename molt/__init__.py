@@ -1,0 +1,1 @@
+"""Molt: PyTorch-native agentic RL for LLMs."""

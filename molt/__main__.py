@@ -1,0 +1,46 @@
+"""`python -m molt [+experiment=NAME] [key=value ...]` — compose, validate, launch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from molt.config import check_overrides, spec_yaml, to_spec
+from molt.spec import SpecError
+
+
+@hydra.main(version_base=None, config_path="pkg://molt.conf", config_name="config")
+def _run(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        spec = to_spec(cfg)
+    except SpecError as err:
+        sys.exit(f"molt: {err}")
+    hc = HydraConfig.get()
+    spec.run.dir = str(Path(hc.runtime.output_dir).resolve())
+    if hc.mode == RunMode.MULTIRUN and spec.logging.wandb.group is None:
+        spec.logging.wandb.group = Path(hc.sweep.dir).name  # one W&B group per sweep
+    Path(spec.run.dir).mkdir(parents=True, exist_ok=True)
+    (Path(spec.run.dir) / "spec.yaml").write_text(spec_yaml(spec))
+
+    from molt.launch import launch
+
+    launch(spec)
+
+
+def main() -> None:
+    overrides = [a for a in sys.argv[1:] if not a.startswith("-") and "=" in a]
+    try:
+        check_overrides(overrides)
+    except SpecError as err:
+        sys.exit(f"molt: {err}")
+    _run()
+
+
+if __name__ == "__main__":
+    main()

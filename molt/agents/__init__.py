@@ -1,0 +1,1 @@
+"""molt.agents"""

@@ -1,0 +1,54 @@
+"""The token-first contract: what flows from the engine's sampler to the loss.
+
+A `Segment` is one contiguous token sequence the trainer sees. Everything is token ids exactly as the
+engine produced them (never re-tokenized text). A rollout has one or more segments (a chat agent that
+compacts its context starts a new one) and exactly one reward; a group is the rollouts of one prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+NO_VERSION = -1  # `versions` entry of a token the engine did not sample (prompt, observation)
+
+
+@dataclass
+class Segment:
+    token_ids: list[int]            # prompt + response (+ observations), as the engine saw them
+    loss_mask: list[int]            # 1 exactly on tokens the engine sampled, else 0
+    logprobs: list[float]           # behaviour logprob of each sampled token; 0.0 where loss_mask == 0
+    versions: list[int]             # policy version that sampled each token; NO_VERSION where mask == 0
+    rollout_id: str
+    group_id: str
+    segment_index: int = 0
+    prompt_len: int = 0             # tokens before the first sampled token
+    finish_reason: str = "stop"     # of the last sampled turn: stop | length | abort
+    routed_experts: list[list[list[int]]] | None = None  # MoE: [len][layers][topk] expert ids
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: token_ids ({n}), loss_mask "
+                             f"({len(self.loss_mask)}), logprobs ({len(self.logprobs)}) and versions "
+                             f"({len(self.versions)}) must have one entry per token")
+
+
+@dataclass
+class Rollout:
+    rollout_id: str
+    group_id: str
+    segments: list[Segment]
+    reward: float
+    score: float | None = None      # for filters; defaults to reward
+    label: Any = None
+    info: dict[str, float] = field(default_factory=dict)   # scalar diagnostics, logged
+    error: str | None = None        # set when the agent failed; such a rollout is never trained on
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(sum(s.loss_mask) for s in self.segments)
