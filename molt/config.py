@@ -30,7 +30,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
         if message:
             problems.append(f"  {message}")
     if problems:
-        raise SpecError(f"invalid override(s):\n" + "\n".join(problems))
+        raise SpecError("invalid override(s):\n" + "\n".join(problems))
 
 
 def to_spec(cfg: DictConfig) -> RunSpec:

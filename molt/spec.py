@@ -63,8 +63,8 @@ class ParallelSpec(Strict):
             raise ValueError(f"dp_size*tp_size*cp_size = {self.dp_size}*{self.tp_size}*{self.cp_size} = "
                              f"{product} must equal world_size={self.world_size}")
         if (self.dp_size * self.cp_size) % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide dp_size*cp_size={self.dp_size * self.cp_size}"
-                             " (experts are sharded over the data-parallel ranks)")
+            raise ValueError(f"ep_size={self.ep_size} must divide dp_size*cp_size="
+                             f"{self.dp_size * self.cp_size} (experts shard over data-parallel ranks)")
         return self
 
 
