@@ -1,0 +1,198 @@
+"""Advantage estimators, selected by `algo.estimator`.
+
+Every estimator has the same signature, so the loop calls `ESTIMATORS[algo.estimator](...)` (or
+`compute_advantages`, which adds shape checks and common metrics) without branching; an estimator
+ignores the optional inputs it does not need. Inputs, for R rollouts and S segments of T tokens:
+
+    rewards          [R]     float, one reward per rollout
+    group_ids        [R]     int, rollouts with the same id answered the same prompt
+    segment_rollout  [S]     int in [0, R): the rollout of each segment (a rollout's segments in order)
+    loss_mask        [S, T]  1 on tokens the engine sampled
+    algo             AlgoSpec
+    values           [S, T]  critic V(tokens < t) (gae)
+    logp, ref_logp   [S, T]  policy / reference logprobs of the sampled tokens (KL, distillation)
+
+Output: `Advantages(advantages [S, T], returns [S, T] or None, metrics {name: 0-dim tensor})`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+from molt.algo.groups import group_mean, group_sum, rollout_sum, to_tokens, token_gae
+from molt.algo.kl import KL_ESTIMATORS
+from molt.algo.masked import masked_max, masked_mean, masked_whiten
+
+if TYPE_CHECKING:
+    from molt.spec import AlgoSpec
+
+EPS = 1e-6
+
+
+class Advantages(NamedTuple):
+    advantages: Tensor              # [S, T], 0 off the loss mask
+    returns: Tensor | None          # [S, T] value targets (gae), else None
+    metrics: dict[str, Tensor]
+
+
+Estimator = Callable[..., Advantages]
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator: make `fn` the estimator for `algo.estimator: name`."""
+    def add(fn: Estimator) -> Estimator:
+        if name in ESTIMATORS:
+            raise ValueError(f"estimator {name!r} is already registered")
+        ESTIMATORS[name] = fn
+        return fn
+    return add
+
+
+def kl_penalty(loss_mask: Tensor, algo: AlgoSpec, logp: Tensor | None, ref_logp: Tensor | None) -> Tensor:
+    """KL folded into the reward: [S, T] token rewards -kl.coef * KL_t on sampled tokens.
+
+    Zeros unless algo.kl.in_reward and algo.kl.coef > 0 (then logp and ref_logp are required).
+    """
+    if not (algo.kl.in_reward and algo.kl.coef > 0):
+        return torch.zeros(loss_mask.shape, device=loss_mask.device)
+    if logp is None or ref_logp is None:
+        raise ValueError("algo.kl.in_reward needs logp and ref_logp")
+    kl = KL_ESTIMATORS[algo.kl.estimator](logp, ref_logp)
+    return torch.where(loss_mask > 0, -algo.kl.coef * kl, torch.zeros_like(kl))
+
+
+def _rollout_rewards(rewards: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
+                     logp: Tensor | None, ref_logp: Tensor | None) -> Tensor:
+    """Rewards [R] with the KL penalty of all of a rollout's tokens folded in (group estimators)."""
+    penalty = kl_penalty(loss_mask, algo, logp, ref_logp)
+    return rewards + rollout_sum(penalty, segment_rollout, loss_mask, rewards.numel()).to(rewards.dtype)
+
+
+def _group_size(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    return group_sum(torch.ones_like(rewards), group_ids)
+
+
+@register_estimator("reinforce_pp")
+def reinforce_pp(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
+                 algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
+                 ref_logp: Tensor | None = None) -> Advantages:
+    """REINFORCE++: A_t = whiten(G_t) over all sampled tokens of the batch, G_t = sum_{k>=t} gamma^(k-t) r_k
+    with r_k = -kl.coef * KL_k (when kl.in_reward) plus the rollout reward on its last sampled token."""
+    penalty = kl_penalty(loss_mask, algo, logp, ref_logp)
+    _, returns = token_gae(penalty, None, rewards, segment_rollout, loss_mask, algo.gamma, 1.0)
+    return Advantages(masked_whiten(returns, loss_mask), None, {})
+
+
+@register_estimator("reinforce_baseline")
+def reinforce_baseline(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
+                       algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
+                       ref_logp: Tensor | None = None) -> Advantages:
+    """REINFORCE++-baseline: as reinforce_pp, with the rollout reward replaced by r - mean_group(r)."""
+    return reinforce_pp(rewards - group_mean(rewards, group_ids), group_ids, segment_rollout, loss_mask, algo,
+                        values, logp, ref_logp)
+
+
+@register_estimator("grpo")
+def grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
+         values: Tensor | None = None, logp: Tensor | None = None,
+         ref_logp: Tensor | None = None) -> Advantages:
+    """GRPO: A = (r - mean_g) / (std_g + 1e-6), std unbiased; a group of one gets A = 0."""
+    r = _rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
+    n = _group_size(r, group_ids)
+    centered = r - group_mean(r, group_ids)
+    std = (group_sum(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    adv = torch.where(n > 1, centered / (std + EPS), torch.zeros_like(r))
+    zero_std = (std == 0) | (n == 1)
+    return Advantages(to_tokens(adv, segment_rollout, loss_mask), None,
+                      {"zero_std_frac": zero_std.float().mean()})
+
+
+@register_estimator("dr_grpo")
+def dr_grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
+            values: Tensor | None = None, logp: Tensor | None = None,
+            ref_logp: Tensor | None = None) -> Advantages:
+    """Dr.GRPO: A = r - mean_g (no std; pair with loss.norm=seq for the constant length normalizer)."""
+    r = _rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
+    return Advantages(to_tokens(r - group_mean(r, group_ids), segment_rollout, loss_mask), None, {})
+
+
+@register_estimator("rloo")
+def rloo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
+         values: Tensor | None = None, logp: Tensor | None = None,
+         ref_logp: Tensor | None = None) -> Advantages:
+    """RLOO: A_i = r_i - mean_{j != i in group} r_j = n / (n - 1) * (r_i - mean_g); a group of one gets 0."""
+    r = _rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
+    n = _group_size(r, group_ids)
+    adv = (r - group_mean(r, group_ids)) * n / (n - 1).clamp(min=1)
+    adv = torch.where(n > 1, adv, torch.zeros_like(adv))
+    return Advantages(to_tokens(adv, segment_rollout, loss_mask), None, {})
+
+
+@register_estimator("gae")
+def gae(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
+        values: Tensor | None = None, logp: Tensor | None = None,
+        ref_logp: Tensor | None = None) -> Advantages:
+    """PPO-GAE(gamma, lam) over each rollout's sampled tokens with the critic's values; advantages are
+    whitened over the batch, returns (A_t + V_t before whitening) are the value targets."""
+    if values is None:
+        raise ValueError("algo.estimator=gae needs values from a critic")
+    penalty = kl_penalty(loss_mask, algo, logp, ref_logp)
+    adv, returns = token_gae(penalty, values, rewards, segment_rollout, loss_mask, algo.gamma, algo.lam)
+    return Advantages(masked_whiten(adv, loss_mask), returns,
+                      {"returns_mean": masked_mean(returns, loss_mask),
+                       "values_mean": masked_mean(values.to(returns.dtype), loss_mask)})
+
+
+@register_estimator("on_policy_distill")
+def on_policy_distill(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
+                      algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
+                      ref_logp: Tensor | None = None) -> Advantages:
+    """On-policy distillation: A_t = -distill_coef * (logp_t - ref_logp_t), the teacher as reference
+    (per-token reverse KL as a dense reward); rewards are ignored."""
+    if logp is None or ref_logp is None:
+        raise ValueError("algo.estimator=on_policy_distill needs logp and ref_logp (the teacher)")
+    gap = torch.where(loss_mask > 0, logp - ref_logp, torch.zeros_like(logp))
+    return Advantages(-algo.distill_coef * gap, None, {"teacher_gap": masked_mean(gap, loss_mask)})
+
+
+def compute_advantages(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
+                       algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
+                       ref_logp: Tensor | None = None) -> Advantages:
+    """Check shapes, run `ESTIMATORS[algo.estimator]`, and add the common metrics.
+
+    Inputs as in this module's docstring. Metrics added: advantage_mean / advantage_std /
+    advantage_min / advantage_max (over sampled tokens), reward_mean / reward_std (per rollout), and
+    kl_in_reward (mean token KL penalty, when folded into the reward), beside the estimator's own.
+    """
+    num_rollouts, num_segments = rewards.shape[0], loss_mask.shape[0]
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be [R]")
+    if loss_mask.dim() != 2 or segment_rollout.shape != (num_segments,):
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} must be [S, T] and segment_rollout "
+                         f"{tuple(segment_rollout.shape)} must be [S]")
+    if num_segments and not (0 <= int(segment_rollout.min()) and int(segment_rollout.max()) < num_rollouts):
+        raise ValueError(f"segment_rollout must index the {num_rollouts} rollouts")
+    for name, x in (("values", values), ("logp", logp), ("ref_logp", ref_logp)):
+        if x is not None and x.shape != loss_mask.shape:
+            raise ValueError(f"{name} {tuple(x.shape)} must match loss_mask {tuple(loss_mask.shape)}")
+    out = ESTIMATORS[algo.estimator](rewards, group_ids, segment_rollout, loss_mask, algo, values, logp,
+                                     ref_logp)
+    adv, mask = out.advantages, loss_mask > 0
+    mean = masked_mean(adv, mask)
+    metrics = {
+        "advantage_mean": mean,
+        "advantage_std": masked_mean((adv - mean) ** 2, mask).sqrt(),
+        "advantage_min": -masked_max(-adv, mask),
+        "advantage_max": masked_max(adv, mask),
+        "reward_mean": rewards.float().mean() if num_rollouts else torch.zeros(()),
+        "reward_std": rewards.float().std(correction=0) if num_rollouts else torch.zeros(()),
+    }
+    if algo.kl.in_reward and algo.kl.coef > 0:
+        penalty = kl_penalty(loss_mask, algo, logp, ref_logp)
+        metrics["kl_in_reward"] = -masked_mean(penalty, mask) / algo.kl.coef
+    return Advantages(adv, out.returns, {**metrics, **out.metrics})

@@ -1,0 +1,134 @@
+"""Policy and value losses, normalized so that the result does not depend on how the batch is split.
+
+Each loss returns SUM(per-token loss over this micro-batch) / `norm`, where `norm` is the GLOBAL
+normalizer: the trainer sums `loss_normalizer(...)` over all micro-batches and ranks first. Summing the
+returned losses over micro-batches and ranks then gives exactly the global mean — a per-micro-batch
+mean would weight a short micro-batch's tokens more than a long one's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from molt.algo.correction import importance_weights
+from molt.algo.kl import KL_ESTIMATORS
+from molt.algo.masked import masked_mean, masked_sum
+
+if TYPE_CHECKING:
+    from molt.spec import AlgoSpec
+
+
+def _token_norm(loss_mask: Tensor, max_tokens: int) -> float:
+    return float((loss_mask > 0).sum())
+
+
+def _seq_norm(loss_mask: Tensor, max_tokens: int) -> float:
+    return float(((loss_mask > 0).sum(-1) > 0).sum()) * max_tokens
+
+
+# algo.loss.norm -> additive normalizer contribution of one micro-batch.
+LOSS_NORMS: dict[str, Callable[[Tensor, int], float]] = {"token": _token_norm, "seq": _seq_norm}
+
+
+def loss_normalizer(loss_mask: Tensor, algo: AlgoSpec, max_tokens: int) -> float:
+    """This micro-batch's additive share of the global loss normalizer.
+
+    `loss_mask` [B, T]. token norm: number of unmasked tokens. seq norm (Dr.GRPO): number of sequences
+    with at least one unmasked token times the constant `max_tokens` (the response budget), so a long
+    response does not dilute its tokens' gradient. Sum over micro-batches and all-reduce over ranks.
+    """
+    return LOSS_NORMS[algo.loss.norm](loss_mask, max_tokens)
+
+
+def _frac(x: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean(x.float(), mask)
+
+
+def policy_loss(logp: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
+                norm: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate with importance correction, optional KL loss and entropy bonus.
+
+    `logp` [B, T]: log pi(token t | tokens < t) from the current forward (with grad). `batch` [B, T]:
+    old_logp (trainer logprobs before the update), behaviour_logp (engine), advantages, loss_mask;
+    optional ref_logp (needed when algo.kl.coef > 0 and not in_reward) and entropy (needed when
+    algo.loss.entropy_coef > 0; always logged when given).
+
+        ratio_t = exp(logp_t - old_logp_t)
+        pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+        pg_t    = min(pg_t, -dual_clip * A_t)               where A_t < 0 and dual_clip is set
+        loss_t  = w_t * pg_t + kl.coef * KL_t - entropy_coef * H_t   (w_t: importance weight)
+        loss    = sum_t mask_t * loss_t / norm
+
+    Returns the 0-dim loss and 0-dim detached metrics, means over this micro-batch's sampled tokens:
+    pg_loss, ratio_mean, approx_kl (k3 of old vs current), clip_frac_low / clip_frac_high (tokens where
+    the lower / upper clip is active), dual_clip_frac, the is_* metrics of `importance_weights`, and
+    kl / entropy when their inputs are given.
+    """
+    spec = algo.loss
+    mask = batch["loss_mask"] > 0
+    # Zero every input off the mask first: padding may hold -inf, and inf * 0 would turn grads into NaN.
+    logp, adv, old_logp = (torch.where(mask, x, torch.zeros_like(x))
+                           for x in (logp, batch["advantages"], batch["old_logp"]))
+    ratio = (logp - old_logp).exp()
+    clipped = ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high)
+    pg = torch.maximum(-adv * ratio, -adv * clipped)
+    dual = torch.zeros_like(mask)
+    if spec.dual_clip is not None:
+        bound = -spec.dual_clip * adv
+        dual = (adv < 0) & (pg > bound)
+        pg = torch.where(dual, bound, pg)
+    weights, metrics = importance_weights(old_logp, batch["behaviour_logp"], batch["loss_mask"],
+                                          algo.correction)
+    per_token = weights * pg
+    with torch.no_grad():
+        metrics["pg_loss"] = masked_mean(per_token, mask)
+        metrics["ratio_mean"] = masked_mean(ratio, mask)
+        metrics["approx_kl"] = masked_mean(KL_ESTIMATORS["k3"](logp, old_logp), mask)
+        metrics["clip_frac_low"] = _frac((ratio < 1 - spec.eps_low) & (adv < 0), mask)
+        metrics["clip_frac_high"] = _frac((ratio > 1 + spec.eps_high) & (adv > 0), mask)
+        metrics["dual_clip_frac"] = _frac(dual, mask)
+    if "ref_logp" in batch:
+        ref_logp = torch.where(mask, batch["ref_logp"], torch.zeros_like(logp))
+        kl = KL_ESTIMATORS[algo.kl.estimator](logp, ref_logp)
+        metrics["kl"] = masked_mean(kl.detach(), mask)
+        if algo.kl.coef > 0 and not algo.kl.in_reward:
+            per_token = per_token + algo.kl.coef * kl
+    elif algo.kl.coef > 0 and not algo.kl.in_reward:
+        raise ValueError("algo.kl.coef > 0 as a loss term needs batch['ref_logp']")
+    if "entropy" in batch:
+        entropy = torch.where(mask, batch["entropy"], torch.zeros_like(logp))
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        if spec.entropy_coef:
+            per_token = per_token - spec.entropy_coef * entropy
+    elif spec.entropy_coef:
+        raise ValueError("algo.loss.entropy_coef != 0 needs batch['entropy']")
+    return masked_sum(per_token, mask) / (norm or 1.0), metrics  # norm 0: nothing in the batch is sampled
+
+
+def value_loss(values: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
+               norm: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss (PPO): the critic may not move further than value_clip from old_values.
+
+    `values` [B, T] (with grad); `batch` [B, T]: old_values, returns, loss_mask.
+        v_clip_t = old_t + clip(v_t - old_t, -value_clip, value_clip)
+        loss     = sum_t mask_t * 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2) / norm
+    Metrics: value_loss (token mean), value_clip_frac, value_mean, value_error (mean |v - R|).
+    """
+    mask = batch["loss_mask"] > 0
+    values, old, returns = (torch.where(mask, x, torch.zeros_like(x))
+                            for x in (values, batch["old_values"], batch["returns"]))
+    c = algo.loss.value_clip
+    v_clip = old + (values - old).clamp(-c, c)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (v_clip - returns) ** 2)
+    with torch.no_grad():
+        metrics = {
+            "value_loss": masked_mean(per_token, mask),
+            "value_clip_frac": _frac((values - returns) ** 2 < (v_clip - returns) ** 2, mask),
+            "value_mean": masked_mean(values, mask),
+            "value_error": masked_mean((values - returns).abs(), mask),
+        }
+    return masked_sum(per_token, mask) / (norm or 1.0), metrics

@@ -1,0 +1,31 @@
+"""Worked example of adding an estimator (see docs/algo.md): OPO's length-weighted group baseline.
+
+OPO (On-Policy RL with Optimal reward baseline) weights each rollout's reward in its group's baseline
+by the rollout's number of sampled tokens, b_g = sum_i len_i * r_i / sum_i len_i, which minimizes the
+gradient variance for a sequence-sum loss. It is one function plus conf/algo/opo.yaml.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from molt.algo.estimators import Advantages, register_estimator
+from molt.algo.groups import group_sum, rollout_sum, to_tokens
+
+if TYPE_CHECKING:
+    from molt.spec import AlgoSpec
+
+
+@register_estimator("opo")
+def opo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
+        values: Tensor | None = None, logp: Tensor | None = None,
+        ref_logp: Tensor | None = None) -> Advantages:
+    """A_i = r_i - sum_g(len_j * r_j) / sum_g(len_j); len_j = sampled tokens of rollout j (all segments)."""
+    lengths = rollout_sum(loss_mask.to(rewards.dtype), segment_rollout, loss_mask, rewards.numel())
+    baseline = group_sum(lengths * rewards, group_ids) / group_sum(lengths, group_ids).clamp(min=1)
+    adv = rewards - baseline
+    return Advantages(to_tokens(adv, segment_rollout, loss_mask), None,
+                      {"opo_baseline_mean": baseline.mean() if baseline.numel() else torch.zeros(())})

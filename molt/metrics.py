@@ -1,0 +1,126 @@
+"""Run observability: metrics.jsonl, W&B, a console progress bar, and rollout dumps.
+
+The loop calls `RunLogger.log(step, metrics)` once per step and `dump_rollouts(step, rollouts)` with
+the batch it trained on. Everything lands in the run directory, so a run is inspectable (and its
+batches replayable with `load_rollouts`) without W&B. Metric names are documented in the README.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from molt.spec import RunSpec
+from molt.trajectory import Rollout, Segment
+
+# Shown on the progress bar, in this order: (metric name, short label, format).
+BAR_FIELDS = (("reward/mean", "reward", ".3f"), ("time/step", "step_s", ".3g"),
+              ("tokens/per_s", "tok/s", ".0f"))
+
+
+def wandb_mode(configured: str) -> str:
+    """WANDB_MODE in the environment wins; `auto` is online with an API key, else offline.
+
+    Offline runs land in <run dir>/wandb/offline-run-*; Molt never syncs them (`wandb sync` hangs
+    without network), the user does when they want to.
+    """
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return env
+    if configured == "auto":
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return configured
+
+
+def load_rollouts(path: str | Path) -> list[Rollout]:
+    """Read a rollout dump (one JSON object per line) back into Rollouts, field for field."""
+    rollouts = []
+    with Path(path).open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                record["segments"] = [Segment(**s) for s in record["segments"]]
+                rollouts.append(Rollout(**record))
+    return rollouts
+
+
+class RunLogger:
+    """Per-step logging for one run; `close()` (or the context manager) finishes W&B and writes plots."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        if not spec.run.dir:
+            raise ValueError("RunLogger needs run.dir (the launcher sets it from Hydra's output directory)")
+        self.spec = spec
+        self.dir = Path(spec.run.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")  # append: resume continues
+        self._wandb = self._init_wandb()
+        self._dumped: set[int] = set()  # steps whose rollout file this process has started
+        self._bar = None
+        if spec.logging.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=spec.train.steps, desc=spec.run.name, unit="step", dynamic_ncols=True)
+
+    def _init_wandb(self) -> Any:
+        mode = wandb_mode(self.spec.logging.wandb.mode)
+        if mode == "disabled":
+            return None
+        import wandb
+
+        cfg = self.spec.logging.wandb
+        return wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, job_type=cfg.job_type,
+                          tags=cfg.tags or None, mode=mode, dir=str(self.dir), name=self.spec.run.name,
+                          config=self.spec.model_dump(mode="json"), reinit="create_new")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        values = {k: float(v) for k, v in metrics.items()}
+        self._metrics.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        self._metrics.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        if self._bar is not None:
+            self._bar.update(step + 1 - self._bar.n)  # position-based, so a resumed run starts mid-bar
+            shown = {label: format(values[k], fmt) for k, label, fmt in BAR_FIELDS if k in values}
+            self._bar.set_postfix(shown)
+
+    def dump_rollouts(self, step: int, rollouts: list[Rollout]) -> Path | None:
+        """Append this step's rollouts to rollouts/step_XXXXXX.jsonl (unless logging.dump_rollouts is off).
+
+        The first dump of a step in this process truncates the file: a resumed run re-runs the steps
+        after its checkpoint, and their files must hold the new batch, not the killed run's too.
+        """
+        if not self.spec.logging.dump_rollouts:
+            return None
+        path = self.dir / "rollouts" / f"step_{step:06d}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        with path.open("a" if step in self._dumped else "w", encoding="utf-8") as f:
+            self._dumped.add(step)
+            for rollout in rollouts:  # every field, so load_rollouts rebuilds each rollout exactly
+                f.write(json.dumps(dataclasses.asdict(rollout)) + "\n")
+        return path
+
+    def close(self) -> list[Path]:
+        """Finish W&B and the bar; write the PNG plots when logging.plots is on. Returns the plot paths."""
+        self._metrics.close()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if not self.spec.logging.plots:
+            return []
+        from molt.plot import plot_run
+
+        return plot_run(self.dir)
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
