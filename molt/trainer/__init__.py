@@ -1,1 +1,6 @@
-"""molt.trainer"""
+"""molt.trainer: the policy (and optional critic / reference) on FSDP2 inside Ray actors."""
+
+from molt.trainer.batch import make_batch
+from molt.trainer.group import TrainerGroup
+
+__all__ = ["TrainerGroup", "make_batch"]

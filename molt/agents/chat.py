@@ -1,0 +1,82 @@
+"""The `ChatAgent` path: the user owns the loop and talks to the policy through a stock SDK.
+
+Each rollout opens a session on the loopback server; `ChatContext` carries its URLs and key, so
+`openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)` and
+`anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)` work unchanged. The server
+records the token-exact trajectory; the agent only returns a `Result` with the reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.agents.env import Result
+from molt.agents.runner import Runner
+from molt.agents.server import LoopbackServer
+from molt.agents.trace import Trace
+from molt.trajectory import Rollout
+
+
+@dataclass
+class ChatContext:
+    base_url: str                    # OpenAI SDK base_url (ends in /v1)
+    session_url: str                 # Anthropic SDK base_url (no /v1)
+    api_key: str                     # this session's key
+    model_name: str
+    messages: list[dict]             # the dataset row as chat messages
+    prompt: str | None               # the row's prompt string, when it has one
+    label: Any
+    sampling_params: dict[str, Any]  # the run's sampling (temperature, top_p, top_k, max_tokens)
+    options: dict[str, Any] = field(default_factory=dict)   # agent.options
+    max_turns: int = 1
+    item: dict = field(default_factory=dict)
+
+
+class ChatAgent:
+    """Subclass and implement `run`; one instance per rollout, built with the agent's options."""
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
+
+
+class ChatAgentRunner(Runner):
+    kind = "chat"
+
+    def __init__(self, agent_cls: type[ChatAgent]) -> None:
+        super().__init__()
+        self.agent_cls = agent_cls
+        self.server: LoopbackServer | None = None
+
+    def setup(self, tokenizer: Any, spec: Any) -> None:
+        super().setup(tokenizer, spec)
+        model_name = spec.model.path or "molt-tiny"
+        self.server = LoopbackServer(tokenizer, model_name, self.sampling)
+        self.server.start()
+
+    async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:
+        agent = self.spec.agent
+        session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens)
+        prompt = item.get(self.spec.data.prompt_key)
+        ctx = ChatContext(
+            base_url=f"{self.server.url}/s/{session.id}/v1", session_url=f"{self.server.url}/s/{session.id}",
+            api_key=session.key, model_name=self.server.model_name, messages=self.messages_of(item),
+            prompt=None if prompt is None else str(prompt), label=self.label_of(item),
+            sampling_params=dict(self.sampling), options=dict(agent.options), max_turns=agent.max_turns,
+            item=item)
+        try:
+            result = await self.agent_cls(agent.options).run(ctx)
+        finally:
+            self.server.close(session)   # later requests with this key get a 404
+        if not isinstance(result, Result):
+            raise TypeError(f"{self.agent_cls.__name__}.run returned {type(result).__name__}, not Result")
+        session.finish()
+        return trace.rollout(result.reward, result.score, result.info, self.label_of(item))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

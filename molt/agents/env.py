@@ -1,0 +1,104 @@
+"""The `Env` path: the framework owns the LLM loop, the user's `step()` owns the reward.
+
+Gymnasium-style: the chat template is rendered once for the prompt; each turn the engine samples, the
+user's `step()` sees the decoded action and returns a `Result`; a further observation is appended as
+tokens with loss mask 0 until the episode terminates, is truncated, or a turn/token budget runs out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.agents.render import continuation, encode, render
+from molt.agents.runner import Runner
+from molt.agents.trace import Trace, as_finite
+from molt.trajectory import Rollout
+
+
+@dataclass
+class Result:
+    reward: float
+    observation: str | dict | None = None   # next input: text (a user turn) or a whole message dict
+    terminated: bool = True
+    truncated: bool = False
+    info: dict[str, float] = field(default_factory=dict)   # scalar diagnostics, logged
+    score: float | None = None               # for filters; defaults to the reward
+    sampling_params: dict[str, Any] | None = None          # override for the next turn
+
+
+@dataclass
+class State:
+    observation: str                 # the latest observation (the prompt on the first turn)
+    action: str                      # the text the model just produced (special tokens removed)
+    action_ids: list[int]            # its token ids, exactly as sampled
+    finish_reason: str               # stop | length
+    label: Any
+    turn: int
+    messages: list[dict]             # the conversation so far, the action included
+    sampling_params: dict[str, Any]  # what this action was sampled with
+    item: dict                       # the dataset row
+
+
+class Env:
+    """Subclass and implement `step`; one instance per rollout, built with the agent's options.
+
+    `self.tokenizer` is the policy's tokenizer (set by the runner), for rewards over token ids.
+    """
+
+    tokenizer: Any = None
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+
+    async def step(self, state: State) -> Result:
+        raise NotImplementedError
+
+
+class StepEnvRunner(Runner):
+    kind = "env"
+
+    def __init__(self, env_cls: type[Env]) -> None:
+        super().__init__()
+        self.env_cls = env_cls
+
+    async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:
+        agent, tok = self.spec.agent, self.tokenizer
+        messages = self.messages_of(item)
+        trace.extend_prompt(encode(tok, render(tok, messages)))
+        env = self.env_cls(self.spec.agent.options)
+        env.tokenizer = tok
+        sampling, observation = dict(self.sampling), messages[-1].get("content") or ""
+        reward, score, info = 0.0, None, {}
+        for turn in range(agent.max_turns):
+            budget = min(sampling.get("max_tokens", self.spec.rollout.max_tokens),
+                         agent.max_total_tokens - len(trace.ids))
+            if budget < 1:
+                break
+            turn_sampling = {**sampling, "max_tokens": budget}
+            out = await sampler.generate(list(trace.ids), turn_sampling, trace.rollout_id)
+            trace.add_sample(out)
+            ids = list(out["token_ids"])
+            action = tok.decode(ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": action})
+            result = await env.step(State(observation, action, ids, trace.finish_reason, self.label_of(item),
+                                          turn, list(messages), turn_sampling, item))
+            if not isinstance(result, Result):
+                raise TypeError(f"{self.env_cls.__name__}.step returned {type(result).__name__}, not Result")
+            reward += as_finite(result.reward, "reward")
+            score, info = result.score, result.info
+            if result.terminated or result.truncated or result.observation is None:
+                break
+            message = result.observation if isinstance(result.observation, dict) else \
+                {"role": "user", "content": result.observation}
+            glue = continuation(tok, messages[:-1], messages[-1], [message], None,
+                                eos_sampled=bool(ids) and ids[-1] == tok.eos_token_id)
+            if glue is None:
+                raise ValueError("the chat template re-renders earlier turns; an Env needs an append-only "
+                                 "template")
+            trace.extend_prompt(encode(tok, glue))
+            messages.append(message)
+            observation = message.get("content") or ""
+            sampling = {**sampling, **(result.sampling_params or {})}
+        return trace.rollout(reward, score, info, self.label_of(item))
+

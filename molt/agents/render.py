@@ -1,0 +1,47 @@
+"""Chat-template rendering without re-tokenizing history.
+
+The template is rendered as text; only the text that follows the last sampled turn is tokenized. To
+find it, the conversation is rendered with and without the new messages and the difference is taken
+after the turn's end marker (the tokenizer's eos token): tokens the model already sampled are never
+rendered again, so a re-tokenization that would merge them differently cannot happen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+           generation_prompt: bool = True) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def continuation(tokenizer: Any, before: list[dict], reply: dict, after: list[dict],
+                 tools: list[dict] | None, eos_sampled: bool) -> str | None:
+    """Text to append after a sampled `reply` so that the sequence reads like the template's rendering
+    of before + reply + after (with a generation prompt); None when the template renders `before`
+    differently once the reply is added (the prefix was rewritten, e.g. old `<think>` blocks dropped)."""
+    prompt = render(tokenizer, before, tools)
+    closed = render(tokenizer, before + [reply], tools, generation_prompt=False)
+    full = render(tokenizer, before + [reply] + after, tools)
+    if not (closed.startswith(prompt) and full.startswith(closed)):
+        return None
+    turn, eos = closed[len(prompt):], tokenizer.eos_token
+    end = turn.rfind(eos)
+    if end < 0:
+        return None
+    # The sampler stops on eos and returns it; a turn cut at max_tokens gets the marker as glue.
+    tail = turn[end + len(eos):] if eos_sampled else turn[end:]
+    return tail + full[len(closed):]
+
+
+def text_of(content: Any) -> str:
+    """OpenAI content (a string or a list of text parts) as a string, for templates that want text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))

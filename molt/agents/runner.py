@@ -1,0 +1,59 @@
+"""What the training loop calls on any agent: `setup`, `run`, `close`.
+
+`run` never raises for an agent's fault: an exception, a timeout (agent.timeout_s), a missing or
+malformed `Result` or a non-finite reward comes back as a `Rollout` with `error` set, which the loop
+counts against agent.max_failure_rate and never trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from molt.agents.trace import Trace, failed_rollout
+from molt.spec import RunSpec
+from molt.trajectory import Rollout
+
+
+class Runner:
+    kind = ""
+
+    def __init__(self) -> None:
+        self.tokenizer: Any = None
+        self.spec: RunSpec | None = None
+
+    def setup(self, tokenizer: Any, spec: RunSpec) -> None:
+        self.tokenizer, self.spec = tokenizer, spec
+        r = spec.rollout
+        # The run's sampling defaults; a turn may override them (Result.sampling_params, request fields).
+        self.sampling = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
+
+    async def run(self, item: dict, rollout_id: str, group_id: str, sampler: Any) -> Rollout:
+        if self.spec is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(tokenizer, spec) must be called before run()")
+        trace = Trace(rollout_id, group_id)
+        try:
+            return await asyncio.wait_for(self._run(item, trace, sampler), self.spec.agent.timeout_s)
+        except TimeoutError:
+            error = f"agent timed out after {self.spec.agent.timeout_s}s"
+        except Exception as err:  # the user's code failed: report it on the rollout, keep the loop going
+            error = f"{type(err).__name__}: {err}"
+        return failed_rollout(rollout_id, group_id, self.label_of(item), error)
+
+    async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def messages_of(self, item: dict) -> list[dict]:
+        data = self.spec.data
+        if item.get(data.messages_key):   # messages win over a prompt string, as in molt.data
+            return [dict(m) for m in item[data.messages_key]]
+        if item.get(data.prompt_key) is not None:
+            return [{"role": "user", "content": str(item[data.prompt_key])}]
+        raise KeyError(f"dataset row has neither '{data.prompt_key}' nor '{data.messages_key}' "
+                       f"(keys: {sorted(item)})")
+
+    def label_of(self, item: dict) -> Any:
+        return item.get(self.spec.data.label_key)

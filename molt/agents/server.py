@@ -1,0 +1,194 @@
+"""The loopback chat server: OpenAI `/v1/chat/completions` and Anthropic `/v1/messages` on 127.0.0.1.
+
+Every rollout of a chat agent gets a session with its own URL prefix and random key, so stock SDK
+clients need nothing but `base_url` and `api_key`. Requests are validated with vLLM's own wire schemas;
+a request for an unknown session, with a wrong key, with a malformed or oversized body fails with a 4xx
+in the wire's error shape before it can touch any trajectory. The server runs in its own thread; each
+sampler call is sent back to the event loop of the rollout that owns the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+from molt.agents import wire
+from molt.agents.render import text_of
+from molt.agents.session import ChatSession
+from molt.agents.tools import forced_call_regex, make_parser, parse_reply
+from molt.agents.trace import Trace
+
+MAX_BODY_BYTES = 4 << 20
+
+
+class ApiError(Exception):
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "request_too_large", 500: "api_error"}
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def response(self, anthropic: bool) -> JSONResponse:
+        kind = self.TYPES.get(self.status, "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": self.message}} if anthropic else \
+            {"error": {"message": self.message, "type": kind, "param": None, "code": self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class LoopbackServer:
+    def __init__(self, tokenizer: Any, model_name: str, sampling: dict[str, Any]) -> None:
+        self.tokenizer, self.model_name, self.sampling = tokenizer, model_name, sampling
+        self.parser = make_parser(tokenizer)
+        self.sessions: dict[str, ChatSession] = {}
+        self.app = FastAPI()
+        self.app.post("/s/{sid}/v1/chat/completions")(self._openai)
+        self.app.post("/s/{sid}/v1/messages")(self._anthropic)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))   # a free port chosen by the OS; loopback only
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
+                                                     timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the loopback chat server failed to start")
+            threading.Event().wait(0.01)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def open(self, trace: Trace, sampler: Any, max_turns: int, max_total_tokens: int) -> ChatSession:
+        session = ChatSession(trace, self.tokenizer, sampler, asyncio.get_running_loop(), max_turns,
+                              max_total_tokens)
+        self.sessions[session.id] = session
+        return session
+
+    def close(self, session: ChatSession) -> None:
+        self.sessions.pop(session.id, None)
+
+    # --- request handling ---------------------------------------------------------------------------
+
+    async def _openai(self, sid: str, request: Request) -> Any:
+        try:
+            session, body = await self._admit(sid, request)
+            chat = ChatCompletionRequest.model_validate(body)
+            outs, replies, prompt_len = await self._turn(session, chat)
+        except ApiError as err:
+            return err.response(anthropic=False)
+        except ValueError as err:   # pydantic's ValidationError is a ValueError
+            return ApiError(400, f"invalid request: {err}").response(anthropic=False)
+        if chat.stream:
+            usage = bool(chat.stream_options and chat.stream_options.include_usage)
+            return StreamingResponse(wire.openai_stream(self.model_name, replies, outs, prompt_len, usage),
+                                     media_type="text/event-stream")
+        return JSONResponse(wire.openai_response(self.model_name, replies, outs, prompt_len))
+
+    async def _anthropic(self, sid: str, request: Request) -> Any:
+        try:
+            session, body = await self._admit(sid, request)
+            msg = AnthropicMessagesRequest.model_validate(body)
+            chat = AnthropicServingMessages.to_chat_completion_request(msg)
+            chat.stream = False
+            outs, replies, prompt_len = await self._turn(session, chat)
+        except ApiError as err:
+            return err.response(anthropic=True)
+        except ValueError as err:   # pydantic's ValidationError; vLLM's converter on bad tool changes
+            return ApiError(400, f"invalid request: {err}").response(anthropic=True)
+        if msg.stream:
+            return StreamingResponse(wire.anthropic_stream(self.model_name, replies[0], outs[0], prompt_len),
+                                     media_type="text/event-stream")
+        return JSONResponse(wire.anthropic_response(self.model_name, replies[0], outs[0], prompt_len))
+
+    async def _admit(self, sid: str, request: Request) -> tuple[ChatSession, dict]:
+        """The session a request belongs to and its JSON body, or a 4xx; nothing is changed here."""
+        session = self.sessions.get(sid)
+        if session is None:
+            raise ApiError(404, f"unknown session '{sid}' (finished, or never opened)")
+        auth = request.headers.get("authorization", "")
+        key = request.headers.get("x-api-key") or (auth[7:] if auth.lower().startswith("bearer ") else "")
+        if not secrets.compare_digest(key.encode(), session.key.encode()):
+            raise ApiError(401, "invalid API key for this session")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ApiError(400, f"request body is not valid JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return session, body
+
+    async def _turn(self, session: ChatSession, chat: ChatCompletionRequest) -> tuple[list, list, int]:
+        """Accumulate the request into the session's trajectory, sample, and parse the replies."""
+        messages = [{**m, "content": text_of(m.get("content"))} for m in map(dict, chat.messages)]
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+        sampling = self._sampling(chat, tools)
+        async with session.lock:
+            if session.turns >= session.max_turns:
+                raise ApiError(400, f"this session used all {session.max_turns} turns (agent.max_turns)")
+            session.turns += 1
+            ids = session.prompt_ids(messages, tools)
+            budget = min(sampling["max_tokens"], session.max_total_tokens - len(ids))
+            if budget < 1:
+                raise ApiError(400, f"the conversation has {len(ids)} tokens: no room left under "
+                                    f"agent.max_total_tokens={session.max_total_tokens}")
+            outs = await asyncio.gather(*[self._sample(session, ids, {**sampling, "max_tokens": budget}, i)
+                                          for i in range(chat.n or 1)])
+            replies = [parse_reply(self.parser, self.tokenizer, list(o["token_ids"]), chat) for o in outs]
+            for out, (content, calls) in zip(outs, replies, strict=True):
+                extra = {"tool_calls": calls} if calls else {}
+                session.offer(out, {"role": "assistant", "content": content, **extra})
+        return outs, replies, len(ids)
+
+    def _sampling(self, chat: ChatCompletionRequest, tools: list[dict] | None) -> dict[str, Any]:
+        # The run's sampling is the default; a request may set its own, capped at rollout.max_tokens.
+        sampling = dict(self.sampling)
+        for key in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(chat, key) is not None:
+                sampling[key] = getattr(chat, key)
+        wanted = chat.max_completion_tokens or vars(chat).get("max_tokens")   # the property warns
+        sampling["max_tokens"] = min(wanted or sampling["max_tokens"], self.sampling["max_tokens"])
+        choice = chat.tool_choice
+        if tools and (choice == "required" or not isinstance(choice, str | type(None))):
+            named = [t for t in tools
+                     if choice == "required" or t["function"]["name"] == choice.function.name]
+            if not named:
+                raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not in tools")
+            try:
+                regex = "|".join(f"({forced_call_regex(t)})" for t in named)
+            except ValueError as err:
+                raise ApiError(400, str(err)) from None
+            sampling["structured_outputs"] = {"regex": regex}
+        return sampling
+
+    async def _sample(self, session: ChatSession, ids: list[int], sampling: dict, choice: int) -> dict:
+        if choice and "seed" in sampling:
+            sampling = {**sampling, "seed": sampling["seed"] + choice}   # n>1 choices must differ
+        coro = session.sampler.generate(ids, sampling, session.trace.rollout_id)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))

@@ -1,0 +1,78 @@
+"""One chat agent's conversation as one token-exact trajectory.
+
+Each request's messages are compared with what the session already holds. If they extend it (the
+earlier prompt unchanged, followed by one of the replies this session returned), only the new tail is
+tokenized and appended after the reply's exact sampled ids. Anything else — a compacted history, a
+template that drops old `<think>` blocks, an edited reply — seals the segment and opens a new one from
+the re-rendered conversation. All segments belong to the same rollout and share its reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from molt.agents.render import continuation, encode, render
+from molt.agents.trace import Trace
+
+
+@dataclass
+class Candidate:
+    """A reply returned to the agent whose tokens join the trajectory once the agent continues from it."""
+    out: dict[str, Any]      # the sampler's result
+    message: dict            # the assistant message as the agent will echo it back
+    rendered: str            # the template's text of prompt + this reply (no generation prompt)
+
+
+class ChatSession:
+    def __init__(self, trace: Trace, tokenizer: Any, sampler: Any, loop: asyncio.AbstractEventLoop,
+                 max_turns: int, max_total_tokens: int) -> None:
+        self.id, self.key = secrets.token_hex(8), "sk-molt-" + secrets.token_urlsafe(24)
+        self.trace, self.tokenizer, self.sampler, self.loop = trace, tokenizer, sampler, loop
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.turns = 0
+        self.lock = asyncio.Lock()      # one request at a time per session (created in the server's loop)
+        self.history: list[dict] = []   # messages of the last request (its prompt)
+        self.tools: list[dict] | None = None
+        self.candidates: list[Candidate] = []
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """Accumulate this request into the trajectory; return the ids the engine is to continue."""
+        tok, continued = self.tokenizer, self._continued(messages, tools)
+        if continued is None:
+            if self.candidates:   # the agent did not continue from any reply: keep the first one it got
+                self.trace.add_sample(self.candidates[0].out)
+            self.trace.restart(encode(tok, render(tok, messages, tools)))
+        else:
+            chosen, glue = continued
+            self.trace.add_sample(chosen.out)
+            self.trace.extend_prompt(encode(tok, glue))
+        self.history, self.tools, self.candidates = messages, tools, []
+        return list(self.trace.ids)
+
+    def _continued(self, messages: list[dict], tools: list[dict] | None) -> tuple[Candidate, str] | None:
+        n, tok = len(self.history), self.tokenizer
+        if not self.candidates or tools != self.tools or len(messages) <= n + 1:
+            return None
+        if render(tok, messages[:n], tools) != render(tok, self.history, tools):
+            return None
+        rendered = render(tok, messages[:n + 1], tools, generation_prompt=False)
+        chosen = next((c for c in self.candidates if c.rendered == rendered), None)
+        if chosen is None:
+            return None
+        ids = list(chosen.out["token_ids"])
+        glue = continuation(tok, messages[:n], messages[n], messages[n + 1:], tools,
+                            eos_sampled=bool(ids) and ids[-1] == tok.eos_token_id)
+        return None if glue is None else (chosen, glue)
+
+    def offer(self, out: dict[str, Any], message: dict) -> None:
+        rendered = render(self.tokenizer, self.history + [message], self.tools, generation_prompt=False)
+        self.candidates.append(Candidate(out, message, rendered))
+
+    def finish(self) -> None:
+        """The agent returned: the reply it got last is part of the trajectory."""
+        if self.candidates:
+            self.trace.add_sample(self.candidates[0].out)
+            self.candidates = []

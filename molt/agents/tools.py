@@ -1,0 +1,67 @@
+"""Tool calls: parse what the model wrote with vLLM's own parser; constrain a forced call.
+
+The sampled ids are decoded with special tokens kept (`<tool_call>` is a special token in many
+tokenizers) and handed to vLLM's stock tool parser (`hermes`: the `<tool_call>{json}</tool_call>`
+format of the tiny model's template and of Qwen/Hermes models). A forced call (OpenAI `tool_choice`
+naming a function, Anthropic `tool_choice: {type: tool}`) is honoured the way vLLM honours it: by
+constraining decoding, here with a regex of exactly the markup the parser reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+TOOL_PARSER = "hermes"
+
+_VALUE = {"integer": r"-?[0-9]{1,6}", "number": r"-?[0-9]{1,6}(\.[0-9]{1,4})?", "boolean": r"(true|false)",
+          "string": r'"[ !#-\[\]-~]{0,32}"'}   # printable ASCII without `"` and `\`: always valid JSON
+
+
+def _lit(text: str) -> str:
+    # Escape only regex operators: grammar engines differ on escapes such as `\ ` that `re.escape` emits.
+    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
+
+
+def forced_call_regex(tool: dict[str, Any]) -> str:
+    """Regex of one Hermes call to `tool` (OpenAI function shape) with arguments that follow its schema.
+
+    Flat object schemas are supported: each property an `enum` or an integer / number / boolean / string,
+    all present, in schema order — enough for calculator-style tools, and a clear error otherwise.
+    """
+    fn = tool["function"]
+    fields = []
+    for name, prop in ((fn.get("parameters") or {}).get("properties") or {}).items():
+        if "enum" in prop:
+            value = "(" + "|".join(_lit(json.dumps(v)) for v in prop["enum"]) + ")"
+        elif prop.get("type") in _VALUE:
+            value = _VALUE[prop["type"]]
+        else:
+            raise ValueError(f"forced call to {fn['name']!r}: property {name!r} has a schema a forced call "
+                             f"cannot constrain ({prop}); use enum/integer/number/boolean/string")
+        fields.append(_lit(json.dumps(name) + ": ") + value)
+    head = _lit('<tool_call>{"name": ' + json.dumps(fn["name"]) + ', "arguments": {')
+    return head + ", ".join(fields) + _lit("}}</tool_call>")
+
+
+def make_parser(tokenizer: Any) -> Any:
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.get_tool_parser(TOOL_PARSER)(tokenizer)
+
+
+def parse_reply(parser: Any, tokenizer: Any, ids: list[int], request: Any) -> tuple[str | None, list[dict]]:
+    """(content, tool calls in OpenAI shape) of one sampled turn."""
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if not request.tools or request.tool_choice == "none":
+        return text, []
+    info = parser.extract_tool_calls(text, request)
+    if not info.tools_called:
+        return text, []
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                          "arguments": c.function.arguments}}
+             for c in info.tool_calls]
+    return info.content, calls

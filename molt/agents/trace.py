@@ -1,0 +1,85 @@
+"""Token-exact record of one rollout: sealed segments plus the open one.
+
+Both agent paths write here. Prompt, observation and tool-output tokens enter with loss mask 0; tokens
+come back from the sampler with their behaviour logprob and policy version and enter with mask 1. The
+ids appended are the sampler's own, never re-tokenized text (invariant 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from molt.trajectory import NO_VERSION, Rollout, Segment
+
+
+class Trace:
+    def __init__(self, rollout_id: str, group_id: str) -> None:
+        self.rollout_id, self.group_id = rollout_id, group_id
+        self.segments: list[Segment] = []
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason = "stop"
+        self.num_sampled_total = 0
+
+    def extend_prompt(self, ids: list[int]) -> None:
+        """Tokens the model reads but did not sample (prompt, observation, template glue)."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [NO_VERSION] * len(ids)
+
+    def add_sample(self, out: dict[str, Any]) -> None:
+        """Append one sampler result ({token_ids, logprobs, versions, finish_reason}) with mask 1."""
+        prompt = out.get("prompt_ids")
+        if prompt is not None and list(prompt) != self.ids:
+            # The engine shortened the prompt (rollout.prompt_too_long=truncate): the segment must be
+            # what it actually read, so a new one starts from its prompt.
+            self.restart(list(prompt))
+        ids, logprobs, versions = list(out["token_ids"]), list(out["logprobs"]), list(out["versions"])
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"sampler returned {len(ids)} tokens, {len(logprobs)} logprobs and "
+                             f"{len(versions)} versions")
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += [float(x) for x in logprobs]
+        self.versions += [int(v) for v in versions]
+        self.finish_reason = out.get("finish_reason") or "stop"
+        self.num_sampled_total += len(ids)
+
+    def restart(self, prompt_ids: list[int]) -> None:
+        """Seal the open segment and open a new one from `prompt_ids` (the context was rewritten)."""
+        self.seal()
+        self.extend_prompt(prompt_ids)
+
+    def seal(self) -> None:
+        # A segment without sampled tokens has nothing to train on, so it is dropped.
+        if any(self.mask):
+            self.segments.append(Segment(
+                token_ids=self.ids, loss_mask=self.mask, logprobs=self.logprobs, versions=self.versions,
+                rollout_id=self.rollout_id, group_id=self.group_id, segment_index=len(self.segments),
+                prompt_len=self.mask.index(1), finish_reason=self.finish_reason))
+        self.ids, self.mask, self.logprobs, self.versions = [], [], [], []
+
+    def rollout(self, reward: Any, score: Any = None, info: dict | None = None, label: Any = None) -> Rollout:
+        """Seal and return the rollout; a non-numeric / non-finite reward or no sampled token is an error."""
+        self.seal()
+        reward = as_finite(reward, "reward")
+        score = reward if score is None else as_finite(score, "score")
+        if not self.segments:
+            raise ValueError("the agent sampled no tokens")
+        info = {k: as_finite(v, f"info[{k!r}]") for k, v in (info or {}).items()}
+        return Rollout(self.rollout_id, self.group_id, self.segments, reward, score=score, label=label,
+                       info=info)
+
+
+def as_finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def failed_rollout(rollout_id: str, group_id: str, label: Any, error: str) -> Rollout:
+    return Rollout(rollout_id, group_id, segments=[], reward=0.0, label=label, error=error)

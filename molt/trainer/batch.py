@@ -1,0 +1,72 @@
+"""Segments → the padded tensor batch every trainer call takes.
+
+Rows are right-padded to the longest segment. Per-token fields keep the token-first alignment of
+`Segment`: position t describes token t (its loss mask, its behaviour logprob, its advantage), and a
+recomputed logprob at t is log π(token t | tokens < t).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from molt.trajectory import Segment
+
+
+def _pad(rows: list[list], length: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+    out = torch.full((len(rows), length), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def make_batch(segments: list[Segment], pad_id: int = 0,
+               **per_token: list[list[float]]) -> dict[str, torch.Tensor]:
+    """Pad segments into input_ids / attention_mask / loss_mask / behaviour_logp [B, T] (+ routed_experts).
+
+    `per_token` adds float fields with one value per token of each segment, e.g. advantages=...,
+    returns=..., old_values=..., ref_logp=... . `routed_experts` [B, T, layers, top_k] is added when
+    every segment carries it (padding rows route to experts 0..k-1; their loss mask is 0).
+    """
+    if not segments:
+        raise ValueError("make_batch needs at least one segment")
+    length = max(len(s.token_ids) for s in segments)
+    batch = {
+        "input_ids": _pad([s.token_ids for s in segments], length, torch.long, pad_id),
+        "attention_mask": _pad([[1] * len(s.token_ids) for s in segments], length, torch.long),
+        "loss_mask": _pad([s.loss_mask for s in segments], length, torch.float32),
+        "behaviour_logp": _pad([s.logprobs for s in segments], length, torch.float32),
+    }
+    for key, rows in per_token.items():
+        for s, row in zip(segments, rows, strict=True):
+            if len(row) != len(s.token_ids):
+                raise ValueError(f"{key}: {len(row)} values for a {len(s.token_ids)}-token segment "
+                                 f"({s.rollout_id}/{s.segment_index})")
+        batch[key] = _pad(rows, length, torch.float32)
+    if all(s.routed_experts is not None for s in segments):
+        layers, top_k = len(segments[0].routed_experts[0]), len(segments[0].routed_experts[0][0])
+        routes = torch.arange(top_k).expand(len(segments), length, layers, top_k).clone()
+        for i, s in enumerate(segments):
+            routes[i, : len(s.token_ids)] = torch.tensor(s.routed_experts)
+        batch["routed_experts"] = routes
+    return batch
+
+
+def pad_rows(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """Append inert rows (one attended pad token, loss mask 0) so the row count divides `multiple`.
+
+    Every rank must run the same number of forwards (FSDP all-gathers are collective), so a batch is
+    split into equal row shards; the filler rows contribute nothing to losses or normalizers.
+    """
+    rows = batch["input_ids"].shape[0]
+    extra = -rows % multiple
+    if not extra:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        filler = torch.zeros((extra, *value.shape[1:]), dtype=value.dtype)
+        if key == "attention_mask":
+            filler[:, 0] = 1
+        if key == "routed_experts":
+            filler[:] = torch.arange(value.shape[-1])
+        out[key] = torch.cat([value, filler])
+    return out

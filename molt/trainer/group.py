@@ -1,0 +1,102 @@
+"""Driver-side handle over the Ray actors of one trainer role (policy, reference or critic).
+
+The group places one `TrainerWorker` per rank (one GPU each on CUDA), has them rendezvous into one
+torch.distributed group, and turns each call into the same collective call on every rank: rows of a
+batch are padded to a multiple of dp_size and split into equal contiguous shards (tp/cp ranks of one
+data shard get the same rows), and rank 0's answer is returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from molt.spec import RunSpec
+from molt.trainer.batch import pad_rows
+from molt.trainer.worker import TrainerWorker
+
+ROLES = ("policy", "reference", "critic")
+
+
+class TrainerGroup:
+    def __init__(self, spec: RunSpec, role: str = "policy") -> None:
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
+        if spec.parallel.cp_size > 1:
+            raise NotImplementedError("parallel.cp_size > 1: the trainer does not shard sequences yet")
+        self.spec, self.role = spec, role
+        par = spec.parallel
+        bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
+        self._pg = placement_group([bundle] * par.world_size, strategy="PACK")
+        ray.get(self._pg.ready())
+        actor = ray.remote(TrainerWorker)
+        self.workers = [
+            actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              self._pg, placement_group_bundle_index=r))
+            .remote(spec.model_dump(), role, r)
+            for r in range(par.world_size)
+        ]
+        host, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(host, port) for w in self.workers])
+
+    def _shards(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
+        par = self.spec.parallel
+        rows = batch["input_ids"].shape[0]
+        padded = pad_rows(batch, par.dp_size)
+        per = padded["input_ids"].shape[0] // par.dp_size
+        replicas = par.tp_size * par.cp_size  # mesh order (dp, cp, tp): tp/cp ranks are consecutive
+        shards = [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
+                  for r in range(par.world_size)]
+        return shards, rows
+
+    def _scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        shards, rows = self._shards(batch)
+        outs = ray.get([w.scores.remote(s) for w, s in zip(self.workers, shards, strict=True)])
+        replicas = self.spec.parallel.tp_size * self.spec.parallel.cp_size
+        return torch.cat(outs[::replicas])[:rows]
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T] log π(token t | tokens < t) at rollout.temperature; 0 at t = 0 and on padding."""
+        if self.role == "critic":
+            raise ValueError("the critic has no logprobs; use values()")
+        return self._scores(batch)
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T] value of the state after token t (critic only); 0 on padding."""
+        if self.role != "critic":
+            raise ValueError(f"values() needs the critic, this group is the {self.role}")
+        return self._scores(batch)
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step over the whole batch (policy: policy_loss; critic: value_loss)."""
+        if self.role == "reference":
+            raise ValueError("the reference model is frozen")
+        shards, _ = self._shards(batch)
+        return ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shards, strict=True)])[0]
+
+    def _all(self, method: str, *args: Any) -> Any:
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])[0]
+
+    def weight_chunks(self, chunk_bytes: int = 256 << 20) -> list[ray.ObjectRef]:
+        """Full weights in checkpoint names and model.dtype; each ref holds a dict[str, Tensor]."""
+        return self._all("weight_chunks", chunk_bytes)
+
+    def save(self, path: str, extra: dict[str, Any]) -> None:
+        self._all("save", path, extra)
+
+    def load(self, path: str) -> dict[str, Any]:
+        return self._all("load", path)
+
+    def export_hf(self, path: str) -> None:
+        self._all("export_hf", path)
+
+    def shutdown(self) -> None:
+        ray.get([w.shutdown.remote() for w in self.workers])
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self._pg)

@@ -1,0 +1,219 @@
+"""One trainer rank: a Ray actor that owns a shard of one role's model (policy, reference or critic).
+
+`TrainerGroup` starts one per rank; together they form one torch.distributed group (gloo on CPU, NCCL
+on GPU). Every public method here is collective: the group calls it on all ranks at once with each
+rank's row shard of the batch, and rank 0's return value is the group's answer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from molt.algo import loss_normalizer, policy_loss, value_loss
+from molt.spec import RunSpec
+from molt.trainer import checkpoint, weights
+from molt.trainer.model import DTYPES, build_model, model_path, token_logprobs
+from molt.trainer.router_replay import replay_routes
+
+
+def lr_factor(spec: RunSpec, step: int) -> float:
+    """Base-LR multiplier at optimizer step `step`: linear warm-up, then constant / cosine / linear to 0."""
+    train = spec.train
+    if step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps))
+    return 0.5 * (1 + math.cos(math.pi * progress)) if train.lr_schedule == "cosine" else 1 - progress
+
+
+def _micro_batches(shard: dict[str, torch.Tensor], size: int,
+                   device: torch.device) -> list[dict[str, torch.Tensor]]:
+    # Trim each micro-batch to its longest row: right padding never influences earlier tokens.
+    out = []
+    for start in range(0, shard["input_ids"].shape[0], size):
+        mb = {k: v[start:start + size] for k, v in shard.items()}
+        length = int(mb["attention_mask"].sum(-1).max())
+        out.append({k: v[:, :length].to(device) for k, v in mb.items()})
+    return out
+
+
+class TrainerWorker:
+    def __init__(self, spec: dict[str, Any], role: str, rank: int) -> None:
+        self.spec = RunSpec.model_validate(spec)
+        self.role, self.rank = role, rank
+        self.cuda = self.spec.parallel.device == "cuda"
+        if not self.cuda:
+            torch.set_num_threads(1)  # ranks share the cores; more threads per rank thrash (measured)
+        self.step = 0
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's rendezvous address: this node's IP and a free port."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, host: str, port: int) -> None:
+        par = self.spec.parallel
+        if self.cuda:
+            torch.cuda.set_device(0)  # Ray gives each rank actor exactly one visible GPU
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(self.rank),
+                          WORLD_SIZE=str(par.world_size), LOCAL_RANK="0")
+        dist.init_process_group("nccl" if self.cuda else "gloo", init_method=f"tcp://{host}:{port}",
+                                rank=self.rank, world_size=par.world_size)
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+        torch.manual_seed(self.spec.run.seed)
+        self.model = build_model(self.spec, self.role)
+        # The loss is already a global SUM / global normalizer per rank, so FSDP must sum gradients
+        # across data shards instead of averaging them. Gloo has no pre-multiplied sum: force plain sums.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(not self.cuda)
+        self.optimizer, self.scheduler = None, None
+        if self.role != "reference":
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            lr = self.spec.train.critic_lr if self.role == "critic" else self.spec.train.lr
+            self.optimizer = torch.optim.AdamW(params, lr=lr, betas=self.spec.train.betas,
+                                               weight_decay=self.spec.train.weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                               lambda s: lr_factor(self.spec, s))
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def _scores(self, mb: dict[str, torch.Tensor], entropy: bool = False):
+        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device."""
+        routes = mb.get("routed_experts") if self.spec.model.router_replay else None
+        with replay_routes(self.model, routes):
+            logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                                use_cache=False).logits.float()
+        if self.role == "critic":
+            return logits[..., 0] * mb["attention_mask"], None
+        return token_logprobs(logits, mb["input_ids"], mb["attention_mask"], self.spec.rollout.temperature,
+                              entropy)
+
+    @torch.no_grad()
+    def scores(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.model.eval()
+        out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
+        start = 0
+        for mb in _micro_batches(shard, self.spec.train.micro_batch_size, self.device):
+            rows, length = mb["input_ids"].shape
+            out[start:start + rows, :length] = self._scores(mb)[0].cpu()
+            start += rows
+        return out
+
+    # -- training --------------------------------------------------------------------------------------
+    def _replicas(self) -> int:
+        # tp/cp ranks of one data shard see the same rows: all-reduced sums count them once each
+        return self.spec.parallel.tp_size * self.spec.parallel.cp_size
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return (t / self._replicas()).tolist()
+
+    def train_step(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step over this rank's shard; returns globally reduced metrics (same on all ranks)."""
+        spec, algo = self.spec, self.spec.algo
+        mbs = _micro_batches(shard, spec.train.micro_batch_size, self.device)
+        budget = spec.rollout.max_tokens * spec.agent.max_turns  # the response budget of seq norm
+        norm = self._all_sum([sum(loss_normalizer(mb["loss_mask"], algo, budget) for mb in mbs)])[0]
+        if norm == 0:  # the same on every rank: all of them raise
+            raise ValueError("train_step got a batch without sampled tokens (loss_mask is all 0)")
+        self.model.train()
+        sums: dict[str, float] = {}
+
+        def add(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + float(value)
+
+        for mb in mbs:
+            mask = mb["loss_mask"] > 0
+            n_tok = int(mask.sum())
+            if self.role == "critic":
+                values, _ = self._scores(mb)
+                loss, metrics = value_loss(values, mb, algo, norm)
+            else:
+                logp, ent = self._scores(mb, entropy=algo.loss.entropy_coef != 0)
+                lb = dict(mb)
+                lb.setdefault("old_logp", logp.detach())  # one update per batch: old == current
+                if ent is not None:
+                    lb["entropy"] = ent
+                loss, metrics = policy_loss(logp, lb, algo, norm)
+                if "behaviour_logp" in mb and n_tok:
+                    gap = (logp.detach() - mb["behaviour_logp"])[mask]
+                    add("mismatch/abs_sum", gap.abs().sum())
+                    add("mismatch/k3_sum", (gap.exp() - 1 - gap).sum())  # k3 of KL(engine || trainer)
+                    sums["mismatch/abs_max"] = max(sums.get("mismatch/abs_max", 0.0), float(gap.abs().max()))
+            loss.backward()
+            add("loss", loss.detach())
+            add("tokens", n_tok)
+            for key, value in metrics.items():
+                add(f"w/{key}", float(value) * n_tok)  # token-weighted means across micro-batches/ranks
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], spec.train.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return self._reduce_metrics(sums, float(grad_norm), lr)
+
+    def _reduce_metrics(self, sums: dict[str, float], grad_norm: float, lr: float) -> dict[str, float]:
+        keys = sorted(k for k in sums if k != "mismatch/abs_max")
+        # every rank must join the same all-reduce even when its shard held no sampled tokens
+        objs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(objs, keys)
+        keys = sorted(set().union(*objs))
+        total = dict(zip(keys, self._all_sum([sums.get(k, 0.0) for k in keys]), strict=True))
+        peak = torch.tensor([sums.get("mismatch/abs_max", 0.0)], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        tokens = max(total.pop("tokens"), 1.0)
+        out = {"loss": total.pop("loss"), "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
+        for key, value in total.items():
+            if key.startswith("w/"):
+                out[key[2:]] = value / tokens
+        if "mismatch/abs_sum" in total:
+            out["mismatch/abs_mean"] = total["mismatch/abs_sum"] / tokens
+            out["mismatch/kl_k3"] = total["mismatch/k3_sum"] / tokens
+            out["mismatch/abs_max"] = float(peak)
+        return out
+
+    # -- weights and checkpoints -----------------------------------------------------------------------
+    def weight_chunks(self, chunk_bytes: int) -> list[Any]:
+        import ray
+
+        dtype = DTYPES[self.spec.model.dtype]
+        chunks = weights.hf_chunks(self.model, chunk_bytes, dtype, self.device)
+        refs = []
+        for chunk in chunks:  # other ranks only take part in the gathers
+            if self.rank == 0:
+                refs.append(ray.put(chunk))
+        return refs
+
+    def export_hf(self, path: str) -> None:
+        weights.export_hf(self.model, model_path(self.spec, self.role), path, DTYPES[self.spec.model.dtype],
+                          self.device)
+
+    def save(self, path: str, extra: dict[str, Any]) -> None:
+        checkpoint.save(path, self.model, self.optimizer, self.scheduler,
+                        {"step": self.step, "role": self.role, "extra": extra})
+
+    def load(self, path: str) -> dict[str, Any]:
+        meta = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
+        self.step = meta["step"]
+        return meta["extra"]
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,236 @@
+"""The Env path, the runner contract and the agent loader, against the shared tiny vLLM engine.
+
+Every trajectory is checked against what the engine itself returned (recorded at the sampler): the
+sampled ids, logprobs and versions must appear verbatim with loss mask 1, and everything else must be
+the chat template's rendering, computed here independently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from molt.agents import Env, Result, State, StepEnvRunner, load_agent_runner
+from molt.spec import AgentSpec, RunSpec
+from molt.trajectory import NO_VERSION
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
+IM = "<|im_start|>"
+END = "<|im_end|>"
+
+
+class Recorder:
+    """The sampler the runners get: the generator's Router over the shared engine, with every call and
+    the engine's result kept for checking."""
+
+    def __init__(self, engine) -> None:
+        from molt.rollout.router import Router
+
+        self.router, self.calls = Router([engine]), []
+
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
+        out = await self.router.generate(list(prompt_ids), sampling, key)
+        self.calls.append({"key": key, "prompt_ids": list(prompt_ids), "sampling": dict(sampling),
+                           "out": out})
+        return out
+
+
+def make_spec(agent: dict, **rollout) -> RunSpec:
+    return RunSpec.model_validate({"model": {"max_model_len": 256},
+                                   "rollout": {"max_tokens": 8, **rollout}, "agent": agent})
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def chat_ids(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)["input_ids"])
+
+
+def assert_exact(rollout, calls: list[dict]) -> list[list[dict]]:
+    """Each segment = engine calls laid end to end: returns the calls of each segment, in order.
+
+    Checks that every call's prompt is the segment up to that call, its sampled ids follow verbatim with
+    mask 1 and the engine's own logprobs and versions, and that no other token has mask 1.
+    """
+    assert rollout.ok, rollout.error
+    per_segment = []
+    for index, seg in enumerate(rollout.segments):
+        assert seg.segment_index == index and seg.rollout_id == rollout.rollout_id
+        mine = [c for c in calls if seg.token_ids[:len(c["prompt_ids"]) + len(c["out"]["token_ids"])]
+                == c["prompt_ids"] + c["out"]["token_ids"]]
+        mine = sorted(mine, key=lambda c: len(c["prompt_ids"]))
+        mask, logprobs, versions = [0] * len(seg.token_ids), [0.0] * len(seg.token_ids), \
+            [NO_VERSION] * len(seg.token_ids)
+        for c in mine:
+            start, out = len(c["prompt_ids"]), c["out"]
+            for i, (lp, v) in enumerate(zip(out["logprobs"], out["versions"], strict=True)):
+                mask[start + i], logprobs[start + i], versions[start + i] = 1, lp, v
+        assert mine and seg.loss_mask == mask and seg.logprobs == logprobs and seg.versions == versions
+        assert seg.prompt_len == len(mine[0]["prompt_ids"])
+        assert all(not math.isnan(x) for x in seg.logprobs)
+        per_segment.append(mine)
+    return per_segment
+
+
+def turn_glue(tok, sampled: list[int], role: str, content: str) -> list[int]:
+    """The template's tokens between a sampled turn and the next generation, written out by hand for
+    molt.tiny's ChatML template (its `{%-` tags drop the newlines between turns)."""
+    close = "" if sampled and sampled[-1] == tok.eos_token_id else END
+    return encode(tok, f"{close}{IM}{role}\n{content}{END}{IM}assistant")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture()
+def sampler(engine):
+    return Recorder(engine)
+
+
+def run_all(runner, items: list[dict], sampler, group: str = "g0") -> list:
+    async def main():
+        return await asyncio.gather(*[runner.run(item, f"{group}-r{i}", group, sampler)
+                                      for i, item in enumerate(items)])
+    return asyncio.run(main())
+
+
+def test_repeat_env_is_token_exact_and_rewards_the_letter(tok, sampler):
+    runner = load_agent_runner(AgentSpec(module=str(EXAMPLES / "repeat.py")))
+    runner.setup(tok, make_spec({"module": str(EXAMPLES / "repeat.py")}))
+    rollouts = run_all(runner, [{"prompt": "c", "label": "c"}] * 4, sampler)
+    letter = tok.convert_tokens_to_ids("c")
+    for r in rollouts:
+        [[call]] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+        assert call["prompt_ids"] == chat_ids(tok, [{"role": "user", "content": "c"}])
+        assert r.segments[0].token_ids == call["prompt_ids"] + call["out"]["token_ids"]
+        assert r.reward == r.score == call["out"]["token_ids"].count(letter) / 8
+        assert r.label == "c" and r.group_id == "g0"
+
+
+def test_math_env_single_turn(tok, sampler):
+    spec = make_spec({"module": str(EXAMPLES / "math_env.py")})
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tok, spec)
+    [r] = run_all(runner, [{"prompt": "What is 3+4?", "label": "7"}], sampler)
+    [[call]] = assert_exact(r, sampler.calls)
+    assert call["prompt_ids"] == chat_ids(tok, [{"role": "user", "content": "What is 3+4?"}])
+    env = runner.env_cls()
+    state = lambda text: State("q", text, [], "stop", "7", 0, [], {}, {})  # noqa: E731
+    assert asyncio.run(env.step(state("so it is 7"))).reward == 1.0
+    assert asyncio.run(env.step(state("7 or 8"))).reward == 0.0
+    assert asyncio.run(env.step(state("no idea"))).info == {"answered": 0.0}
+
+
+def test_tool_env_multi_turn_observations_are_rendered_tokens(tok, sampler):
+    spec = make_spec({"module": str(EXAMPLES / "tool_env.py"), "max_turns": 3})
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tok, spec)
+    messages = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 2+3?"}]
+    [r] = run_all(runner, [{"messages": messages, "label": "5"}], sampler)
+    [calls] = assert_exact(r, sampler.calls)
+    assert len(calls) == 3 and calls[0]["prompt_ids"] == chat_ids(tok, messages)
+    hint = "Call the calculator or reply with ANSWER: <number>."
+    for before, after in zip(calls, calls[1:], strict=False):
+        sampled = before["out"]["token_ids"]
+        assert after["prompt_ids"] == before["prompt_ids"] + sampled + turn_glue(tok, sampled, "user", hint)
+
+
+def test_tool_env_calls_the_sandboxed_calculator():
+    runner = load_agent_runner(AgentSpec(module=str(EXAMPLES / "tool_env.py")))
+    module = sys.modules[runner.env_cls.__module__]
+    assert module.calculator("2+3*4") == "14"
+    assert module.calculator("__import__('os').system('true')").startswith("error:")
+    assert module.calculator("9**9**9**9", timeout_s=0.5) == "error: timed out after 0.5s"
+    action = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    result = asyncio.run(runner.env_cls({}).step(State("q", action, [], "stop", "42", 0, [], {}, {})))
+    assert result.observation == {"role": "tool", "content": "42"} and not result.terminated
+    answer = asyncio.run(runner.env_cls({}).step(State("q", "ANSWER: 42", [], "stop", "42", 1, [], {}, {})))
+    assert answer.reward == 1.0 and answer.terminated
+
+
+class Raises(Env):
+    async def step(self, state: State) -> Result:
+        raise RuntimeError("boom")
+
+
+class NanReward(Env):
+    async def step(self, state: State) -> Result:
+        return Result(reward=float("nan"))
+
+
+class NoResult(Env):
+    async def step(self, state: State):
+        return 1.0
+
+
+class Slow(Env):
+    async def step(self, state: State) -> Result:
+        await asyncio.sleep(30)
+        return Result(reward=1.0)
+
+
+@pytest.mark.parametrize("env_cls, message", [(Raises, "RuntimeError: boom"),
+                                              (NanReward, "reward must be a finite number"),
+                                              (NoResult, "returned float, not Result"),
+                                              (Slow, "timed out after 0.5s")])
+def test_a_failing_env_gives_an_error_rollout(tok, sampler, env_cls, message):
+    runner = StepEnvRunner(env_cls)
+    runner.setup(tok, make_spec({"timeout_s": 0.5}))
+    [r] = run_all(runner, [{"prompt": "a", "label": "a"}], sampler)
+    assert not r.ok and message in r.error and r.segments == [] and r.label == "a"
+
+
+def test_loader_finds_every_configured_agent():
+    import yaml
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "agent").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        runner = load_agent_runner(AgentSpec(module=cfg["module"], kind=cfg["kind"]))
+        assert runner.kind == cfg["kind"], path.name
+
+
+def test_loader_errors_are_clear(tmp_path, monkeypatch):
+    with pytest.raises(ImportError, match="could not be loaded.*no such file"):
+        load_agent_runner(AgentSpec(module=str(tmp_path / "missing.py")))
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ImportError, match="broken.py.*not_a_module_anywhere"):
+        load_agent_runner(AgentSpec(module=str(tmp_path / "broken.py")))
+    (tmp_path / "empty_agent.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="'empty_agent' does not export AgentRunner"):
+        load_agent_runner(AgentSpec(module="empty_agent"))
+    with pytest.raises(ValueError, match="kind 'chat'.*agent.kind='env'"):
+        load_agent_runner(AgentSpec(module=str(EXAMPLES / "chat_minimal.py"), kind="env"))
+    (tmp_path / "not_runner.py").write_text("AgentRunner = object()\n")
+    with pytest.raises(TypeError, match="not a StepEnvRunner or ChatAgentRunner"):
+        load_agent_runner(AgentSpec(module="not_runner"))
+
+
+def test_example_data_rows_are_well_formed():
+    data = Path(__file__).resolve().parents[1] / "examples" / "data"
+    rows = [json.loads(line) for line in (data / "repeat_train.jsonl").read_text().splitlines()]
+    assert {r["prompt"] for r in rows} == set("abcdefgh") and all(r["prompt"] == r["label"] for r in rows)
+
+
+def test_trace_follows_a_prompt_the_engine_shortened():
+    from molt.agents.trace import Trace
+
+    # rollout.prompt_too_long=truncate: the engine reports the prompt it actually read.
+    trace = Trace("r", "g")
+    trace.extend_prompt([1, 2, 3, 4])
+    trace.add_sample({"token_ids": [9, 2], "logprobs": [-0.5, -0.1], "versions": [3, 3],
+                      "finish_reason": "stop", "prompt_ids": [3, 4]})
+    [seg] = trace.rollout(1.0).segments
+    assert seg.token_ids == [3, 4, 9, 2] and seg.loss_mask == [0, 0, 1, 1] and seg.prompt_len == 2
+    assert seg.logprobs == [0.0, 0.0, -0.5, -0.1] and seg.versions == [NO_VERSION, NO_VERSION, 3, 3]

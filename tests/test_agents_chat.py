@@ -1,0 +1,276 @@
+"""The ChatAgent path over real HTTP with the stock OpenAI and Anthropic SDKs, against the shared engine.
+
+Trajectories are checked against the engine's own sampled ids (recorded at the sampler) and against the
+chat template's rendering computed here, so a server that re-tokenized earlier turns, dropped a token
+or trained on a prompt token would fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+from test_agents import EXAMPLES, Recorder, assert_exact, chat_ids, encode, make_spec, run_all, turn_glue
+
+from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, load_agent_runner
+from molt.agents.server import MAX_BODY_BYTES
+from molt.agents.tools import forced_call_regex
+from molt.agents.trace import Trace
+from molt.algo.estimators import compute_advantages
+from molt.spec import AlgoSpec
+
+TOOLS_ITEM = {"messages": [{"role": "system", "content": "Use the tools."},
+                           {"role": "user", "content": "What is 2+3?"}], "label": "5"}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture()
+def sampler(engine):
+    return Recorder(engine)
+
+
+@pytest.fixture()
+def runners(tok):
+    """Start chat runners (each with its own loopback server) and close them all after the test."""
+    started = []
+
+    def start(module, agent: dict | None = None, **rollout):
+        spec = make_spec({"module": module if isinstance(module, str) else "x.py", "kind": "chat",
+                          **(agent or {})}, **rollout)
+        runner = load_agent_runner(spec.agent) if isinstance(module, str) else ChatAgentRunner(module)
+        runner.setup(tok, spec)
+        started.append(runner)
+        return runner
+
+    yield start
+    for runner in started:
+        runner.close()
+
+
+def trajectories(rollout) -> list[tuple]:
+    return [(s.token_ids, s.loss_mask, s.versions, s.segment_index) for s in rollout.segments]
+
+
+def test_chat_minimal_carries_sampled_ids_instead_of_retokenizing(tok, sampler, runners):
+    runner = runners(str(EXAMPLES / "chat_minimal.py"), {"max_turns": 2, "options": {"turns": 2}})
+    rollouts = run_all(runner, [{"prompt": "c", "label": "c"}] * 4, sampler)
+    retokenized_differs = 0
+    for r in rollouts:
+        [calls] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+        first, second = calls
+        sampled = first["out"]["token_ids"]
+        assert first["prompt_ids"] == chat_ids(tok, [{"role": "user", "content": "c"}])
+        assert second["prompt_ids"] == first["prompt_ids"] + sampled + turn_glue(tok, sampled, "user", "c")
+        assert r.segments[0].token_ids == second["prompt_ids"] + second["out"]["token_ids"]
+        content = sampled[:-1] if sampled[-1] == tok.eos_token_id else sampled
+        retokenized_differs += encode(tok, tok.decode(content, skip_special_tokens=False)) != content
+    # The sampled text re-tokenizes to other ids, so carrying the ids forward is what made this exact.
+    assert retokenized_differs >= 1
+
+
+def test_both_wires_streaming_or_not_give_identical_trajectories(tok, sampler, runners):
+    plain = {"max_turns": 2, "options": {"turns": 2}}
+    results = []
+    for module in ("chat_minimal.py", "chat_anthropic.py"):
+        for stream in (False, True):
+            agent = {**plain, "options": {**plain["options"], "stream": stream}}
+            runner = runners(str(EXAMPLES / module), agent, temperature=0.0)
+            [r] = run_all(runner, [{"prompt": "c", "label": "c"}], sampler, group=f"{module}{stream}")
+            assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+            results.append(r)
+    assert all(trajectories(r) == trajectories(results[0]) for r in results)
+    assert all(r.reward == results[0].reward for r in results)
+    for r in results:
+        assert r.segments[0].logprobs == pytest.approx(results[0].segments[0].logprobs, abs=1e-4)
+
+
+def test_tool_calls_on_both_wires_streaming_or_not(tok, sampler, runners):
+    forced_openai = {"type": "function", "function": {"name": "add"}}
+    agents = [("chat_tools.py", {"tool_choice": forced_openai}),
+              ("chat_anthropic.py", {"tools": True, "tool_choice": {"type": "tool", "name": "add"}})]
+    results = []
+    for module, options in agents:
+        for stream in (False, True):
+            agent = {"max_turns": 2, "max_total_tokens": 500, "options": {**options, "stream": stream}}
+            runner = runners(str(EXAMPLES / module), agent, temperature=0.0, max_tokens=64)
+            [r] = run_all(runner, [TOOLS_ITEM], sampler, group=f"{module}{stream}")
+            [calls] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+            assert len(calls) == 2 and r.info == {"tool_calls": 1.0}
+            results.append(r)
+    first, second = calls
+    tools = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}]
+    assert first["prompt_ids"] == chat_ids(tok, TOOLS_ITEM["messages"], tools)
+    # The engine sampled a Hermes call (constrained to the tool's schema); the server parsed it with
+    # vLLM's parser, the agent ran it, and the tool's answer came back as the template's tool turn.
+    sampled = first["out"]["token_ids"]
+    text = tok.decode(sampled[:-1] if sampled[-1] == tok.eos_token_id else sampled, skip_special_tokens=False)
+    assert re.fullmatch(forced_call_regex(tools[0]), text)
+    args = json.loads(text[len("<tool_call>"):-len("</tool_call>")])["arguments"]
+    glue = turn_glue(tok, sampled, "tool", str(args["a"] + args["b"]))
+    assert second["prompt_ids"] == first["prompt_ids"] + sampled + glue
+    assert all(trajectories(r) == trajectories(results[0]) for r in results)
+
+
+def test_n_choices_the_trajectory_follows_the_choice_the_agent_continues(tok, sampler, runners):
+    class PickSecond(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, n=2,
+                                                         seed=3)
+            assert len(reply.choices) == 2
+            messages = ctx.messages + [reply.choices[1].message.model_dump(exclude_none=True),
+                                       {"role": "user", "content": "again"}]
+            await client.chat.completions.create(model=ctx.model_name, messages=messages)
+            return Result(reward=0.5)
+
+    runner = runners(PickSecond, {"max_turns": 2})
+    [r] = run_all(runner, [{"prompt": "d", "label": "d"}], sampler)
+    calls = [c for c in sampler.calls if c["key"] == r.rollout_id]
+    assert len(calls) == 3 and calls[0]["out"]["token_ids"] != calls[1]["out"]["token_ids"]
+    [mine] = assert_exact(r, calls)
+    assert [c["sampling"].get("seed") for c in mine] == [4, None]   # choice 1, then the next turn
+    assert r.reward == 0.5
+
+
+def test_a_compacting_agent_makes_segments_that_share_one_reward(tok, sampler, runners):
+    runner = runners(str(EXAMPLES / "chat_compact.py"), {"max_turns": 3, "options": {"keep_turns": 2}})
+    minimal = runners(str(EXAMPLES / "chat_minimal.py"))
+    item = {"prompt": "e", "label": "e"}
+    [compact] = run_all(runner, [item], sampler, group="g")
+    others = run_all(minimal, [item] * 3, sampler, group="g")
+    per_segment = assert_exact(compact, [c for c in sampler.calls if c["key"] == compact.rollout_id])
+    assert [len(calls) for calls in per_segment] == [2, 1]
+    summary = [{"role": "system", "content": "summary: 2 replies so far"}, {"role": "user", "content": "e"}]
+    assert per_segment[1][0]["prompt_ids"] == chat_ids(tok, summary)
+    assert {s.rollout_id for s in compact.segments} == {compact.rollout_id}
+
+    # Group baselines are taken over rollouts: the two segments are one sample of the group. Rewards are
+    # set to distinct values so the baseline is not degenerate; the segment structure is the real one.
+    rollouts = [compact] + others
+    rewards = torch.tensor([0.9, 0.1, 0.3, 0.5])
+    segments = [(i, s) for i, r in enumerate(rollouts) for s in r.segments]
+    width = max(len(s.token_ids) for _, s in segments)
+    mask = torch.tensor([s.loss_mask + [0] * (width - len(s.loss_mask)) for _, s in segments])
+    seg_rollout = torch.tensor([i for i, _ in segments])
+    adv = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), seg_rollout, mask,
+                             AlgoSpec(estimator="grpo")).advantages
+    expected = (0.9 - rewards.mean()) / (rewards.std() + 1e-6)
+    for row in (0, 1):   # both segments of the compacting rollout
+        assert torch.allclose(adv[row][mask[row] > 0], expected.expand(int(mask[row].sum())), atol=1e-5)
+
+
+def test_bad_requests_get_4xx_and_leave_the_trajectory_unchanged(tok, sampler, runners):
+    seen: dict[str, tuple] = {}
+
+    class Prober(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            session = next(iter(runner.server.sessions.values()))
+            state = lambda: (list(session.trace.ids), len(session.trace.segments), len(session.candidates))  # noqa: E731
+            before = state()
+            auth = {"authorization": f"Bearer {ctx.api_key}"}
+            other = runner.server.open(Trace("other", "g"), sampler, 1, 100)   # a live neighbour session
+            async with httpx.AsyncClient() as http:
+                for wire, path in (("openai", "/v1/chat/completions"), ("anthropic", "/v1/messages")):
+                    url = ctx.session_url + path
+                    body = json.dumps({"model": "m", "messages": ctx.messages, "max_tokens": 4})
+                    cases = {
+                        "wrong_key": http.post(url, content=body, headers={"x-api-key": "sk-other"}),
+                        "other_key": http.post(url, content=body,
+                                               headers={"authorization": f"Bearer {other.key}"}),
+                        "unknown": http.post(url.replace(ctx.session_url, ctx.session_url[:-4] + "dead"),
+                                             content=body, headers=auth),
+                        "malformed": http.post(url, content=b"{not json", headers=auth),
+                        "no_messages": http.post(url, content=b'{"model": "m"}', headers=auth),
+                        "oversized": http.post(url, content=b" " * (MAX_BODY_BYTES + 1), headers=auth),
+                    }
+                    for name, request in cases.items():
+                        response = await request
+                        seen[f"{wire}/{name}"] = (response.status_code, response.json())
+                        assert state() == before, name
+            with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+                await openai.AsyncOpenAI(base_url=ctx.base_url, api_key="sk-nope", max_retries=0) \
+                    .chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            with pytest.raises(anthropic.NotFoundError, match="unknown session"):
+                await anthropic.AsyncAnthropic(base_url=ctx.session_url + "x", api_key=ctx.api_key,
+                                               max_retries=0).messages.create(
+                    model=ctx.model_name, messages=ctx.messages, max_tokens=4)
+            assert state() == before and other.trace.ids == []
+            runner.server.close(other)
+            # The agent then continues normally: its next turn extends the same trajectory.
+            messages = ctx.messages + [reply.choices[0].message.model_dump(exclude_none=True),
+                                       {"role": "user", "content": "again"}]
+            await client.chat.completions.create(model=ctx.model_name, messages=messages)
+            seen["key"] = (ctx.base_url, ctx.api_key)
+            return Result(reward=1.0)
+
+    runner = runners(Prober, {"max_turns": 2})
+    [r] = run_all(runner, [{"prompt": "f", "label": "f"}], sampler)
+    [calls] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+    assert len(calls) == 2
+    expected = {"wrong_key": 401, "other_key": 401, "unknown": 404, "malformed": 400, "no_messages": 400,
+                "oversized": 413}
+    for name, status in expected.items():
+        code, openai_body = seen[f"openai/{name}"]
+        assert code == status and openai_body["error"]["message"] and openai_body["error"]["code"] == status
+        code, anthropic_body = seen[f"anthropic/{name}"]
+        assert code == status and anthropic_body["type"] == "error" and anthropic_body["error"]["message"]
+
+    async def after_close():
+        base_url, key = seen["key"]
+        with pytest.raises(openai.NotFoundError, match="unknown session"):
+            await openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}])
+    asyncio.run(after_close())
+
+
+def test_a_failing_chat_agent_gives_an_error_rollout(tok, sampler, runners):
+    class Crashes(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            raise ValueError("tool broke")
+
+    class NoReward(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            return Result(reward="high")
+
+    for agent, message in ((Crashes, "ValueError: tool broke"), (NoReward, "reward must be a finite number")):
+        runner = runners(agent)
+        [r] = run_all(runner, [{"prompt": "g", "label": "g"}], sampler)
+        assert not r.ok and message in r.error and r.segments == []
+        assert runner.server.sessions == {}   # the failed rollout's session is closed
+
+
+def test_chat_context_urls_and_options(tok, sampler, runners):
+    got = {}
+
+    class Echo(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            got.update(vars(ctx))
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+            await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            return Result(reward=0.0, score=2.0, info={"turns": 1})
+
+    [r] = run_all(runners(Echo, {"options": {"k": 1}}), [{"prompt": "h", "label": "h"}], sampler)
+    assert got["base_url"].startswith("http://127.0.0.1:") and got["base_url"].endswith("/v1")
+    assert got["session_url"] + "/v1" == got["base_url"] and got["api_key"].startswith("sk-")
+    assert got["prompt"] == "h" and got["label"] == "h" and got["options"] == {"k": 1}
+    assert got["messages"] == [{"role": "user", "content": "h"}]
+    assert got["sampling_params"] == {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8}
+    assert r.score == 2.0 and r.info == {"turns": 1.0}
