@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from molt.spec import RunSpec
 
 
@@ -30,9 +32,36 @@ def describe_plan(spec: RunSpec) -> str:
     return "\n".join(lines)
 
 
-def launch(spec: RunSpec) -> None:
+def init_ray(spec: RunSpec) -> None:
+    """Attach to `ray.address`, or start Ray on this machine.
+
+    Locally on CPU, Ray is told there are more logical CPUs than cores: engines, trainer ranks and the
+    driver time-share the cores anyway (one thread each), and a 2-core laptop must still place them.
+    """
+    import ray
+
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    if spec.ray.address:
+        ray.init(address=spec.ray.address, runtime_env={"env_vars": env})
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster; nothing else joins it
+    env["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+    cpus = spec.ray.num_cpus or (max(16, os.cpu_count() or 1) if spec.parallel.device == "cpu" else None)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+
+
+def launch(spec: RunSpec) -> dict[str, float]:
+    """Validate-time checks done; place everything and run the loop. Returns the last step's metrics."""
     print(describe_plan(spec))
     if spec.run.dry_run:
-        return
-    raise SystemExit("molt: the training loop has not landed yet; the spec above is valid (run.dry_run=true "
-                     "prints this plan without this message)")
+        return {}
+    import ray
+
+    from molt.loop import train
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    init_ray(spec)
+    try:
+        return train(spec)
+    finally:
+        ray.shutdown()

@@ -32,3 +32,28 @@ def ray_session():
                                            "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_spec(tiny_model_path):
+    """The RunSpec the shared `engine` runs with: eager, small KV cache, partial rollouts on."""
+    from molt.spec import RunSpec
+
+    return RunSpec.model_validate({
+        "model": {"max_model_len": 512},  # room for a chat prompt with a tool schema (agents tests)
+        "rollout": {"max_tokens": 8, "engine": {"kv_cache_gib": 0.25, "enforce_eager": True}},
+    })
+
+
+@pytest.fixture(scope="session")
+def engine(ray_session, tiny_model_path, engine_spec):
+    """One vLLM engine actor (molt.rollout.engine.EngineActor) on the tiny model, shared by all tests.
+
+    Tests that refit it must restore the initial weights as version 0 before they return.
+    """
+    from molt.rollout.engine import start_engines
+
+    [actor] = start_engines(engine_spec, tiny_model_path)
+    yield actor
+    ray_session.get(actor.shutdown.remote())
+    ray_session.kill(actor)

@@ -1,0 +1,88 @@
+"""Generator benchmark: generation tokens/s and refit seconds on a real vLLM engine, two model sizes.
+
+    python bench/bench_generator.py [--sizes tiny,30m] [--requests 64] [--tokens 128] [--refits 3]
+
+Prints a table and writes it as the `generator` section of bench/RESULTS.md (with machine, versions and
+date). Numbers on a shared CPU are noisy: compare rows from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import SIZES, header, param_count, table, write_section  # noqa: E402
+
+
+async def generate_many(engine, n: int, tokens: int) -> tuple[int, float]:
+    sampling = {"temperature": 1.0, "max_tokens": tokens, "ignore_eos": True}
+    start = time.perf_counter()
+    outs = await asyncio.gather(*[engine.generate.remote([1, 10 + i % 50, 11], {**sampling, "seed": i})
+                                  for i in range(n)])
+    return sum(len(o["token_ids"]) for o in outs), time.perf_counter() - start
+
+
+def bench_one(size: str, args: argparse.Namespace) -> list:
+    import ray
+    from safetensors.torch import load_file
+
+    from molt.rollout.engine import start_engines
+    from molt.spec import RunSpec
+    from molt.tiny import tiny_model_path
+
+    path = str(tiny_model_path(**SIZES[size]))
+    spec = RunSpec.model_validate({"model": {"max_model_len": args.tokens + 64},
+                                   "rollout": {"max_tokens": args.tokens, "engine": {"kv_cache_gib": 0.5}}})
+    t0 = time.perf_counter()
+    [engine] = start_engines(spec, path)
+    startup = time.perf_counter() - t0
+    asyncio.run(generate_many(engine, 4, 8))                         # warm-up
+    tokens, seconds = asyncio.run(generate_many(engine, args.requests, args.tokens))
+    weights = load_file(f"{path}/model.safetensors")
+    engine_s, call_s = [], []
+    for v in range(1, args.refits + 1):
+        t0 = time.perf_counter()
+        engine_s.append(ray.get(engine.update_weights.remote([ray.put(weights)], v)))
+        call_s.append(time.perf_counter() - t0)
+    ray.get(engine.shutdown.remote())
+    ray.kill(engine)
+    row = [size, f"{param_count(path) / 1e6:.2f}", f"{startup:.1f}", f"{tokens / seconds:.0f}",
+           f"{statistics.median(engine_s):.3f}", f"{statistics.median(call_s):.3f}"]
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    import ray
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="tiny,30m")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--refits", type=int, default=3)
+    args = parser.parse_args()
+    load = os.getloadavg()[0]           # the machine may be shared: record how busy it was
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    rows = [bench_one(size, args) for size in args.sizes.split(",")]
+    ray.shutdown()
+    head = ["model", "params (M)", "engine start (s)", "generation tok/s", "refit (s, in engine)",
+            "refit (s, whole call)"]
+    body = (f"## Generator\n\n{header()}\n\nOne engine (enforce_eager), {args.requests} concurrent "
+            f"requests × {args.tokens} tokens; refit = full weights through the object store and the "
+            f"worker reload path, median of {args.refits}. Load average at start: {load:.1f}.\n\n"
+            f"{table(head, rows)}")
+    print(table(head, rows))
+    write_section("generator", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Peer comparison: Molt vs TRL's GRPOTrainer on identical work, interleaved in one run.
+
+Same model folder (molt.tiny), task and reward (repeat the letter), prompts per step, samples per
+prompt, max tokens, learning rate and sampling (temperature 1, no top-k/top-p). For each repeat, size
+and length, Molt (`python -m molt`, its own venv) and TRL (bench/trl_peer.py in bench/.venv-trl) run
+back to back, alternating which goes first, so machine load drifts over both alike. Ratios are taken
+per repeat (Molt/TRL of adjacent runs), then reported as median (min–max) over repeats.
+
+    python bench/peer.py --quick                     # smoke: tiny, 16 tokens, 1 repeat, 3 steps
+    python bench/peer.py --sizes tiny,30m --lengths 16,128 --repeats 3 --steps tiny=8,30m=4
+    python bench/peer.py --report bench/out/peer/STAMP   # rebuild the table and PNG from saved runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    BENCH,
+    LR,
+    OUT,
+    fmt_spread,
+    header,
+    param_count,
+    parse_steps,
+    summarize,
+    table,
+    versions,
+    write_section,
+)
+from molt_run import model_path, overrides, run_molt
+
+TRL_PYTHON = BENCH / ".venv-trl" / "bin" / "python"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="tiny,30m,100m", help="comma list of bench/common.py SIZES")
+    p.add_argument("--lengths", default="16,128", help="comma list of max response tokens")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", default="8", help="optimizer steps per run: N, or per size: tiny=8,30m=4")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timings")
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--modes", default="sync", help="Molt rollout.mode(s) to run: sync, async or sync,async")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default bench/out/peer/<stamp>)")
+    p.add_argument("--report", type=Path, default=None, help="only rebuild the report from this run folder")
+    p.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md / bench/peer.png")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny, 16 tokens, 1 repeat, 3 steps")
+    args = p.parse_args()
+    if args.quick:
+        args.sizes, args.lengths, args.repeats, args.steps, args.warmup = "tiny", "16", 1, "3", 1
+    return args
+
+
+def run_trl(model: str, max_tokens: int, steps: int, args: argparse.Namespace, lr: float,
+            out: Path) -> dict[str, Any]:
+    cmd = [str(TRL_PYTHON), str(BENCH / "trl_peer.py"), "--model", model, "--out", str(out),
+           "--steps", str(steps), "--warmup", str(args.warmup), "--max-tokens", str(max_tokens),
+           "--prompts-per-step", str(args.prompts_per_step), "--samples-per-prompt",
+           str(args.samples_per_prompt), "--lr", str(lr), "--threads", "1"]
+    start = time.perf_counter()
+    log = out.with_suffix(".log")
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    if rc or not out.exists():
+        return {"rc": rc or 1, "log": log.read_text()[-3000:], "wall_s": time.perf_counter() - start}
+    return {"rc": 0, **json.loads(out.read_text())}
+
+
+def run_all(args: argparse.Namespace, folder: Path) -> None:
+    sizes, lengths = args.sizes.split(","), [int(x) for x in args.lengths.split(",")]
+    steps = parse_steps(args.steps, sizes)
+    paths = {s: model_path(s) for s in sizes}
+    meta = {"args": {k: str(v) for k, v in vars(args).items()}, "models": paths,
+            "params": {s: param_count(p) for s, p in paths.items()},
+            "molt_versions": versions(), "trl_versions": versions(TRL_PYTHON), "header": header()}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    modes = args.modes.split(",")
+    for r in range(args.repeats):
+        for size in sizes:
+            for length in lengths:
+                jobs = [("molt", m) for m in modes] + [("trl", "")]
+                for fw, mode in jobs if r % 2 == 0 else jobs[::-1]:  # alternate who goes first
+                    if fw == "trl":
+                        name = f"trl-{size}-{length}-r{r}"
+                        result = run_trl(paths[size], length, steps[size], args, LR[size],
+                                         folder / f"{name}.json")
+                    else:
+                        name = f"molt-{size}-{length}-{mode}-r{r}"
+                        extra = [f"rollout.mode={mode}", f"run.name=peer-{name}"]
+                        result = run_molt(overrides(size, length, steps[size], args.prompts_per_step,
+                                                    args.samples_per_prompt, extra=extra),
+                                          folder / name, args.timeout)
+                        if result["steps"]:
+                            result["summary"] = summarize(result["steps"], args.warmup)
+                    (folder / f"{name}.json").write_text(json.dumps(result, indent=1))
+                    status = "ok" if result["rc"] == 0 else f"FAILED rc={result['rc']}"
+                    line = result.get("summary", {})
+                    print(f"[peer] {name}: {status} step_s={line.get('step_s', float('nan')):.3g} "
+                          f"trained_tok_s={line.get('trained_tok_s', float('nan')):.4g}", flush=True)
+
+
+def load(folder: Path) -> tuple[dict, dict[tuple, dict]]:
+    runs = {}
+    for path in folder.glob("*.json"):
+        if path.name == "meta.json":
+            continue
+        parts = path.stem.split("-")
+        data = json.loads(path.read_text())
+        if data.get("rc") == 0 and "summary" in data:
+            runs[tuple(parts)] = data
+    return json.loads((folder / "meta.json").read_text()), runs
+
+
+def report(folder: Path, write_results: bool) -> str:
+    meta, runs = load(folder)
+    a = meta["args"]
+    sizes, lengths, modes = a["sizes"].split(","), a["lengths"].split(","), a["modes"].split(",")
+    rows, plot = [], []
+    for size in sizes:
+        for length in lengths:
+            for mode in modes:
+                pairs = []
+                for r in range(int(a["repeats"])):
+                    molt = runs.get(("molt", size, length, mode, f"r{r}"))
+                    trl = runs.get(("trl", size, length, f"r{r}"))
+                    if molt and trl:
+                        pairs.append((molt, trl))
+                if not pairs:
+                    rows.append([size, length, mode, "—", "—", "—", "—", "—", "—", "no complete pair"])
+                    continue
+                ms, ts = [m["summary"] for m, _ in pairs], [t["summary"] for _, t in pairs]
+                step_ratio = [m["step_s"] / t["step_s"] for m, t in zip(ms, ts, strict=True)]
+                trained = [m["trained_tok_s"] / t["trained_tok_s"] for m, t in zip(ms, ts, strict=True)]
+                sampled = [m["sampled_tok_s"] / t["sampled_tok_s"] for m, t in zip(ms, ts, strict=True)]
+                med = statistics.median
+                rows.append([
+                    f"{size} ({meta['params'][size] / 1e6:.1f}M)", length, mode,
+                    f"{med(m['step_s'] for m in ms):.3g} / {med(t['step_s'] for t in ts):.3g}",
+                    fmt_spread(step_ratio), fmt_spread(trained), fmt_spread(sampled),
+                    f"{med(m['trained_tok_s'] for m in ms):.4g} / {med(t['trained_tok_s'] for t in ts):.4g}",
+                    f"{med(m['reward_first'] for m in ms):.3f}→{med(m['reward_last'] for m in ms):.3f} / "
+                    f"{med(t['reward_first'] for t in ts):.3f}→{med(t['reward_last'] for t in ts):.3f}",
+                    f"{len(pairs)}; setup {med(m['setup_s'] for m, _ in pairs):.0f} s / "
+                    f"{med(t['setup_s'] for _, t in pairs):.0f} s",
+                ])
+                plot.append((f"{size}\n{length} tok\n{mode}", step_ratio, trained))
+    head = ["model", "max tokens", "Molt mode", "step s Molt / TRL", "step time ratio Molt/TRL",
+            "trained tok/s ratio", "sampled tok/s ratio", "trained tok/s Molt / TRL",
+            "reward first→last Molt / TRL", "repeats; setup Molt / TRL"]
+    body = "\n".join([
+        "## Peer comparison: Molt vs TRL GRPOTrainer", "",
+        meta["header"], f"- TRL env: {meta['trl_versions']}",
+        f"- work per step: {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples, GRPO, "
+        f"steps per run {a['steps']} (first {a['warmup']} untimed), lr per size {LR}",
+        f"- command: `python bench/peer.py --sizes {a['sizes']} --lengths {a['lengths']} "
+        f"--repeats {a['repeats']} "
+        f"--steps {a['steps']} --warmup {a['warmup']} --prompts-per-step {a['prompts_per_step']} "
+        f"--samples-per-prompt {a['samples_per_prompt']} --modes {a['modes']}`",
+        "- ratios: per repeat (adjacent runs), median (min–max); step time < 1 and tok/s > 1 favour Molt.",
+        "",
+        table(head, rows), "", "![peer](peer.png)",
+    ])
+    if write_results:
+        write_section("peer", body)
+        draw(plot, BENCH / "peer.png")
+    print(body)
+    return body
+
+
+def draw(plot: list[tuple[str, list[float], list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not plot:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(plot)) * 1.6, 4))
+    for ax, idx, title in ((axes[0], 1, "step time Molt/TRL (lower is better)"),
+                           (axes[1], 2, "trained tokens/s Molt/TRL (higher is better)")):
+        meds = [statistics.median(p[idx]) for p in plot]
+        err = [[m - min(p[idx]) for m, p in zip(meds, plot, strict=True)],
+               [max(p[idx]) - m for m, p in zip(meds, plot, strict=True)]]
+        ax.bar(range(len(plot)), meds, yerr=err, capsize=4, color="#4c72b0")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(plot)), [p[0] for p in plot], fontsize=8)
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.report:
+        report(args.report, not args.no_results)
+        return
+    if not TRL_PYTHON.exists():
+        sys.exit("bench/.venv-trl is missing: run `bash bench/setup_trl.sh` first")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    folder = args.out or OUT / "peer" / stamp
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"[peer] runs in {folder}", flush=True)
+    run_all(args, folder)
+    report(folder, not args.no_results and not args.quick)
+
+
+if __name__ == "__main__":
+    main()

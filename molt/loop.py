@@ -1,0 +1,310 @@
+"""The training loop, top to bottom.
+
+    take a batch of finished groups from the pool → drop failed rollouts → filters → trainer logprobs
+    (+ reference, critic) → advantages → train → refit the engines → log, checkpoint, evaluate
+
+Sync and async are one switch (`rollout.mode`): in sync mode the pool generates exactly one batch and
+then waits for the refit; in async mode it keeps `rollout.groups_in_flight` groups generating while the
+trainer steps, and `rollout.max_staleness` bounds how old a trained token may be. Trainer calls block
+on Ray, so they run in a worker thread and the pool's rollouts keep going on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from itertools import chain
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+import torch
+
+from molt.agents import load_agent_runner
+from molt.algo import apply_filters, compute_advantages
+from molt.data import PromptDataset, PromptIterator, load_eval
+from molt.metrics import RunLogger
+from molt.rollout.engine import start_engines
+from molt.rollout.pool import RolloutPool
+from molt.rollout.router import Router
+from molt.spec import RunSpec
+from molt.tiny import tiny_model_path
+from molt.trainer.batch import make_batch
+from molt.trainer.group import TrainerGroup
+from molt.trajectory import NO_VERSION, Rollout, Segment
+
+
+def model_path_of(spec: RunSpec) -> str:
+    """model.path, or the tiny model built offline from model.tiny; a local path must exist."""
+    path = spec.model.path
+    if path is None:
+        return str(tiny_model_path(**spec.model.tiny))
+    local = Path(path).expanduser()
+    if not local.exists() and (path.startswith(("/", ".", "~")) or path.count("/") != 1):
+        raise FileNotFoundError(f"model.path={path}: no such folder (and not a hub id like 'org/name')")
+    return str(local) if local.exists() else path
+
+
+def train(spec: RunSpec) -> dict[str, float]:
+    """Run the whole training described by `spec`; returns the last step's metrics."""
+    return asyncio.run(_train(spec))
+
+
+async def _train(spec: RunSpec) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    run_dir = Path(spec.run.dir)
+    model_path = model_path_of(spec)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tokenizer, spec)
+    data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed,
+                          shuffle=spec.data.shuffle)
+    eval_set = load_eval(spec.data) if spec.train.eval_every else None
+
+    engines = start_engines(spec, model_path)
+    router = Router(engines)
+    policy = TrainerGroup(spec, "policy")
+    reference = TrainerGroup(spec, "reference") if spec.model.reference else None
+    critic = TrainerGroup(spec, "critic") if spec.model.critic else None
+    logger = RunLogger(spec)
+
+    step, version, pending = 0, 0, []
+    checkpoint = find_checkpoint(spec)
+    if checkpoint:
+        extra = policy.load(str(checkpoint / "policy"))
+        if critic:
+            critic.load(str(checkpoint / "critic"))
+        step, version, pending = extra["step"], extra["version"], extra["pending"]
+        data.load_state_dict(extra["data"])
+        await refit(policy, engines, version)
+        print(f"molt: resumed from {checkpoint} at step {step} (policy version {version})")
+
+    async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
+        return await runner.run(item, f"{group_id}-{sample_index}", group_id, router)
+
+    sync = spec.rollout.mode == "sync"
+    pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
+                       spec.train.prompts_per_step if sync else spec.rollout.groups_in_flight,
+                       spec.rollout.max_staleness, engines, refill_during_batch=not sync)
+    pool.set_version(version)
+    stop = install_stop_handler()
+    metrics: dict[str, float] = {}
+    try:
+        while step < spec.train.steps and not stop.is_set():
+            t_step = time.perf_counter()
+            groups = await pool.next_batch(spec.train.prompts_per_step)
+            t_batch = time.perf_counter()
+            rollouts = [r for g in groups for r in g]
+            logger.dump_rollouts(step + 1, rollouts)
+            metrics = await learn(spec, rollouts, policy, reference, critic, tokenizer.pad_token_id, version)
+            version += 1
+            metrics["time/refit"] = await refit(policy, engines, version)
+            pool.set_version(version)
+            step += 1
+
+            pool_stats = await pool.stats()
+            step_time = time.perf_counter() - t_step
+            metrics.update({
+                "time/wait_batch": t_batch - t_step,
+                "time/step": step_time,
+                "engine/idle_frac": pool_stats["engine_idle_frac"],
+                "trainer/idle_frac": (t_batch - t_step) / step_time,
+                "pool/in_flight": pool_stats["in_flight"],
+                "pool/stale_requeued": pool_stats["stale_requeued"],
+                "policy/version": version,
+            })
+            metrics["tokens/per_s"] = metrics["tokens/sampled"] / metrics["time/step"]
+            if eval_set is not None and (step % spec.train.eval_every == 0 or step == spec.train.steps):
+                metrics.update(await evaluate(spec, runner, router, eval_set, step))
+            logger.log(step, metrics)
+            if spec.train.save_every and step % spec.train.save_every == 0:
+                save_checkpoint(run_dir, step, version, policy, critic, data, pool)
+        if step and (stop.is_set() or not spec.train.save_every or step % spec.train.save_every):
+            save_checkpoint(run_dir, step, version, policy, critic, data, pool)
+        if stop.is_set():
+            print(f"molt: stopped by signal at step {step}; checkpoint written, resume with "
+                  f"run.resume={run_dir}")
+    finally:
+        await pool.close()
+        runner.close()
+        logger.close()
+        for group in (policy, reference, critic):
+            if group:
+                group.shutdown()
+        for engine in engines:
+            ray.get(engine.shutdown.remote())
+            ray.kill(engine)
+    return metrics
+
+
+async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, reference: TrainerGroup | None,
+                critic: TrainerGroup | None, pad_id: int, version: int) -> dict[str, float]:
+    """One optimizer step on finished rollouts (also how a dumped batch is replayed)."""
+    metrics = rollout_metrics(spec, rollouts)
+    kept = drop_failed(spec, rollouts)
+    rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
+    scores = torch.tensor([r.reward if r.score is None else r.score for r in kept], dtype=torch.float32)
+    group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in kept))}
+    group_ids = torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long)
+    truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length" for r in kept])
+    keep, filter_metrics = apply_filters(rewards, scores, group_ids, truncated, spec.algo)
+    metrics.update({f"filter/{k.removeprefix('filter_')}": float(v) for k, v in filter_metrics.items()})
+    kept = [kept[i] for i in keep.tolist()]
+    segments = [s for r in kept for s in r.segments if sum(s.loss_mask)]
+    if not segments:
+        metrics["train/skipped"] = 1.0
+        return metrics
+    check_token_first(segments)
+
+    t0 = time.perf_counter()
+    batch = make_batch(segments, pad_id, versions=[[float(v) for v in s.versions] for s in segments])
+    old_logp = await asyncio.to_thread(policy.logprobs, batch)
+    ref_logp = await asyncio.to_thread(reference.logprobs, batch) if reference else None
+    values = await asyncio.to_thread(critic.values, batch) if critic else None
+    metrics["time/logprobs"] = time.perf_counter() - t0
+    metrics.update(mismatch_metrics(old_logp, batch, version))
+
+    rollout_of = {r.rollout_id: i for i, r in enumerate(kept)}
+    adv = compute_advantages(
+        torch.tensor([r.reward for r in kept], dtype=torch.float32),
+        torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long),
+        torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
+        batch["loss_mask"], spec.algo, values=values, logp=old_logp, ref_logp=ref_logp)
+    metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
+    batch.update(old_logp=old_logp, advantages=adv.advantages)
+    if ref_logp is not None:
+        batch["ref_logp"] = ref_logp
+
+    t0 = time.perf_counter()
+    train_metrics = await asyncio.to_thread(policy.train_step, batch)
+    if critic is not None:
+        critic_batch = dict(batch, old_values=values, returns=adv.returns)
+        critic_metrics = await asyncio.to_thread(critic.train_step, critic_batch)
+        metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+    metrics["time/train"] = time.perf_counter() - t0
+    metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+    metrics["tokens/trained"] = float(batch["loss_mask"].sum())
+    return metrics
+
+
+def rollout_metrics(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, float]:
+    """Reward and failure statistics of the whole batch; stops the run on too many failures."""
+    ok = [r for r in rollouts if r.ok]
+    failed = len(rollouts) - len(ok)
+    if rollouts and failed / len(rollouts) > spec.agent.max_failure_rate:
+        errors = sorted({r.error for r in rollouts if r.error})[:3]
+        raise RuntimeError(f"{failed}/{len(rollouts)} rollouts failed, above agent.max_failure_rate="
+                           f"{spec.agent.max_failure_rate}; first errors: {errors}")
+    rewards = torch.tensor([r.reward for r in ok] or [0.0])
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(ok) > 1 else 0.0,
+           "rollout/failed": float(failed), "rollout/count": float(len(rollouts)),
+           "tokens/sampled": float(sum(r.num_sampled for r in rollouts)),
+           "rollout/segments_per": sum(len(r.segments) for r in ok) / max(len(ok), 1)}
+    for key in sorted({k for r in ok for k in r.info}):
+        values = [float(r.info[key]) for r in ok if key in r.info]
+        out[f"info/{key}"] = sum(values) / len(values)
+    return out
+
+
+def drop_failed(spec: RunSpec, rollouts: list[Rollout]) -> list[Rollout]:
+    """agent.on_failure: drop the whole group of a failed rollout, or only the failed rollout."""
+    if spec.agent.on_failure == "drop_group":
+        bad_groups = {r.group_id for r in rollouts if not r.ok}
+        return [r for r in rollouts if r.group_id not in bad_groups]
+    return [r for r in rollouts if r.ok]
+
+
+def check_token_first(segments: list[Segment]) -> None:
+    """Invariant 1: every trained token was sampled by the engine and carries its logprob and version."""
+    for s in segments:
+        for t, m in enumerate(s.loss_mask):
+            if m and (s.versions[t] == NO_VERSION or not math.isfinite(s.logprobs[t])):
+                raise RuntimeError(f"rollout {s.rollout_id} segment {s.segment_index} token {t} is in the "
+                                   "loss but has no engine version/logprob: refusing to train on it")
+
+
+def mismatch_metrics(trainer_logp: torch.Tensor, batch: dict[str, torch.Tensor],
+                     version: int) -> dict[str, float]:
+    """Invariant 3: trainer vs engine logprob gap on tokens sampled with the weights the trainer has now."""
+    mask = batch["loss_mask"] > 0
+    current = mask & (batch["versions"] == version)
+    gap = (trainer_logp - batch["behaviour_logp"]).abs()[current]
+    return {"mismatch/mean_abs": float(gap.mean()) if gap.numel() else 0.0,
+            "mismatch/max_abs": float(gap.max()) if gap.numel() else 0.0,
+            "mismatch/stale_frac": 1 - float(current.sum()) / max(float(mask.sum()), 1.0)}
+
+
+async def refit(policy: TrainerGroup, engines: list, version: int) -> float:
+    """Trainer weights → every engine (prefix caches reset, in-flight requests kept); returns seconds."""
+    t0 = time.perf_counter()
+    chunks = await asyncio.to_thread(policy.weight_chunks)
+    await asyncio.gather(*[e.update_weights.remote(chunks, version) for e in engines])
+    return time.perf_counter() - t0
+
+
+async def evaluate(spec: RunSpec, runner: Any, router: Router, eval_set: PromptDataset,
+                   step: int) -> dict[str, float]:
+    """Mean reward and pass@n (any of n samples with reward >= 1) with the eval sampling params."""
+    e = spec.rollout.eval
+    params = dict(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_tokens)
+
+    async def generate(prompt_ids: list[int], sampling: dict, key: str) -> dict:
+        return await router.generate(prompt_ids, {**sampling, **params}, key)
+
+    sampler = SimpleNamespace(generate=generate)
+    items = list(eval_set)
+    results = await asyncio.gather(*[runner.run(item, f"eval{step}-{i}-{k}", f"eval{step}-{i}", sampler)
+                                     for i, item in enumerate(items) for k in range(e.n)])
+    rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(items), e.n)
+    return {"eval/reward_mean": float(rewards.mean()),
+            f"eval/pass@{e.n}": float((rewards >= 1.0).any(dim=1).float().mean())}
+
+
+def find_checkpoint(spec: RunSpec) -> Path | None:
+    """run.resume: a checkpoint folder, a run folder (its latest checkpoint) or "auto" (this run's latest)."""
+    if not spec.run.resume:
+        return None
+    target = Path(spec.run.dir if spec.run.resume == "auto" else spec.run.resume)
+    latest = target / "checkpoints" / "latest"
+    if latest.exists():
+        return target / "checkpoints" / latest.read_text().strip()
+    if (target / "meta.json").exists():
+        return target
+    if spec.run.resume == "auto":
+        return None
+    raise FileNotFoundError(f"run.resume={spec.run.resume}: no checkpoint there (expected a run folder with "
+                            "checkpoints/latest or a checkpoint folder with meta.json)")
+
+
+def save_checkpoint(run_dir: Path, step: int, version: int, policy: TrainerGroup, critic: TrainerGroup | None,
+                    data: PromptIterator, pool: RolloutPool) -> Path:
+    """checkpoints/step_N (written whole, then `latest` is switched atomically to point at it)."""
+    root = run_dir / "checkpoints"
+    path = root / f"step_{step:06d}"
+    extra = {"step": step, "version": version, "data": data.state_dict(), "pending": pool.pending_items()}
+    policy.save(str(path / "policy"), extra)
+    if critic is not None:
+        critic.save(str(path / "critic"), {})
+    (path / "meta.json").write_text(json.dumps(extra))
+    tmp = root / "latest.tmp"
+    tmp.write_text(path.name)
+    os.replace(tmp, root / "latest")
+    for old in sorted(root.glob("step_*"))[:-2]:  # keep the last two
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def install_stop_handler() -> asyncio.Event:
+    """SIGINT / SIGTERM finish the current step, write a checkpoint and exit cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

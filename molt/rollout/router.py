@@ -1,0 +1,44 @@
+"""Route generation requests to engines: a rollout sticks to one engine, new rollouts go to the idlest.
+
+A multi-turn rollout resends its whole history every turn; on the engine that served the previous
+turn that history is a prefix-cache hit, anywhere else it is recomputed. So the first request of a
+key (a rollout id) picks the engine with the fewest requests in flight, and later ones follow it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+class Router:
+    def __init__(self, engines: list[Any]) -> None:
+        if not engines:
+            raise ValueError("Router needs at least one engine")
+        self.engines = engines
+        self.load = [0] * len(engines)      # requests in flight per engine, from this router
+        self.sticky: dict[str, int] = {}
+
+    def pick(self, key: str) -> int:
+        if key not in self.sticky:
+            self.sticky[key] = min(range(len(self.engines)), key=lambda i: self.load[i])
+        return self.sticky[key]
+
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
+        """`EngineActor.generate` on the engine of `key`; the result also names that engine."""
+        i = self.pick(key)
+        self.load[i] += 1
+        try:
+            out = await self.engines[i].generate.remote(prompt_ids, sampling)
+        finally:
+            self.load[i] -= 1
+        return {**out, "engine": i}
+
+    def release(self, key: str) -> None:
+        """Forget `key` (its rollout finished)."""
+        self.sticky.pop(key, None)
+
+    async def update_weights(self, chunk_refs: list, version: int) -> float:
+        """Refit every engine concurrently; returns the slowest engine's seconds."""
+        seconds = await asyncio.gather(*[e.update_weights.remote(chunk_refs, version) for e in self.engines])
+        return max(seconds)

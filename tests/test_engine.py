@@ -1,0 +1,184 @@
+"""The engine actor on a real vLLM CPU engine: token identity, refit, partial rollouts across a refit."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import ray
+import torch
+
+PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8], list(range(3, 163))]  # the last spans several KV blocks
+SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 12}
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+
+
+def perturbed_state_dict(path: str, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The model's weights plus seeded noise: a stand-in for one optimizer step."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(1)
+    sd = load_file(f"{path}/model.safetensors")
+    return {k: v + scale * v.std().nan_to_num(0.0) * torch.randn(v.shape, generator=gen)
+            for k, v in sd.items()}
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny_model_path, tmp_path_factory):
+    """(state dict, checkpoint folder) of the perturbed model; the folder is a complete HF checkpoint."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    sd = perturbed_state_dict(tiny_model_path)
+    folder = tmp_path_factory.mktemp("w1")
+    for src in Path(tiny_model_path).iterdir():
+        if src.suffix != ".safetensors":
+            shutil.copy(src, folder / src.name)
+    save_file(sd, str(folder / "model.safetensors"))
+    return sd, str(folder)
+
+
+@ray.remote(num_cpus=0.01)
+def direct_vllm(paths: list[str], spec: dict, prompts: list[list[int]], samplings: list[dict]) -> list:
+    """Plain `vllm.LLM` on each checkpoint in turn, without any molt code in the sampling path."""
+    import os
+
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    results = []
+    for path in paths:
+        llm = LLM(model=path, dtype="float32", max_model_len=spec["max_model_len"], enforce_eager=True,
+                  kv_cache_memory_bytes=2**28, seed=0, distributed_executor_backend="uni")
+        per_path = []
+        for s in samplings:
+            params = SamplingParams(**s, logprobs=0)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            comps = [o.outputs[0] for o in outs]
+            per_path.append([(list(c.token_ids),
+                              [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)])
+                             for c in comps])
+        results.append(per_path)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return results
+
+
+@pytest.fixture(scope="module")
+def direct(ray_session, tiny_model_path, new_weights, engine_spec):
+    """Direct-engine outputs: [weights][sampling][prompt] → (ids, logprobs); weights = initial, perturbed.
+
+    A Ray reference, so the reference engines start while the shared engine does (tests list it first).
+    """
+    samplings = [{**SAMPLED, "seed": 7}, GREEDY]
+    return direct_vllm.remote([tiny_model_path, new_weights[1]], engine_spec.model.model_dump(),
+                              PROMPTS, samplings)
+
+
+def generate_all(engine, sampling: dict) -> list[dict]:
+    return ray.get([engine.generate.remote(p, sampling) for p in PROMPTS])
+
+
+@functools.cache
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logprobs(path: str, prompt: list[int], ids: list[int]) -> list[float]:
+    """Sampled-token logprobs from a plain transformers forward in fp32."""
+    model = hf_model(path)
+    seq = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(seq).logits[0].float(), dim=-1)
+    return [logp[len(prompt) + j - 1, t].item() for j, t in enumerate(ids)]
+
+
+def test_token_identity_against_direct_engine(direct, engine):
+    got = generate_all(engine, {**SAMPLED, "seed": 7})
+    for out, (ids, logprobs), prompt in zip(got, ray.get(direct)[0][0], PROMPTS, strict=True):
+        assert out["prompt_ids"] == prompt
+        assert out["token_ids"] == ids
+        assert out["logprobs"] == logprobs          # exactly what the engine's sampler reported
+        assert out["versions"] == [0] * len(ids)
+        assert out["finish_reason"] == "length"
+
+
+def test_logprobs_match_transformers_fp32(engine, tiny_model_path):
+    out = ray.get(engine.generate.remote(PROMPTS[0], {**SAMPLED, "max_tokens": 24, "seed": 3}))
+    ref = hf_logprobs(tiny_model_path, PROMPTS[0], out["token_ids"])
+    diff = torch.tensor(out["logprobs"]) - torch.tensor(ref)
+    assert diff.abs().mean().item() <= 1e-4
+
+
+def test_refit_equals_fresh_engine_and_needs_cache_reset(direct, engine, new_weights, tiny_model_path):
+    from safetensors.torch import load_file
+
+    direct = ray.get(direct)
+    w1_greedy = direct[1][1]
+    before = generate_all(engine, GREEDY)            # fills the prefix cache with initial-weight KV
+    assert [o["token_ids"] for o in before] == [ids for ids, _ in direct[0][1]]
+    try:
+        # Load the new weights through the worker path alone, without the cache reset update_weights
+        # does: the long prompt hits stale cached KV, so its output matches neither model.
+        ray.get(engine.collective_rpc.remote("molt_reload_files", ([f"{new_weights[1]}/model.safetensors"],)))
+        stale = generate_all(engine, GREEDY)
+        assert stale[2]["logprobs"] != pytest.approx(w1_greedy[2][1], abs=1e-3)
+        for out, (_, logprobs) in zip(stale[:2], w1_greedy[:2], strict=True):   # shorter than a block:
+            assert out["logprobs"] == pytest.approx(logprobs, abs=1e-5)          # no hit, new weights
+        seconds = ray.get(engine.update_weights.remote([ray.put(new_weights[0])], 1))
+        assert seconds > 0
+        after = generate_all(engine, GREEDY)
+        for out, (ids, logprobs) in zip(after, w1_greedy, strict=True):
+            assert out["token_ids"] == ids
+            assert out["logprobs"] == pytest.approx(logprobs, abs=1e-5)
+            assert out["versions"] == [1] * len(ids)
+    finally:  # the engine is shared: restore the initial weights as version 0
+        ray.get(engine.update_weights.remote([ray.put(load_file(f"{tiny_model_path}/model.safetensors"))], 0))
+    assert [o["token_ids"] for o in generate_all(engine, GREEDY)] == [ids for ids, _ in direct[0][1]]
+
+
+def test_partial_rollout_across_refit(engine, new_weights, tiny_model_path):
+    from safetensors.torch import load_file
+
+    n, prompt = 4, PROMPTS[0]
+    long = {**SAMPLED, "max_tokens": 200, "ignore_eos": True}
+    refs = [engine.generate.remote(prompt, {**long, "seed": 100 + i}, f"partial-{i}") for i in range(n)]
+    # A short request sent after them returns once the batch has taken a few decode steps, so the
+    # refit lands after the long requests sampled some tokens on version 0 and long before their end.
+    ray.get(engine.generate.remote(prompt, {**SAMPLED, "max_tokens": 8, "seed": 0}))
+    try:
+        ray.get(engine.update_weights.remote([ray.put(new_weights[0])], 1))
+        outs = ray.get(refs)
+    finally:
+        ray.get(engine.update_weights.remote([ray.put(load_file(f"{tiny_model_path}/model.safetensors"))], 0))
+    switched = 0
+    for out in outs:
+        assert out["finish_reason"] == "length" and len(out["token_ids"]) == 200   # none dropped or cut
+        k = out["versions"].count(0)
+        assert out["versions"] == [0] * k + [1] * (200 - k)
+        switched += 0 < k < 200
+        # each token keeps the logprob of the policy that sampled it
+        old = hf_logprobs(tiny_model_path, prompt, out["token_ids"])
+        new = hf_logprobs(new_weights[1], prompt, out["token_ids"])
+        ref = torch.tensor(old[:k] + new[k:])
+        assert (torch.tensor(out["logprobs"]) - ref).abs().mean().item() <= 1e-4
+    assert switched == n
+    # the tokens before the swap are exactly what version 0 samples for the same seed: nothing repeated
+    replay = ray.get(engine.generate.remote(prompt, {**long, "seed": 100}))
+    k0 = outs[0]["versions"].count(0)
+    assert replay["token_ids"][:k0] == outs[0]["token_ids"][:k0]
+
+
+def test_eval_sampling_uses_eval_params(direct, engine, engine_spec):
+    from molt.rollout.sampling import eval_sampling, train_sampling
+
+    spec = engine_spec.rollout.model_copy(update={"eval": engine_spec.rollout.eval.model_copy(
+        update={"temperature": 0.0, "max_tokens": 5, "n": 3})})
+    sampling = eval_sampling(spec)
+    assert sampling["n"] == 3 and train_sampling(spec)["temperature"] == 1.0
+    out = ray.get(engine.generate.remote(PROMPTS[1], sampling))
+    assert out["token_ids"] == ray.get(direct)[0][1][1][0][:5]      # greedy, 5 tokens

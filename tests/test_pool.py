@@ -1,0 +1,100 @@
+"""Streaming pool on the shared real engine: depth, complete groups, staleness, idle fraction."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from molt.rollout.pool import RolloutPool
+from molt.rollout.router import Router
+from molt.trajectory import NO_VERSION, Rollout, Segment
+
+SAMPLING = {"temperature": 1.0, "max_tokens": 6}
+N = 2
+
+
+def make_rollout_fn(router: Router, live: dict):
+    """A one-turn agent: generate once, reward = fraction of sampled tokens equal to the prompt's last id.
+
+    `live` tracks how many groups have a rollout running, to observe the pool's depth from outside.
+    """
+    async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:
+        live.setdefault(group_id, 0)
+        live[group_id] += 1
+        live["max"] = max(live.get("max", 0), sum(1 for k, v in live.items() if k != "max" and v > 0))
+        rid = f"{group_id}-{index}"
+        prompt = item["prompt_ids"]
+        try:
+            out = await router.generate(prompt, {**SAMPLING, "seed": index}, key=rid)
+        finally:
+            live[group_id] -= 1
+            router.release(rid)
+        ids = out["token_ids"]
+        seg = Segment(token_ids=prompt + ids, loss_mask=[0] * len(prompt) + [1] * len(ids),
+                      logprobs=[0.0] * len(prompt) + out["logprobs"],
+                      versions=[NO_VERSION] * len(prompt) + out["versions"], rollout_id=rid,
+                      group_id=group_id, prompt_len=len(prompt), finish_reason=out["finish_reason"])
+        reward = sum(t == prompt[-1] for t in ids) / max(len(ids), 1)
+        return Rollout(rollout_id=rid, group_id=group_id, segments=[seg], reward=reward, label=item["label"])
+
+    return rollout_fn
+
+
+def items(count: int):
+    return ({"prompt_ids": [1, 30 + i, 31 + i], "label": i} for i in range(count))
+
+
+def test_pool_depth_batches_and_exhaustion(engine):
+    async def main():
+        live: dict = {}
+        pool = RolloutPool(items(7), make_rollout_fn(Router([engine]), live), samples_per_prompt=N,
+                           groups_in_flight=3, max_staleness=1, engines=[engine])
+        first = await pool.next_batch(2)
+        assert pool.in_flight == 3          # refilled at once: the engine does not run dry
+        rest = [await pool.next_batch(2), await pool.next_batch(2), await pool.next_batch(2)]
+        return pool, live, first, rest
+
+    pool, live, first, rest = asyncio.run(main())
+    assert live["max"] == 3                 # kept exactly groups_in_flight groups going, never more
+    assert [len(b) for b in [first, *rest]] == [2, 2, 2, 1]   # 7 items, the last batch is short
+    groups = [g for b in [first, *rest] for g in b]
+    assert sorted(g[0].label for g in groups) == list(range(7))   # each item once
+    for group in groups:
+        assert len(group) == N and len({r.group_id for r in group}) == 1
+        assert sorted(r.rollout_id for r in group) == [f"{group[0].group_id}-{i}" for i in range(N)]
+        for r in group:
+            seg = r.segments[0]
+            assert r.ok and sum(seg.loss_mask) == len(seg.token_ids) - seg.prompt_len > 0
+            assert set(seg.versions[seg.prompt_len:]) == {0}
+    assert pool.counts["groups_done"] == 7 and pool.in_flight == 0
+
+
+def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path):
+    from safetensors.torch import load_file
+
+    weights = ray.put(load_file(f"{tiny_model_path}/model.safetensors"))
+
+    async def main():
+        pool = RolloutPool(items(100), make_rollout_fn(Router([engine]), {}), samples_per_prompt=N,
+                           groups_in_flight=4, max_staleness=1, engines=[engine])
+        await pool.stats()                  # start a fresh measurement window
+        await pool.next_batch(1)
+        while pool.waiting < 3:             # the refilled groups finish on version 0
+            await asyncio.sleep(0.05)
+        await engine.update_weights.remote([weights], 2)   # same weights, new version label
+        pool.set_version(2)
+        try:
+            batch = await pool.next_batch(4)
+        finally:
+            await engine.update_weights.remote([weights], 0)
+        await pool.close()
+        await asyncio.sleep(1.0)            # the cancelled groups' last requests end, then idle time
+        return pool, batch, await pool.stats()
+
+    pool, batch, stats = asyncio.run(main())
+    assert stats["stale_requeued"] >= 1
+    for group in batch:                     # only groups within the staleness bound are handed out
+        assert min(v for r in group for v in r.segments[0].versions if v != -1) >= 2 - 1
+    assert 0.0 < stats["engine_idle_frac"] < 1.0
+    assert stats["generated_tokens"] > 0
