@@ -100,6 +100,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         while step < spec.train.steps and not stop.is_set():
             t_step = time.perf_counter()
             groups = await pool.next_batch(spec.train.prompts_per_step)
+            router.check()   # a killed engine fails its rollouts at once; stop with a clear error
             t_batch = time.perf_counter()
             rollouts = [r for g in groups for r in g]
             logger.dump_rollouts(step + 1, rollouts)
@@ -113,6 +114,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             step_time = time.perf_counter() - t_step
             metrics.update({
                 "time/wait_batch": t_batch - t_step,
+                "time/generate": pool_stats["engine_busy_s"],  # mean seconds an engine had work
                 "time/step": step_time,
                 "engine/idle_frac": pool_stats["engine_idle_frac"],
                 "trainer/idle_frac": (t_batch - t_step) / step_time,
@@ -139,7 +141,10 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             if group:
                 group.shutdown()
         for engine in engines:
-            ray.get(engine.shutdown.remote())
+            try:
+                ray.get(engine.shutdown.remote())
+            except ray.exceptions.RayActorError:
+                pass   # already dead: the error that ended the run says so; don't hide it
             ray.kill(engine)
     return metrics
 

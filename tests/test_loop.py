@@ -80,6 +80,13 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly(tmp_path, tiny_model_pa
     assert rows[0]["mismatch/mean_abs"] < 1e-3
     check_trained_tokens(run_a, tiny_model_path)
 
+    # Replaying the dumped first batch on the initial weights reproduces the logged step exactly.
+    from molt.replay import replay
+
+    replayed = replay(run_a, 1)
+    for key in ("train/loss", "train/grad_norm", "mismatch/mean_abs", "tokens/trained"):
+        assert replayed[key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
+
     resume_steps = saved["step"] + 2
     done = subprocess.run([sys.executable, "-m", "molt", *SMALL, f"train.steps={resume_steps}",
                            "train.save_every=0", "train.eval_every=0", f"run.resume={run_a}",

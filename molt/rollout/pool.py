@@ -129,6 +129,7 @@ class RolloutPool:
         idle = sum(s["idle_s"] for s in engine_stats)
         return {**self.counts, "in_flight": self.in_flight, "version": self.version,
                 "engine_idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
+                "engine_busy_s": busy / max(len(engine_stats), 1),
                 "generated_tokens": sum(s["generated_tokens"] for s in engine_stats)}
 
     async def close(self) -> None:

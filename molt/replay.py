@@ -1,0 +1,64 @@
+"""`python -m molt.replay RUN_DIR STEP [--checkpoint PATH]`: train on a dumped batch without regenerating.
+
+Loads `<RUN_DIR>/spec.yaml` and `<RUN_DIR>/rollouts/step_<STEP>.jsonl`, starts the trainer (from the
+initial weights, or a checkpoint), and runs the loop's own `learn` step on exactly those tokens: the
+way to reproduce a loss spike or check the trainer/engine gap of one batch in isolation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from molt.spec import RunSpec
+
+
+def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str, float]:
+    import ray
+    from transformers import AutoTokenizer
+
+    from molt.launch import init_ray
+    from molt.loop import learn, model_path_of
+    from molt.metrics import load_rollouts
+    from molt.trainer.group import TrainerGroup
+
+    spec = RunSpec.model_validate(yaml.safe_load((run_dir / "spec.yaml").read_text()))
+    rollouts = load_rollouts(run_dir / "rollouts" / f"step_{step:06d}.jsonl")
+    pad_id = AutoTokenizer.from_pretrained(model_path_of(spec)).pad_token_id
+    if not ray.is_initialized():
+        init_ray(spec)
+    policy = TrainerGroup(spec, "policy")
+    reference = TrainerGroup(spec, "reference") if spec.model.reference else None
+    critic = TrainerGroup(spec, "critic") if spec.model.critic else None
+    version = 0
+    try:
+        if checkpoint is not None:
+            version = policy.load(str(checkpoint / "policy"))["version"]
+            if critic is not None:
+                critic.load(str(checkpoint / "critic"))
+        return asyncio.run(learn(spec, rollouts, policy, reference, critic, pad_id, version))
+    finally:
+        for group in (policy, reference, critic):
+            if group is not None:
+                group.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m molt.replay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("step", type=int)
+    parser.add_argument("--checkpoint", type=Path, help="a checkpoint folder (default: initial weights)")
+    args = parser.parse_args(argv)
+    metrics = replay(args.run_dir, args.step, args.checkpoint)
+    print(json.dumps(metrics, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
