@@ -26,6 +26,7 @@ def _run(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN and spec.logging.wandb.group is None:
         spec.logging.wandb.group = Path(hc.sweep.dir).name  # one W&B group per sweep
     Path(spec.run.dir).mkdir(parents=True, exist_ok=True)
+    Path(spec.run.dir).chmod(0o700)   # sandboxed tools run as another uid: keep them out of the run
     (Path(spec.run.dir) / "spec.yaml").write_text(spec_yaml(spec))
 
     from molt.launch import launch

@@ -3,17 +3,17 @@
 A turn that contains a Hermes tool call `<tool_call>{"name": "calculator", "arguments":
 {"expression": "..."}}</tool_call>` gets the calculator's output back as a tool message. A turn with
 `ANSWER: <number>` ends the episode, rewarded 1 when the number equals the label. Anything else gets a
-short hint and another turn, until agent.max_turns. The calculator runs in a separate Python process
-in isolated mode, evaluates only arithmetic (an AST whitelist) and is killed after a timeout.
+short hint and another turn, until agent.max_turns. The calculator runs in `molt.agents.sandbox` (a
+separate Python process with time, memory and file limits, unprivileged when run as root), evaluates
+only arithmetic (an AST whitelist) and is killed after a timeout.
 """
 
 import asyncio
 import json
 import re
-import subprocess
-import sys
 
 from molt.agents import Env, Result, State, StepEnvRunner
+from molt.agents.sandbox import run_python
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 ANSWER = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)")
@@ -36,10 +36,8 @@ print(ev(ast.parse(sys.stdin.read(), mode="eval").body))
 
 def calculator(expression: str, timeout_s: float = 2.0) -> str:
     """Evaluate `expression` in a sandboxed subprocess; errors and timeouts come back as text."""
-    try:
-        done = subprocess.run([sys.executable, "-I", "-c", SANDBOX], input=expression, capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    done = run_python(SANDBOX, expression, timeout_s=timeout_s)
+    if done.timed_out:
         return f"error: timed out after {timeout_s}s"
     if done.returncode:
         return "error: " + (done.stderr.strip().splitlines() or ["failed"])[-1]

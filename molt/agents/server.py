@@ -30,6 +30,10 @@ from molt.agents.tools import forced_call_regex, make_parser, parse_reply
 from molt.agents.trace import Trace
 
 MAX_BODY_BYTES = 4 << 20
+# Accepted by the wire schemas but not honoured by the sampler: refused rather than silently ignored.
+OPENAI_UNSUPPORTED = ("logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+                      "stop", "response_format", "best_of", "echo")
+ANTHROPIC_UNSUPPORTED = ("stop_sequences",)
 
 
 class ApiError(Exception):
@@ -93,6 +97,7 @@ class LoopbackServer:
         try:
             session, body = await self._admit(sid, request)
             chat = ChatCompletionRequest.model_validate(body)
+            self._check(chat.model, body, OPENAI_UNSUPPORTED)
             outs, replies, prompt_len = await self._turn(session, chat)
         except ApiError as err:
             return err.response(anthropic=False)
@@ -108,6 +113,7 @@ class LoopbackServer:
         try:
             session, body = await self._admit(sid, request)
             msg = AnthropicMessagesRequest.model_validate(body)
+            self._check(msg.model, body, ANTHROPIC_UNSUPPORTED)
             chat = AnthropicServingMessages.to_chat_completion_request(msg)
             chat.stream = False
             outs, replies, prompt_len = await self._turn(session, chat)
@@ -143,6 +149,16 @@ class LoopbackServer:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return session, body
+
+    def _check(self, model: str | None, body: dict, unsupported: tuple[str, ...]) -> None:
+        """One model is served, and parameters the server would silently ignore are refused."""
+        if model and model != self.model_name:
+            raise ApiError(404, f"model '{model}' not found: this server serves '{self.model_name}' "
+                                "(ChatContext.model_name)")
+        sent = [k for k in unsupported if body.get(k) not in (None, False, 0, [], {}, {"type": "text"})]
+        if sent:
+            raise ApiError(400, f"unsupported parameter(s) {sent}: the loopback server does not implement "
+                                "them (sampling is the run's policy with temperature/top_p/top_k/seed)")
 
     async def _turn(self, session: ChatSession, chat: ChatCompletionRequest) -> tuple[list, list, int]:
         """Accumulate the request into the session's trajectory, sample, and parse the replies."""

@@ -10,6 +10,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ray.exceptions import RayActorError
+
+
+class EngineDiedError(RuntimeError):
+    """An engine actor is gone; Molt does not restart engines, so the run stops (see `Router.check`)."""
+
 
 class Router:
     def __init__(self, engines: list[Any]) -> None:
@@ -18,6 +24,7 @@ class Router:
         self.engines = engines
         self.load = [0] * len(engines)      # requests in flight per engine, from this router
         self.sticky: dict[str, int] = {}
+        self.dead: dict[int, str] = {}      # engine index -> why its actor died
 
     def pick(self, key: str) -> int:
         if key not in self.sticky:
@@ -30,9 +37,22 @@ class Router:
         self.load[i] += 1
         try:
             out = await self.engines[i].generate.remote(prompt_ids, sampling)
+        except RayActorError as err:
+            # Ray fails every call to a dead actor at once, so a killed engine surfaces here within
+            # seconds; the rollout fails and the loop's `check` turns it into one clear error.
+            self.dead.setdefault(i, f"{type(err).__name__}: {str(err).splitlines()[0]}")
+            raise EngineDiedError(f"engine {i} died") from err
         finally:
             self.load[i] -= 1
         return {**out, "engine": i}
+
+    def check(self) -> None:
+        """Raise `EngineDiedError` naming every engine a request found dead."""
+        if self.dead:
+            lines = "; ".join(f"engine {i}: {why}" for i, why in sorted(self.dead.items()))
+            raise EngineDiedError(f"{len(self.dead)} of {len(self.engines)} rollout engine(s) died "
+                                  f"({lines}); stopping the run (engines are not restarted): resume from "
+                                  "the last checkpoint with run.resume")
 
     def release(self, key: str) -> None:
         """Forget `key` (its rollout finished)."""

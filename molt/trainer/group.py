@@ -96,7 +96,12 @@ class TrainerGroup:
         self._all("export_hf", path)
 
     def shutdown(self) -> None:
-        ray.get([w.shutdown.remote() for w in self.workers])
+        # A rank may be dead already (the fault that stopped the run): still stop the others.
+        for ref in [w.shutdown.remote() for w in self.workers]:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self._pg)

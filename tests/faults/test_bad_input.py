@@ -1,0 +1,60 @@
+"""Bad input to a real `molt.loop.train`: each mistake is one clear message, raised before any engine or
+trainer actor starts (the Ray cluster's actor table is the same before and after). Config errors are
+caught by composition itself, before `train` is ever called."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from faultlib import small_spec
+
+from molt.config import compose
+from molt.loop import train
+from molt.spec import SpecError
+
+GOOD_ROW = '{"prompt": "a", "label": "a"}\n'
+
+
+def live_actor_classes() -> list[str]:
+    # Ray's own actor table (the public state API needs the dashboard, which tests run without).
+    return sorted(a["ActorClassName"] for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
+
+
+def cases(tmp: object) -> dict[str, tuple[dict, type, str]]:
+    (tmp / "syntax_error.py").write_text("def broken(:\n")
+    (tmp / "no_runner.py").write_text("from molt.agents import Env\n")
+    (tmp / "bad.jsonl").write_text(GOOD_ROW * 2 + '{"prompt": "a"}\n' + GOOD_ROW)
+    return {
+        "missing model": ({"model": {"path": "/nonexistent/model"}}, FileNotFoundError,
+                          "model.path=/nonexistent/model: no such folder"),
+        "missing agent": ({"agent": {"module": str(tmp / "missing.py")}}, ImportError,
+                          "missing.py' could not be loaded: FileNotFoundError"),
+        "unreadable agent": ({"agent": {"module": str(tmp / "syntax_error.py")}}, ImportError,
+                             "syntax_error.py' could not be loaded: SyntaxError"),
+        "no AgentRunner": ({"agent": {"module": str(tmp / "no_runner.py")}}, ImportError,
+                           "no_runner.py' does not export AgentRunner"),
+        "malformed row": ({"data": {"train_path": str(tmp / "bad.jsonl")}}, ValueError,
+                          f"{tmp / 'bad.jsonl'}:3: malformed row: missing label key 'label'"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing model", "missing agent", "unreadable agent", "no AgentRunner",
+                                  "malformed row"])
+def test_bad_input_fails_before_any_actor_starts(ray_session, tmp_path, case):
+    sections, error, message = cases(tmp_path)[case]
+    spec = small_spec(**sections, run={"dir": str(tmp_path / "run")})
+    before = live_actor_classes()
+    with pytest.raises(error) as raised:
+        train(spec)
+    assert message in str(raised.value)
+    assert live_actor_classes() == before
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stepz=3", "train.steps"),                          # a typo names the nearest key
+    ("agent.on_failure=skip", "agent.on_failure"),             # a bad value names key and choices
+    ("agent.timeout_s=soon", "agent.timeout_s"),
+])
+def test_config_errors_are_one_message(override, message):
+    with pytest.raises(SpecError, match=message):
+        compose([override])
