@@ -25,9 +25,11 @@ def _run(cfg: DictConfig) -> None:
     spec.run.dir = str(Path(hc.runtime.output_dir).resolve())
     if hc.mode == RunMode.MULTIRUN and spec.logging.wandb.group is None:
         spec.logging.wandb.group = Path(hc.sweep.dir).name  # one W&B group per sweep
-    Path(spec.run.dir).mkdir(parents=True, exist_ok=True)
-    Path(spec.run.dir).chmod(0o700)   # sandboxed tools run as another uid: keep them out of the run
-    (Path(spec.run.dir) / "spec.yaml").write_text(spec_yaml(spec))
+    run_dir = Path(spec.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir not in (Path.cwd(), *Path.cwd().parents):  # never lock the user's working folder
+        run_dir.chmod(0o700)  # sandboxed tools run as another uid: keep them out of the run's files
+    (run_dir / "spec.yaml").write_text(spec_yaml(spec))
 
     from molt.launch import launch
 
