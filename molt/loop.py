@@ -103,8 +103,11 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             router.check()   # a killed engine fails its rollouts at once; stop with a clear error
             t_batch = time.perf_counter()
             rollouts = [r for g in groups for r in g]
-            logger.dump_rollouts(step + 1, rollouts)
-            metrics = await learn(spec, rollouts, policy, reference, critic, tokenizer.pad_token_id, version)
+            try:
+                metrics = await learn(spec, rollouts, policy, reference, critic, tokenizer.pad_token_id,
+                                      version, engines)
+            finally:   # after learn, so the dump carries the routes it captured; also when it fails
+                logger.dump_rollouts(step + 1, rollouts)
             version += 1
             metrics["time/refit"] = await refit(policy, engines, version)
             pool.set_version(version)
@@ -150,8 +153,12 @@ async def _train(spec: RunSpec) -> dict[str, float]:
 
 
 async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, reference: TrainerGroup | None,
-                critic: TrainerGroup | None, pad_id: int, version: int) -> dict[str, float]:
-    """One optimizer step on finished rollouts (also how a dumped batch is replayed)."""
+                critic: TrainerGroup | None, pad_id: int, version: int,
+                engines: list | None = None) -> dict[str, float]:
+    """One optimizer step on finished rollouts (also how a dumped batch is replayed).
+
+    With `model.router_replay`, segments without routed experts get them from `engines` first.
+    """
     metrics = rollout_metrics(spec, rollouts)
     kept = drop_failed(spec, rollouts)
     rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
@@ -167,6 +174,13 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
         metrics["train/skipped"] = 1.0
         return metrics
     check_token_first(segments)
+
+    # --- MoE router replay: routes of every trained segment, from the engines (see fill_routes) ---
+    if spec.model.router_replay:
+        t0 = time.perf_counter()
+        await fill_routes(spec, engines, segments)
+        metrics["time/route_capture"] = time.perf_counter() - t0
+    # --- end router replay ---
 
     t0 = time.perf_counter()
     batch = make_batch(segments, pad_id, versions=[[float(v) for v in s.versions] for s in segments])
@@ -244,6 +258,29 @@ def mismatch_metrics(trainer_logp: torch.Tensor, batch: dict[str, torch.Tensor],
     return {"mismatch/mean_abs": float(gap.mean()) if gap.numel() else 0.0,
             "mismatch/max_abs": float(gap.max()) if gap.numel() else 0.0,
             "mismatch/stale_frac": 1 - float(current.sum()) / max(float(mask.sum()), 1.0)}
+
+
+async def fill_routes(spec: RunSpec, engines: list | None, segments: list[Segment]) -> None:
+    """Fill `routed_experts` of the segments that lack it by re-scoring them on the engines (split evenly).
+
+    Runs before the refit, so the engines hold the policy that sampled the batch (sync mode; CPU async is
+    rejected by the spec). Each engine actor drains its other requests before capturing.
+    """
+    from transformers import AutoConfig
+
+    todo = [s for s in segments if s.routed_experts is None]
+    if not todo:
+        return
+    if not engines:
+        raise RuntimeError("model.router_replay: these segments carry no routed experts and no engine is "
+                           "running to capture them (dumped before the routes were captured?)")
+    top_k = AutoConfig.from_pretrained(model_path_of(spec)).get_text_config().num_experts_per_tok
+    shares = [todo[i::len(engines)] for i in range(len(engines))]
+    routes = await asyncio.gather(*[e.capture_routes.remote([s.token_ids for s in share], top_k)
+                                    for e, share in zip(engines, shares, strict=True) if share])
+    for share, got in zip([s for s in shares if s], routes, strict=True):
+        for segment, route in zip(share, got, strict=True):
+            segment.routed_experts = route
 
 
 async def refit(policy: TrainerGroup, engines: list, version: int) -> float:

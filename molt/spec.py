@@ -256,6 +256,11 @@ class RunSpec(Strict):
                              "need model.reference (a path, or 'policy')")
         if self.parallel.device == "cpu" and self.model.dtype != "float32":
             raise ValueError("parallel.device=cpu trains in float32: set model.dtype=float32")
+        if self.model.router_replay and self.rollout.mode == "async" and self.parallel.device == "cpu":
+            # CPU routes come from re-scoring the batch on an engine drained of other requests: in async
+            # mode that stalls the pool every step and gives stale tokens the newer policy's routes.
+            raise ValueError("model.router_replay=true needs rollout.mode=sync on parallel.device=cpu "
+                             "(routes are captured by re-scoring each batch on an otherwise idle engine)")
         return self
 
 

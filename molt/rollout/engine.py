@@ -7,6 +7,7 @@ weights changed; `generate` expands those spans into one version per generated t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
@@ -16,6 +17,7 @@ import ray
 
 from molt.rollout.engine_args import engine_kwargs, on_cpu
 from molt.rollout.transport import load_chunks
+from molt.trainer.router_replay import capture_sequences
 
 
 def sampling_params(sampling: dict[str, Any], max_tokens: int):
@@ -61,6 +63,10 @@ class EngineActor:
         self.busy = 0.0
         self.busy_since: float | None = None
         self.last_stats = time.monotonic()
+        # Route capture holds the engine alone: `open` gates new requests, `idle` says none is in flight.
+        self.open, self.idle, self.capture_lock = asyncio.Event(), asyncio.Event(), asyncio.Lock()
+        self.open.set()
+        self.idle.set()
 
     async def ready(self) -> int:
         await self.llm.update_weight_version("0")
@@ -69,6 +75,7 @@ class EngineActor:
     def _enter(self) -> None:
         if self.in_flight == 0:
             self.busy_since = time.monotonic()
+            self.idle.clear()
         self.in_flight += 1
 
     def _leave(self) -> None:
@@ -76,6 +83,8 @@ class EngineActor:
         if self.in_flight == 0 and self.busy_since is not None:
             self.busy += time.monotonic() - self.busy_since
             self.busy_since = None
+        if self.in_flight == 0:
+            self.idle.set()
 
     def _fit(self, prompt_ids: list[int]) -> list[int]:
         """Apply `rollout.prompt_too_long` to a prompt that leaves no room for one generated token."""
@@ -93,6 +102,7 @@ class EngineActor:
         `max_model_len`."""
         from vllm.inputs import TokensPrompt
 
+        await self.open.wait()   # a route capture is running
         prompt = self._fit(prompt_ids)
         max_tokens = min(sampling["max_tokens"], self.max_model_len - len(prompt))
         version_at_start = self.version
@@ -108,13 +118,45 @@ class EngineActor:
         comp = final.outputs[0]
         ids = list(comp.token_ids)
         self.generated += len(ids)
-        return {
+        result = {
             "token_ids": ids,
             "logprobs": [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [], strict=True)],
             "versions": per_token_versions(comp.weight_versions, len(ids), version_at_start),
             "finish_reason": comp.finish_reason or "abort",
             "prompt_ids": prompt,
         }
+        if comp.routed_experts is not None:
+            # GPU with model.router_replay (vLLM's enable_return_routed_experts): the routes this request
+            # was computed with, [tokens the engine ran][layers][top_k]. Nothing consumes them yet.
+            result["routed_experts"] = comp.routed_experts.tolist()
+        return result
+
+    async def capture_routes(self, token_ids: list[list[int]], top_k: int) -> list:
+        """MoE routed experts [len][layers][top_k] of each sequence under the current weights.
+
+        One prefill-only pass per sequence (see `molt.trainer.router_replay`). The capture must see only
+        its own rows, so it closes the engine to new requests and waits for in-flight ones to finish
+        first; requests that arrive meanwhile wait and start after it.
+        """
+        from vllm.inputs import TokensPrompt
+
+        async def generate(ids: list[int], params: Any) -> Any:
+            final = None
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, uuid.uuid4().hex):
+                final = out
+            return final
+
+        async def rpc(method: str, *args: Any) -> list:
+            return await self.llm.collective_rpc(method, args=args)
+
+        async with self.capture_lock:
+            self.open.clear()
+            try:
+                await self.idle.wait()
+                routes, _ = await capture_sequences(generate, rpc, token_ids, top_k)
+            finally:
+                self.open.set()
+        return routes
 
     async def _pause(self) -> None:
         # With partial rollouts in-flight requests are kept ("keep"); without, the engine drains them

@@ -5,18 +5,20 @@ engine and the trainer can send it to different experts and make the two forward
 than the gap. Replaying the engine's choices removes that source of mismatch (invariant 3).
 
 Engine side: vLLM's own capture needs Model Runner V2 (Triton) and does not run on CPU, so
-`RouterCapture` is a vLLM worker extension that hooks every MoE gate and records top-k ids of the
-router logits. Tokens map to requests by running ONE request at a time as a prefill-only pass
-(max_tokens=1) over prompt+response with prompt_logprobs (which bypasses the prefix cache, so every
-token is computed): the rows the gates see are then exactly that request's tokens, in order.
+`RouterCapture` is a vLLM worker extension (a base of the engine actor's `MoltWorkerExtension`) that
+hooks every MoE gate and records top-k ids of the router logits. Tokens map to requests by running ONE
+request at a time as a prefill-only pass (max_tokens=1) over prompt+response with prompt_logprobs
+(which bypasses the prefix cache, so every token is computed): the rows the gates see are then exactly
+that request's tokens, in order. On GPU the same pass reads vLLM's own returned routes instead.
 Trainer side: `replay_routes` overrides the top-k of each Hugging Face MoE router with given ids while
 keeping the routing weights differentiable (softmax of the live logits gathered at the given ids).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,30 +66,51 @@ class RouterCapture:
         self._molt_hooks = []
 
 
-def capture_routes(llm: Any, token_ids: list[list[int]], top_k: int) -> tuple[list, list[list[float]]]:
+async def capture_sequences(generate: Callable[[list[int], Any], Awaitable[Any]],
+                            rpc: Callable[..., Awaitable[list]], token_ids: list[list[int]],
+                            top_k: int) -> tuple[list, list[list[float]]]:
     """Routed experts [len][layers][top_k] and the engine's logprobs of every token, one sequence at a time.
 
-    `llm` is a `vllm.LLM` started with `worker_extension_cls="molt.trainer.router_replay.RouterCapture"`.
-    Logprob of token 0 is reported as 0.0 (it has no context), like the trainer's.
+    The per-sequence logic every engine kind shares: `generate(ids, params)` returns the engine's
+    `RequestOutput` and `rpc(method, *args)` its workers' results. The caller must hold the engine
+    exclusively (no other request may run meanwhile), or other rows would enter the capture. When the
+    engine returns routed experts itself (vLLM's `enable_return_routed_experts`, GPU), those are used
+    and the gate hooks are not needed. Logprob of token 0 is reported as 0.0, like the trainer's.
     """
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    llm.collective_rpc("molt_capture_start", args=(top_k,))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    await rpc("molt_capture_start", top_k)
     routes, logps = [], []
     try:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         for ids in token_ids:
-            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-            taken = llm.collective_rpc("molt_capture_take")[0]
+            out = await generate(ids, params)
+            taken = (await rpc("molt_capture_take"))[0]
+            given = out.outputs[0].routed_experts
+            if given is not None:
+                taken = given[: len(ids)].tolist()
             if len(taken) != len(ids):
                 raise RuntimeError(f"captured {len(taken)} routed tokens for a {len(ids)}-token sequence")
             routes.append(taken)
             pairs = zip(out.prompt_logprobs[1:], ids[1:], strict=True)
             logps.append([0.0] + [lp[t].logprob for lp, t in pairs])
     finally:
-        llm.collective_rpc("molt_capture_stop")
+        await rpc("molt_capture_stop")
     return routes, logps
+
+
+def capture_routes(llm: Any, token_ids: list[list[int]], top_k: int) -> tuple[list, list[list[float]]]:
+    """`capture_sequences` on a plain `vllm.LLM` started with `worker_extension_cls=
+    "molt.trainer.router_replay.RouterCapture"` (or the engine actor's `MoltWorkerExtension`)."""
+    from vllm.inputs import TokensPrompt
+
+    async def generate(ids: list[int], params: Any) -> Any:
+        return llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+
+    async def rpc(method: str, *args: Any) -> list:
+        return llm.collective_rpc(method, args=args)
+
+    return asyncio.run(capture_sequences(generate, rpc, token_ids, top_k))
 
 
 def _routers(model: nn.Module) -> list[nn.Module]:
