@@ -54,6 +54,9 @@ def engine(ray_session, tiny_model_path, engine_spec):
     from molt.rollout.engine import start_engines
 
     [actor] = start_engines(engine_spec, tiny_model_path)
+    # One request first: the engine's first forward is slow (kernel set-up), and tests with agent
+    # timeouts should not pay for it.
+    ray_session.get(actor.generate.remote([1, 2, 3], {"max_tokens": 2}))
     yield actor
     ray_session.get(actor.shutdown.remote())
     ray_session.kill(actor)

@@ -148,8 +148,12 @@ class TrainerWorker:
                 if ent is not None:
                     lb["entropy"] = ent
                 loss, metrics = policy_loss(logp, lb, algo, norm)
-                if "behaviour_logp" in mb and n_tok:
-                    gap = (logp.detach() - mb["behaviour_logp"])[mask]
+                # The gap to the engine, on the tokens sampled by the weights held now (all of them
+                # unless the loop marks older-policy tokens out with `current_mask`).
+                current = mask & (mb["current_mask"] > 0) if "current_mask" in mb else mask
+                if "behaviour_logp" in mb and current.any():
+                    gap = (logp.detach() - mb["behaviour_logp"])[current]
+                    add("mismatch/tokens", gap.numel())
                     add("mismatch/abs_sum", gap.abs().sum())
                     add("mismatch/k3_sum", (gap.exp() - 1 - gap).sum())  # k3 of KL(engine || trainer)
                     sums["mismatch/abs_max"] = max(sums.get("mismatch/abs_max", 0.0), float(gap.abs().max()))
@@ -184,8 +188,8 @@ class TrainerWorker:
             if key.startswith("w/"):
                 out[key[2:]] = value / tokens
         if "mismatch/abs_sum" in total:
-            out["mismatch/abs_mean"] = total["mismatch/abs_sum"] / tokens
-            out["mismatch/kl_k3"] = total["mismatch/k3_sum"] / tokens
+            out["mismatch/abs_mean"] = total["mismatch/abs_sum"] / total["mismatch/tokens"]
+            out["mismatch/kl_k3"] = total["mismatch/k3_sum"] / total["mismatch/tokens"]
             out["mismatch/abs_max"] = float(peak)
         return out
 

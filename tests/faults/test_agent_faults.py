@@ -18,7 +18,7 @@ from molt.loop import drop_failed, learn, rollout_metrics
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import Router
 
-ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 5.0s",
+ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 15.0s",
           "nan": "reward must be a finite number, got nan",
           "text": "reward must be a finite number, got 'high'",
           "none": "FaultyEnv.step returned NoneType, not Result"}
@@ -28,7 +28,7 @@ GROUPS = [["raise", None, None, None], ["hang", None, None, None], ["nan", "text
 
 
 def agent(**extra) -> dict:
-    return {"module": FAULTY, "timeout_s": 5.0, **extra}   # room for a slow shared machine
+    return {"module": FAULTY, "timeout_s": 15.0, **extra}   # room for a slow shared machine
 
 
 async def run_batch(spec, tok, engine) -> list:
