@@ -7,7 +7,7 @@ engine alone: one engine generating the same number of requests x tokens with no
 component's speed the loop delivers; the rest is waiting and framework overhead.
 
     python bench/breakdown.py --quick
-    python bench/breakdown.py --sizes tiny,30m --lengths 128 --steps tiny=10,30m=5 [--modes sync,async]
+    python bench/breakdown.py --sizes tiny,30m --lengths 128 [--modes sync,async] [--reuse]
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import time
 from typing import Any
 
 from common import BENCH, table
-from molt_run import add_flags, apply_quick, finish, intro, metric, model_path, overrides, sweep
+from molt_run import add_flags, apply_quick, cells, finish, intro, metric, model_path, overrides, sweep
 
-# The loop's stages in the order they happen; "other" is step time minus their sum.
+# The loop's stages in the order they happen; "other" is step time minus their sum. The engine's busy
+# time (time/generate) is reported beside them: in async mode it overlaps the others.
 STAGES = ("time/wait_batch", "time/logprobs", "time/train", "time/refit")
 
 
@@ -84,32 +85,33 @@ def ratio(loop: float, alone: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(p, sizes="tiny,30m", lengths="128", steps="tiny=10,30m=5")
+    add_flags(p, sizes="tiny,30m", lengths="128")
     p.add_argument("--modes", default="sync", help="rollout.mode(s) of the loop runs")
     args = p.parse_args()
     apply_quick(args)
     modes = args.modes.split(",")
     records = [r for r in sweep(args, {m: [f"rollout.mode={m}"] for m in modes}) if "summary" in r]
     rows, bars = [], []
-    for size in args.sizes.split(","):
-        for length in [int(x) for x in args.lengths.split(",")]:
-            lim = limits(size, length, args)
-            for mode in modes:
-                runs = [r for r in records if (r["size"], r["length"], r["variant"]) == (size, length, mode)]
-                if not runs:
-                    rows.append([size, length, mode, "failed"] + [""] * 6)
-                    continue
-                med = {k: statistics.median(metric(r["medians"], k) for r in runs) for k in STAGES}
-                step = statistics.median(r["summary"]["step_s"] for r in runs)
-                sampled = statistics.median(r["summary"]["sampled_tok_s"] for r in runs)
-                trained = statistics.median(r["summary"]["trained_tok_s"] for r in runs)
-                other = step - sum(v for v in med.values() if v == v)
-                bars.append((f"{size}\n{length} tok\n{mode}", {**med, "other": other}))
-                rows.append([size, length, mode, f"{step:.3g}",
-                             " / ".join(f"{med[k]:.3g}" for k in STAGES) + f" / {other:.3g}",
-                             ratio(sampled, lim["engine_tok_s"]), ratio(trained, lim["trainer_tok_s"]),
-                             f"{lim['logprobs_s']:.3g} + {lim['train_s']:.3g}"])
-    head = ["model", "max tokens", "mode", "step s", "wait_batch / logprobs / train / refit / other (s)",
+    for size, length in cells(args):
+        lim = limits(size, length, args)
+        for mode in modes:
+            runs = [r for r in records if (r["size"], r["length"], r["variant"]) == (size, length, mode)]
+            if not runs:
+                rows.append([size, length, mode, "failed"] + [""] * 6)
+                continue
+            med = {k: statistics.median(metric(r["medians"], k) for r in runs) for k in STAGES}
+            step = statistics.median(r["summary"]["step_s"] for r in runs)
+            sampled = statistics.median(r["summary"]["sampled_tok_s"] for r in runs)
+            trained = statistics.median(r["summary"]["trained_tok_s"] for r in runs)
+            other = step - sum(v for v in med.values() if v == v)
+            bars.append((f"{size}\n{length} tok\n{mode}", {**med, "other": other}))
+            busy = statistics.median(metric(r["medians"], "time/generate") for r in runs)
+            rows.append([size, length, mode, f"{step:.3g}", f"{busy:.3g}",
+                         " / ".join(f"{med[k]:.3g}" for k in STAGES) + f" / {other:.3g}",
+                         ratio(sampled, lim["engine_tok_s"]), ratio(trained, lim["trainer_tok_s"]),
+                         f"{lim['logprobs_s']:.3g} + {lim['train_s']:.3g}"])
+    head = ["model", "max tokens", "mode", "step s", "engine busy s",
+            "wait_batch / logprobs / train / refit / other (s)",
             "sampled tok/s: loop / engine alone", "trained tok/s: loop / trainer alone",
             "trainer alone: logprobs + train_step (s)"]
     body = intro("Where the time goes", args) + "\n".join([table(head, rows), "", "![stages](breakdown.png)"])

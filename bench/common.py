@@ -38,7 +38,7 @@ LETTERS = "abcdefgh"
 
 
 def summarize(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
-    """Per-run numbers from per-step records {time, sampled, trained, reward}.
+    """Per-run numbers from per-step records {time, sampled, trained, reward[, generate]}.
 
     The first `warmup` steps (lazy compilation, allocator growth) are left out of the timings; the
     throughputs are total tokens over total time of the rest, not a mean of per-step rates.
@@ -46,7 +46,9 @@ def summarize(steps: list[dict[str, float]], warmup: int) -> dict[str, float]:
     timed = steps[warmup:] if len(steps) > warmup else steps[-1:]
     total = sum(s["time"] for s in timed)
     tail = steps[-min(3, len(steps)):]
-    return {
+    extra = {"generate_s": statistics.median(s["generate"] for s in timed)} \
+        if all("generate" in s for s in timed) else {}
+    return {**extra,
         "steps": len(steps),
         "timed_steps": len(timed),
         "step_s": statistics.median(s["time"] for s in timed),
@@ -101,7 +103,9 @@ def versions(python: str | os.PathLike = sys.executable,
 def header(extra: str = "") -> str:
     """The machine / versions / date lines every section starts with."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"- date: {now}", f"- machine: {machine()}", f"- Molt env: {versions()}"]
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = [f"- date: {now}", f"- machine: {machine()}; load average at start (1/5/15 min): {load}",
+             f"- Molt env: {versions()}"]
     if extra:
         lines.append(extra)
     return "\n".join(lines)

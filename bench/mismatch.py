@@ -6,7 +6,7 @@ The trainer always trains in fp32 on CPU; the bf16 rows run only the engine in b
 (`rollout.engine.extra_args.dtype=bfloat16`, which vLLM's CPU backend supports), the usual RL setup.
 
     python bench/mismatch.py --quick
-    python bench/mismatch.py --sizes tiny,30m,100m --lengths 16 --steps 3
+    python bench/mismatch.py --sizes tiny,30m,100m --lengths 16 [--reuse]
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ import statistics
 from common import BENCH, param_count, table
 from molt_run import add_flags, apply_quick, finish, intro, metric, model_path, sweep
 
-DTYPES = {"float32": [], "bfloat16": ["+rollout.engine.extra_args.dtype=bfloat16"]}
+# The fp32 variant has the same overrides as the refit/scaling runs, so `--reuse` shares them.
+DTYPES = {"float32": ["rollout.mode=sync"],
+          "bfloat16": ["rollout.mode=sync", "+rollout.engine.extra_args.dtype=bfloat16"]}
 MEAN = ("mismatch/mean_abs", "mismatch/abs_mean")
 MAX = ("mismatch/max_abs", "mismatch/abs_max")
-KL = ("mismatch/kl_k3", "mismatch/kl")
+KL = ("mismatch/kl_k3", "train/mismatch/kl_k3")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(p, sizes="tiny,30m,100m", lengths="16", steps="3")
+    add_flags(p, sizes="tiny,30m,100m", lengths="16")
     p.add_argument("--dtypes", default="float32,bfloat16", help="engine dtypes (float32, bfloat16)")
     args = p.parse_args()
     apply_quick(args)
@@ -45,7 +47,7 @@ def main() -> None:
             kl = statistics.median(metric(x, *KL) for x in steps)
             points[(size, dtype)] = (params, mean, peak)
             rows.append([f"{size} ({params / 1e6:.1f}M)", dtype, f"{mean:.2e}", f"{peak:.2e}", f"{kl:.2e}"])
-    head = ["model", "engine dtype", "mean |Δlogp| (median over steps)", "max |Δlogp| (over all steps)",
+    head = ["model", "engine dtype", "mean abs Δlogp (median over steps)", "max abs Δlogp (over all steps)",
             "KL k3 (median)"]
     body = intro("Mismatch: engine vs trainer logprobs (trainer fp32)", args) + "\n".join(
         [table(head, rows), "", "![mismatch](mismatch.png)"])
@@ -64,8 +66,8 @@ def draw(points: dict[tuple[str, str], tuple[int, float, float]], dtypes: list[s
     for dtype in dtypes:
         xs = sorted(v for (_, d), v in points.items() if d == dtype)
         if xs:
-            ax.plot([x[0] for x in xs], [x[1] for x in xs], marker="o", label=f"{dtype} mean |Δ|")
-            ax.plot([x[0] for x in xs], [x[2] for x in xs], marker="^", ls="--", label=f"{dtype} max |Δ|")
+            ax.plot([x[0] for x in xs], [x[1] for x in xs], marker="o", label=f"{dtype} mean abs Δ")
+            ax.plot([x[0] for x in xs], [x[2] for x in xs], marker="^", ls="--", label=f"{dtype} max abs Δ")
     ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="|logp engine − logp trainer|")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -32,7 +32,10 @@ def overrides(size: str, max_tokens: int, steps: int, prompts: int, samples: int
     out = ["algo=grpo", f"rollout.max_tokens={max_tokens}", f"train.steps={steps}",
            f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={samples}",
            f"train.micro_batch_size={prompts * samples}", f"train.lr={lr if lr is not None else LR[size]}",
-           f"model.max_model_len={max(256, 2 * max_tokens + 64)}"]
+           f"model.max_model_len={max(256, 2 * max_tokens + 64)}",
+           # async: the engine samples the next batch while the trainer steps on this one, no deeper
+           # (deeper only produces groups that go stale and are sampled again); sync ignores it
+           f"rollout.groups_in_flight={prompts}"]
     for key, value in SIZES[size].items():
         # keys the tiny default does not list (intermediate_size) must be added, not overridden
         known = key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
@@ -41,9 +44,10 @@ def overrides(size: str, max_tokens: int, steps: int, prompts: int, samples: int
 
 
 def step_records(rows: list[dict[str, float]]) -> list[dict[str, float]]:
-    """metrics.jsonl rows → the {time, sampled, trained, reward} records `common.summarize` takes."""
+    """metrics.jsonl rows → the records `common.summarize` takes (generate = the engine's busy seconds)."""
     return [{"time": r["time/step"], "sampled": r.get("tokens/sampled", 0.0),
-             "trained": r.get("tokens/trained", 0.0), "reward": r.get("reward/mean", float("nan"))}
+             "trained": r.get("tokens/trained", 0.0), "reward": r.get("reward/mean", float("nan")),
+             "generate": r.get("time/generate", float("nan"))}
             for r in rows]
 
 
@@ -56,7 +60,7 @@ def run_molt(args: list[str], run_dir: Path, timeout: float = 1800) -> dict[str,
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "molt", *args, f"hydra.run.dir={run_dir}"]
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()[0]  # the 1-minute load when the run starts
     with (run_dir / "molt.log").open("w") as log:
         try:
             rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -69,7 +73,7 @@ def run_molt(args: list[str], run_dir: Path, timeout: float = 1800) -> dict[str,
         if metrics.exists() else []
     steps = step_records([r for r in rows if "time/step" in r])
     tail = (run_dir / "molt.log").read_text()[-3000:] if rc else ""
-    return {"cmd": " ".join(cmd), "rc": rc, "rows": rows, "steps": steps, "wall_s": wall,
+    return {"cmd": " ".join(cmd), "rc": rc, "rows": rows, "steps": steps, "wall_s": wall, "load": load,
             "setup_s": wall - sum(s["time"] for s in steps), "log": tail}
 
 
@@ -105,7 +109,11 @@ def metric(values: dict[str, float], *names: str) -> float:
     return next((values[n] for n in names if n in values), float("nan"))
 
 
-def add_flags(p: argparse.ArgumentParser, sizes: str, lengths: str, steps: str = "5",
+# Default steps per run: the same in every benchmark, so `--reuse` can share runs between them.
+STEPS = "tiny=8,30m=3,100m=3"
+
+
+def add_flags(p: argparse.ArgumentParser, sizes: str, lengths: str, steps: str = STEPS,
               repeats: int = 1) -> None:
     """The flags every Molt-only benchmark shares."""
     p.add_argument("--sizes", default=sizes, help=f"comma list of bench/common.py SIZES (default {sizes})")
@@ -113,7 +121,8 @@ def add_flags(p: argparse.ArgumentParser, sizes: str, lengths: str, steps: str =
     p.add_argument("--steps", default=steps, help="optimizer steps per run: N, or per size: tiny=8,30m=4")
     p.add_argument("--warmup", type=int, default=1, help="first steps of each run left out of the timings")
     p.add_argument("--repeats", type=int, default=repeats)
-    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--skip", default="", help="size:length cells to leave out, e.g. 100m:128")
+    p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--reuse", action="store_true",
@@ -127,30 +136,35 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.sizes, args.lengths, args.steps, args.warmup, args.repeats = "tiny", "16", "3", 1, 1
 
 
+def cells(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(size, max tokens) pairs of --sizes x --lengths, minus --skip."""
+    skip = set(filter(None, args.skip.split(",")))
+    return [(size, int(n)) for size in args.sizes.split(",") for n in args.lengths.split(",")
+            if f"{size}:{n}" not in skip]
+
+
 def sweep(args: argparse.Namespace, variants: dict[str, list[str]]) -> list[dict[str, Any]]:
     """Run Molt for every repeat x size x length x variant (extra overrides); one record per run."""
     from common import parse_steps, summarize
 
-    sizes, lengths = args.sizes.split(","), [int(x) for x in args.lengths.split(",")]
-    steps = parse_steps(args.steps, sizes)
+    steps = parse_steps(args.steps, args.sizes.split(","))
     records = []
     for r in range(args.repeats):
-        for size in sizes:
-            for length in lengths:
-                for name, extra in variants.items():
-                    run_args = overrides(size, length, steps[size], args.prompts_per_step,
-                                         args.samples_per_prompt, extra=[f"run.name=bench-r{r}", *extra])
-                    result = run_cached(run_args, args.reuse, args.timeout)
-                    rec = {"size": size, "length": length, "variant": name, "repeat": r, "rc": result["rc"],
-                           "setup_s": result["setup_s"], "cmd": result["cmd"]}
-                    if result["rc"] == 0 and result["steps"]:
-                        rec["summary"] = summarize(result["steps"], args.warmup)
-                        timed = [x for x in result["rows"] if "time/step" in x]
-                        rec["medians"] = medians(timed, args.warmup)
-                        rec["rows"] = timed[args.warmup:] or timed
-                    status = "ok" if "summary" in rec else f"FAILED rc={result['rc']}\n{result['log']}"
-                    print(f"[bench] {size} {length} tok {name} r{r}: {status}", flush=True)
-                    records.append(rec)
+        for size, length in cells(args):
+            for name, extra in variants.items():
+                run_args = overrides(size, length, steps[size], args.prompts_per_step,
+                                     args.samples_per_prompt, extra=[f"run.name=bench-r{r}", *extra])
+                result = run_cached(run_args, args.reuse, args.timeout)
+                rec = {"size": size, "length": length, "variant": name, "repeat": r, "rc": result["rc"],
+                       "setup_s": result["setup_s"], "cmd": result["cmd"]}
+                if result["rc"] == 0 and result["steps"]:
+                    rec["summary"] = summarize(result["steps"], args.warmup)
+                    timed = [x for x in result["rows"] if "time/step" in x]
+                    rec["medians"] = medians(timed, args.warmup)
+                    rec["rows"] = timed[args.warmup:] or timed
+                status = "ok" if "summary" in rec else f"FAILED rc={result['rc']}\n{result['log']}"
+                print(f"[bench] {size} {length} tok {name} r{r}: {status}", flush=True)
+                records.append(rec)
     return records
 
 

@@ -7,7 +7,7 @@ back to back, alternating which goes first, so machine load drifts over both ali
 per repeat (Molt/TRL of adjacent runs), then reported as median (min–max) over repeats.
 
     python bench/peer.py --quick                     # smoke: tiny, 16 tokens, 1 repeat, 3 steps
-    python bench/peer.py --sizes tiny,30m --lengths 16,128 --repeats 3 --steps tiny=8,30m=4
+    python bench/peer.py --sizes tiny,30m --lengths 16,128 --skip 30m:16 --repeats 3 --steps tiny=8,30m=3
     python bench/peer.py --report bench/out/peer/STAMP   # rebuild the table and PNG from saved runs
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,12 +46,15 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="tiny,30m,100m", help="comma list of bench/common.py SIZES")
     p.add_argument("--lengths", default="16,128", help="comma list of max response tokens")
+    p.add_argument("--skip", default="", help="size:length cells to leave out, e.g. 30m:16,100m:128")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", default="8", help="optimizer steps per run: N, or per size: tiny=8,30m=4")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timings")
-    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--modes", default="sync", help="Molt rollout.mode(s) to run: sync, async or sync,async")
+    p.add_argument("--molt-extra", default="",
+                   help="more Hydra overrides for every Molt run, space-separated (e.g. 'rollout.top_p=1.0')")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=None, help="run folder (default bench/out/peer/<stamp>)")
     p.add_argument("--report", type=Path, default=None, help="only rebuild the report from this run folder")
@@ -68,7 +72,7 @@ def run_trl(model: str, max_tokens: int, steps: int, args: argparse.Namespace, l
            "--steps", str(steps), "--warmup", str(args.warmup), "--max-tokens", str(max_tokens),
            "--prompts-per-step", str(args.prompts_per_step), "--samples-per-prompt",
            str(args.samples_per_prompt), "--lr", str(lr), "--threads", "1"]
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()[0]
     log = out.with_suffix(".log")
     with log.open("w") as f:
         try:
@@ -77,21 +81,23 @@ def run_trl(model: str, max_tokens: int, steps: int, args: argparse.Namespace, l
             rc = 124
     if rc or not out.exists():
         return {"rc": rc or 1, "log": log.read_text()[-3000:], "wall_s": time.perf_counter() - start}
-    return {"rc": 0, **json.loads(out.read_text())}
+    return {"rc": 0, "load": load, **json.loads(out.read_text())}
 
 
 def run_all(args: argparse.Namespace, folder: Path) -> None:
     sizes, lengths = args.sizes.split(","), [int(x) for x in args.lengths.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
     steps = parse_steps(args.steps, sizes)
     paths = {s: model_path(s) for s in sizes}
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "models": paths,
+            "command": " ".join(["python bench/peer.py", *sys.argv[1:]]),
             "params": {s: param_count(p) for s, p in paths.items()},
             "molt_versions": versions(), "trl_versions": versions(TRL_PYTHON), "header": header()}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
     modes = args.modes.split(",")
     for r in range(args.repeats):
         for size in sizes:
-            for length in lengths:
+            for length in [n for n in lengths if f"{size}:{n}" not in skip]:
                 jobs = [("molt", m) for m in modes] + [("trl", "")]
                 for fw, mode in jobs if r % 2 == 0 else jobs[::-1]:  # alternate who goes first
                     if fw == "trl":
@@ -100,7 +106,7 @@ def run_all(args: argparse.Namespace, folder: Path) -> None:
                                          folder / f"{name}.json")
                     else:
                         name = f"molt-{size}-{length}-{mode}-r{r}"
-                        extra = [f"rollout.mode={mode}", f"run.name=peer-{name}"]
+                        extra = [f"rollout.mode={mode}", f"run.name=peer-{name}", *args.molt_extra.split()]
                         result = run_molt(overrides(size, length, steps[size], args.prompts_per_step,
                                                     args.samples_per_prompt, extra=extra),
                                           folder / name, args.timeout)
@@ -125,13 +131,35 @@ def load(folder: Path) -> tuple[dict, dict[tuple, dict]]:
     return json.loads((folder / "meta.json").read_text()), runs
 
 
+def compare(pairs: list[tuple[dict, dict]]) -> tuple[list[str], list[float], list[float]]:
+    """Table cells for (Molt, TRL) run pairs of one size/length/mode, and the per-repeat ratios."""
+    ms, ts = [m["summary"] for m, _ in pairs], [t["summary"] for _, t in pairs]
+
+    def ratios(key: str) -> list[float]:
+        return [m[key] / t[key] for m, t in zip(ms, ts, strict=True)]
+
+    def both(key: str, fmt: str = ".3g") -> str:  # median Molt / median TRL
+        return " / ".join(format(statistics.median(x.get(key, float("nan")) for x in side), fmt)
+                          for side in (ms, ts))
+
+    step_ratio, trained = ratios("step_s"), ratios("trained_tok_s")
+    cells = [both("step_s"), both("generate_s"), fmt_spread(step_ratio), fmt_spread(trained),
+             fmt_spread(ratios("sampled_tok_s")), both("trained_tok_s", ".4g"),
+             f"{both('reward_first', '.3f')} → {both('reward_last', '.3f')}",
+             f"{len(pairs)}; setup {statistics.median(m['setup_s'] for m, _ in pairs):.0f} s / "
+             f"{statistics.median(t['setup_s'] for _, t in pairs):.0f} s; load "
+             f"{statistics.median(x.get('load', float('nan')) for p in pairs for x in p):.1f}"]
+    return cells, step_ratio, trained
+
+
 def report(folder: Path, write_results: bool) -> str:
     meta, runs = load(folder)
     a = meta["args"]
     sizes, lengths, modes = a["sizes"].split(","), a["lengths"].split(","), a["modes"].split(",")
     rows, plot = [], []
+    skip = set(filter(None, a.get("skip", "").split(",")))
     for size in sizes:
-        for length in lengths:
+        for length in [n for n in lengths if f"{size}:{n}" not in skip]:
             for mode in modes:
                 pairs = []
                 for r in range(int(a["repeats"])):
@@ -142,34 +170,19 @@ def report(folder: Path, write_results: bool) -> str:
                 if not pairs:
                     rows.append([size, length, mode, "—", "—", "—", "—", "—", "—", "no complete pair"])
                     continue
-                ms, ts = [m["summary"] for m, _ in pairs], [t["summary"] for _, t in pairs]
-                step_ratio = [m["step_s"] / t["step_s"] for m, t in zip(ms, ts, strict=True)]
-                trained = [m["trained_tok_s"] / t["trained_tok_s"] for m, t in zip(ms, ts, strict=True)]
-                sampled = [m["sampled_tok_s"] / t["sampled_tok_s"] for m, t in zip(ms, ts, strict=True)]
-                med = statistics.median
-                rows.append([
-                    f"{size} ({meta['params'][size] / 1e6:.1f}M)", length, mode,
-                    f"{med(m['step_s'] for m in ms):.3g} / {med(t['step_s'] for t in ts):.3g}",
-                    fmt_spread(step_ratio), fmt_spread(trained), fmt_spread(sampled),
-                    f"{med(m['trained_tok_s'] for m in ms):.4g} / {med(t['trained_tok_s'] for t in ts):.4g}",
-                    f"{med(m['reward_first'] for m in ms):.3f}→{med(m['reward_last'] for m in ms):.3f} / "
-                    f"{med(t['reward_first'] for t in ts):.3f}→{med(t['reward_last'] for t in ts):.3f}",
-                    f"{len(pairs)}; setup {med(m['setup_s'] for m, _ in pairs):.0f} s / "
-                    f"{med(t['setup_s'] for _, t in pairs):.0f} s",
-                ])
+                row, step_ratio, trained = compare(pairs)
+                rows.append([f"{size} ({meta['params'][size] / 1e6:.1f}M)", length, mode, *row])
                 plot.append((f"{size}\n{length} tok\n{mode}", step_ratio, trained))
-    head = ["model", "max tokens", "Molt mode", "step s Molt / TRL", "step time ratio Molt/TRL",
-            "trained tok/s ratio", "sampled tok/s ratio", "trained tok/s Molt / TRL",
-            "reward first→last Molt / TRL", "repeats; setup Molt / TRL"]
+    head = ["model", "max tokens", "Molt mode", "step s Molt / TRL", "generate s Molt / TRL",
+            "step time ratio Molt/TRL", "trained tok/s ratio", "sampled tok/s ratio",
+            "trained tok/s Molt / TRL",
+            "reward first (Molt / TRL) → last", "repeats; setup Molt / TRL; 1-min load"]
     body = "\n".join([
         "## Peer comparison: Molt vs TRL GRPOTrainer", "",
         meta["header"], f"- TRL env: {meta['trl_versions']}",
         f"- work per step: {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples, GRPO, "
         f"steps per run {a['steps']} (first {a['warmup']} untimed), lr per size {LR}",
-        f"- command: `python bench/peer.py --sizes {a['sizes']} --lengths {a['lengths']} "
-        f"--repeats {a['repeats']} "
-        f"--steps {a['steps']} --warmup {a['warmup']} --prompts-per-step {a['prompts_per_step']} "
-        f"--samples-per-prompt {a['samples_per_prompt']} --modes {a['modes']}`",
+        f"- command: `{meta.get('command', 'python bench/peer.py')}`",
         "- ratios: per repeat (adjacent runs), median (min–max); step time < 1 and tok/s > 1 favour Molt.",
         "",
         table(head, rows), "", "![peer](peer.png)",

@@ -4,7 +4,7 @@ Read from the loop's own `time/refit` (gather the full state dict, ship it, relo
 reset the prefix cache) in real runs, so it is what a user pays per step.
 
     python bench/refit.py --quick
-    python bench/refit.py --sizes tiny,30m,100m --lengths 16 --steps 4 [--reuse]
+    python bench/refit.py --sizes tiny,30m,100m --lengths 16 [--reuse]
 """
 
 from __future__ import annotations
@@ -13,30 +13,29 @@ import argparse
 import statistics
 
 from common import BENCH, fmt_spread, param_count, table
-from molt_run import add_flags, apply_quick, finish, intro, metric, model_path, sweep
+from molt_run import add_flags, apply_quick, cells, finish, intro, metric, model_path, sweep
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(p, sizes="tiny,30m,100m", lengths="16", steps="4")
+    add_flags(p, sizes="tiny,30m,100m", lengths="16")
     args = p.parse_args()
     apply_quick(args)
     records = [r for r in sweep(args, {"sync": ["rollout.mode=sync"]}) if "summary" in r]
     rows, points = [], []
-    for size in args.sizes.split(","):
-        params = param_count(model_path(size))
-        for length in [int(x) for x in args.lengths.split(",")]:
-            runs = [r for r in records if r["size"] == size and r["length"] == length]
-            if not runs:
-                rows.append([size, length, "failed", "", "", ""])
-                continue
-            refit = [statistics.median(x["time/refit"] for x in r["rows"]) for r in runs]
-            share = [statistics.median(x["time/refit"] / x["time/step"] for x in r["rows"]) for r in runs]
-            gbps = [params * 4 / s / 1e9 for s in refit]  # fp32 bytes moved per second
-            points.append((f"{size}\n{length} tok", statistics.median(refit), statistics.median(share)))
-            rows.append([f"{size} ({params / 1e6:.1f}M)", length, fmt_spread(refit, 3), fmt_spread(share, 3),
-                         f"{statistics.median(gbps):.2f}",
-                         f"{statistics.median(metric(r['medians'], 'time/step') for r in runs):.3g}"])
+    params = {size: param_count(model_path(size)) for size in args.sizes.split(",")}
+    for size, length in cells(args):
+        runs = [r for r in records if r["size"] == size and r["length"] == length]
+        if not runs:
+            rows.append([size, length, "failed", "", "", ""])
+            continue
+        refit = [statistics.median(x["time/refit"] for x in r["rows"]) for r in runs]
+        share = [statistics.median(x["time/refit"] / x["time/step"] for x in r["rows"]) for r in runs]
+        gbps = [params[size] * 4 / s / 1e9 for s in refit]  # fp32 bytes moved per second
+        points.append((f"{size}\n{length} tok", statistics.median(refit), statistics.median(share)))
+        rows.append([f"{size} ({params[size] / 1e6:.1f}M)", length, fmt_spread(refit, 3),
+                     fmt_spread(share, 3), f"{statistics.median(gbps):.2f}",
+                     f"{statistics.median(metric(r['medians'], 'time/step') for r in runs):.3g}"])
     head = ["model", "max tokens", "refit s median (min–max)", "refit / step", "GB/s (fp32 weights)",
             "step s"]
     body = intro("Refit cost", args) + "\n".join([table(head, rows), "", "![refit](refit.png)"])

@@ -1,7 +1,7 @@
 """Scaling: Molt's step time vs model size and vs response length (sync mode, one command).
 
     python bench/scaling.py --quick
-    python bench/scaling.py --sizes tiny,30m,100m --lengths 16,128 --steps tiny=8,30m=4,100m=3 [--reuse]
+    python bench/scaling.py --sizes tiny,30m,100m --lengths 16,128 [--skip 100m:128] [--reuse]
 """
 
 from __future__ import annotations
@@ -10,32 +10,31 @@ import argparse
 import statistics
 
 from common import BENCH, fmt_spread, param_count, table
-from molt_run import add_flags, apply_quick, finish, intro, metric, model_path, sweep
+from molt_run import add_flags, apply_quick, cells, finish, intro, metric, model_path, sweep
 
-STAGES = ("time/wait_batch", "time/logprobs", "time/train", "time/refit")  # the loop's stages
+STAGES = ("time/generate", "time/wait_batch", "time/logprobs", "time/train", "time/refit")  # loop stages
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(p, sizes="tiny,30m,100m", lengths="16,128", steps="tiny=8,30m=4,100m=3")
+    add_flags(p, sizes="tiny,30m,100m", lengths="16,128")
     args = p.parse_args()
     apply_quick(args)
     records = [r for r in sweep(args, {"sync": ["rollout.mode=sync"]}) if "summary" in r]
     params = {s: param_count(model_path(s)) for s in args.sizes.split(",")}
     rows, points = [], {}
-    for size in args.sizes.split(","):
-        for length in [int(x) for x in args.lengths.split(",")]:
-            runs = [r for r in records if r["size"] == size and r["length"] == length]
-            if not runs:
-                rows.append([size, length, "failed"])
-                continue
-            med = statistics.median
-            step = [r["summary"]["step_s"] for r in runs]
-            points[(size, length)] = med(step)
-            rows.append([f"{size} ({params[size] / 1e6:.1f}M)", length, fmt_spread(step, 3),
-                         f"{med(r['summary']['sampled_tok_s'] for r in runs):.4g}",
-                         f"{med(r['summary']['trained_tok_s'] for r in runs):.4g}",
-                         *(f"{med(metric(r['medians'], k) for r in runs):.3g}" for k in STAGES)])
+    for size, length in cells(args):
+        runs = [r for r in records if r["size"] == size and r["length"] == length]
+        if not runs:
+            rows.append([size, length, "failed"])
+            continue
+        med = statistics.median
+        step = [r["summary"]["step_s"] for r in runs]
+        points[(size, length)] = med(step)
+        rows.append([f"{size} ({params[size] / 1e6:.1f}M)", length, fmt_spread(step, 3),
+                     f"{med(r['summary']['sampled_tok_s'] for r in runs):.4g}",
+                     f"{med(r['summary']['trained_tok_s'] for r in runs):.4g}",
+                     *(f"{med(metric(r['medians'], k) for r in runs):.3g}" for k in STAGES)])
     head = ["model", "max tokens", "step s median (min–max)", "sampled tok/s", "trained tok/s",
             *(f"{k.removeprefix('time/')} s" for k in STAGES)]
     body = intro("Scaling: step time vs model size and response length (sync)", args) + "\n".join(

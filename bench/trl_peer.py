@@ -92,9 +92,23 @@ def main() -> None:
         )
         trainer = GRPOTrainer(model=args.model, reward_funcs=repeat_reward, args=config, train_dataset=data,
                               processing_class=tokenizer, callbacks=[StepClock()])
+        # Seconds in generation (transformers' generate) per step, to set beside Molt's engine time.
+        # `_generate` is TRL-internal; with the pinned version it is called once per generated batch.
+        generate_s: list[float] = []
+        inner = trainer._generate
+
+        def timed_generate(*a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                generate_s.append(time.perf_counter() - t0)
+
+        trainer._generate = timed_generate
         setup_s = time.perf_counter() - start
         trainer.train()
-    steps = [{**rec, "time": b - a} for rec, a, b in zip(per_step, ends, ends[1:], strict=False)]
+    steps = [{**rec, "time": b - a, "generate": g}
+             for rec, a, b, g in zip(per_step, ends, ends[1:], generate_s, strict=False)]
     params = sum(p.numel() for p in trainer.model.parameters())
     result = {
         "framework": "trl", "model": args.model, "params": params,
