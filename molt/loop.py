@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import shutil
 import signal
@@ -83,7 +82,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             critic.load(str(checkpoint / "critic"))
         step, version, pending = extra["step"], extra["version"], extra["pending"]
         data.load_state_dict(extra["data"])
-        await refit(policy, engines, version)
+        await refit(policy, router, version)
         print(f"molt: resumed from {checkpoint} at step {step} (policy version {version})")
 
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
@@ -109,7 +108,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             finally:   # after learn, so the dump carries the routes it captured; also when it fails
                 logger.dump_rollouts(step + 1, rollouts)
             version += 1
-            metrics["time/refit"] = await refit(policy, engines, version)
+            metrics["time/refit"] = await refit(policy, router, version)
             pool.set_version(version)
             step += 1
 
@@ -168,12 +167,12 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
     truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length" for r in kept])
     keep, filter_metrics = apply_filters(rewards, scores, group_ids, truncated, spec.algo)
     metrics.update({f"filter/{k.removeprefix('filter_')}": float(v) for k, v in filter_metrics.items()})
+    rewards, group_ids = rewards[keep], group_ids[keep]
     kept = [kept[i] for i in keep.tolist()]
     segments = [s for r in kept for s in r.segments if sum(s.loss_mask)]
     if not segments:
         metrics["train/skipped"] = 1.0
         return metrics
-    check_token_first(segments)
 
     # --- MoE router replay: routes of every trained segment, from the engines (see fill_routes) ---
     if spec.model.router_replay:
@@ -184,8 +183,9 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
 
     t0 = time.perf_counter()
     batch = make_batch(segments, pad_id, versions=[[float(v) for v in s.versions] for s in segments])
-    # Invariant 3 is measured inside train_step on the tokens the current weights sampled.
     sampled = batch["loss_mask"] > 0
+    check_token_first(batch, segments)
+    # Invariant 3 is measured inside train_step on the tokens the current weights sampled.
     current = sampled & (batch["versions"] == version)
     batch["current_mask"] = current.float()
     metrics["mismatch/stale_frac"] = 1 - float(current.sum()) / max(float(sampled.sum()), 1.0)
@@ -198,9 +198,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
 
     rollout_of = {r.rollout_id: i for i, r in enumerate(kept)}
     adv = compute_advantages(
-        torch.tensor([r.reward for r in kept], dtype=torch.float32),
-        torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long),
-        torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
+        rewards, group_ids, torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
         batch["loss_mask"], spec.algo, values=values, logp=old_logp, ref_logp=ref_logp)
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
     batch["advantages"] = adv.advantages
@@ -249,13 +247,16 @@ def drop_failed(spec: RunSpec, rollouts: list[Rollout]) -> list[Rollout]:
     return [r for r in rollouts if r.ok]
 
 
-def check_token_first(segments: list[Segment]) -> None:
-    """Invariant 1: every trained token was sampled by the engine and carries its logprob and version."""
-    for s in segments:
-        for t, m in enumerate(s.loss_mask):
-            if m and (s.versions[t] == NO_VERSION or not math.isfinite(s.logprobs[t])):
-                raise RuntimeError(f"rollout {s.rollout_id} segment {s.segment_index} token {t} is in the "
-                                   "loss but has no engine version/logprob: refusing to train on it")
+def check_token_first(batch: dict[str, torch.Tensor], segments: list[Segment]) -> None:
+    """Invariant 1: every trained token was sampled by the engine and carries its logprob and version.
+
+    Checked on the padded batch tensors (rows = segments), so it stays cheap at long contexts."""
+    bad = (batch["loss_mask"] > 0) & ((batch["versions"] == NO_VERSION) | ~batch["behaviour_logp"].isfinite())
+    if bad.any():
+        row, t = bad.nonzero()[0].tolist()
+        s = segments[row]
+        raise RuntimeError(f"rollout {s.rollout_id} segment {s.segment_index} token {t} is in the loss but "
+                           "has no engine version/logprob: refusing to train on it")
 
 
 async def fill_routes(spec: RunSpec, engines: list | None, segments: list[Segment]) -> None:
@@ -281,11 +282,10 @@ async def fill_routes(spec: RunSpec, engines: list | None, segments: list[Segmen
             segment.routed_experts = route
 
 
-async def refit(policy: TrainerGroup, engines: list, version: int) -> float:
+async def refit(policy: TrainerGroup, router: Router, version: int) -> float:
     """Trainer weights → every engine (prefix caches reset, in-flight requests kept); returns seconds."""
     t0 = time.perf_counter()
-    chunks = await asyncio.to_thread(policy.weight_chunks)
-    await asyncio.gather(*[e.update_weights.remote(chunks, version) for e in engines])
+    await router.update_weights(await asyncio.to_thread(policy.weight_chunks), version)
     return time.perf_counter() - t0
 
 

@@ -22,6 +22,14 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tok(tiny_model_path):
+    """The tiny model's tokenizer (byte-level BPE with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session; logical CPUs > cores so small actors never starve."""
     import ray

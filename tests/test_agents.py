@@ -86,13 +86,6 @@ def turn_glue(tok, sampled: list[int], role: str, content: str) -> list[int]:
     return encode(tok, f"{close}{IM}{role}\n{content}{END}{IM}assistant")
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
 @pytest.fixture()
 def sampler(engine):
     return Recorder(engine)

@@ -29,13 +29,6 @@ TOOLS_ITEM = {"messages": [{"role": "system", "content": "Use the tools."},
                            {"role": "user", "content": "What is 2+3?"}], "label": "5"}
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
 @pytest.fixture()
 def sampler(engine):
     return Recorder(engine)

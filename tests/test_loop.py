@@ -131,6 +131,22 @@ def test_async_chat_agent_run(tmp_path, ray_session):
         assert versions and min(versions) >= r["step"] - 1 - spec.rollout.max_staleness
 
 
+def test_a_loss_token_without_an_engine_version_is_refused():
+    """Invariant 1 in the loop itself: no trainer is reached when a trained token lacks its engine stamp."""
+    import asyncio
+
+    from molt.loop import learn
+    from molt.trajectory import NO_VERSION, Rollout, Segment
+
+    def rollout(i: int, version: int) -> Rollout:
+        seg = Segment(token_ids=[1, 5, 6], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -2.0],
+                      versions=[NO_VERSION, 0, version], rollout_id=f"r{i}", group_id="g", prompt_len=1)
+        return Rollout(rollout_id=f"r{i}", group_id="g", segments=[seg], reward=float(i))
+
+    with pytest.raises(RuntimeError, match=r"rollout r1 segment 0 token 2 .*refusing to train"):
+        asyncio.run(learn(compose(SMALL), [rollout(0, 0), rollout(1, NO_VERSION)], None, None, None, 0, 0))
+
+
 @pytest.fixture(autouse=True)
 def _no_wandb(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
