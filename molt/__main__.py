@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from molt.config import check_overrides, spec_yaml, to_spec
+from molt.launch import dry_run
 from molt.spec import SpecError
 
 
@@ -38,9 +39,13 @@ def _run(cfg: DictConfig) -> None:
 
 def main() -> None:
     overrides = [a for a in sys.argv[1:] if not a.startswith("-") and "=" in a]
+    flags = [a for a in sys.argv[1:] if a not in overrides]
     try:
         check_overrides(overrides)
-    except SpecError as err:
+        # A dry run writes nothing: it is answered here, not by Hydra's app (which creates the run dir).
+        if set(flags) <= {"-m", "--multirun"} and dry_run(overrides, multirun=bool(flags)):
+            return
+    except (SpecError, OSError, ImportError, TypeError, ValueError) as err:
         sys.exit(f"molt: {err}")
     _run()
 

@@ -2,34 +2,77 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Sequence
 
 from molt.spec import RunSpec
+from molt.spec_checks import spec_warnings
+
+log = logging.getLogger("molt")
 
 
-def describe_plan(spec: RunSpec) -> str:
-    """What the launcher places where, in words (printed by `run.dry_run=true`)."""
+def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
+    """What the launcher places where, in words (printed by `run.dry_run=true` and at every start);
+    `nodes` (the bound Ray nodes) adds each plan node's address."""
+    from molt.placement import describe
+
     p, e = spec.parallel, spec.rollout.engine
     unit = "GPU" if p.device == "cuda" else "CPU process"
     where = f"attach to Ray at {spec.ray.address}" if spec.ray.address else "start Ray locally"
+    names = [f"{n['NodeManagerAddress']} {n['NodeID'][:8]}" for n in nodes] if nodes else None
     lines = [
-        f"run '{spec.run.name}' -> {spec.run.dir}",
+        f"run '{spec.run.name}' -> {spec.run.dir or '(dry run: no run directory)'}",
         f"ray: {where}",
         f"engines: {e.num_engines} x vLLM (tp={e.tp_size}, dp={e.dp_size}, expert_parallel="
         f"{e.enable_expert_parallel}) = {e.num_engines * e.tp_size * e.dp_size} {unit}(s)",
         f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} tp={p.tp_size} cp={p.cp_size} "
-        f"ep={p.ep_size}] FSDP2 on {p.device}, offload_optimizer={p.offload_optimizer}",
+        f"ep={p.ep_size}] FSDP2 on {p.device}, offload={p.offload}",
     ]
     if spec.model.critic:
         lines.append(f"critic: {p.world_size} rank(s), same layout")
     if spec.model.reference:
         lines.append(f"reference: {p.world_size} rank(s), frozen ({spec.model.reference})")
+    lines += [f"placement: {line}" for line in describe(spec, names)]
     lines += [
         f"agent: {spec.agent.kind} from {spec.agent.module}",
         f"loop: {spec.rollout.mode}, {spec.train.steps} steps x {spec.train.prompts_per_step} prompts x "
         f"{spec.rollout.samples_per_prompt} samples, estimator={spec.algo.estimator}",
     ]
     return "\n".join(lines)
+
+
+def check_inputs(spec: RunSpec) -> None:
+    """Load the data files and import the agent module, so a bad path fails before anything starts."""
+    from molt.agents import load_agent_runner
+    from molt.data import PromptDataset, load_eval
+
+    PromptDataset(spec.data.train_path, spec.data)
+    load_eval(spec.data)
+    load_agent_runner(spec.agent)
+
+
+def dry_run(overrides: Sequence[str], multirun: bool = False) -> bool:
+    """`run.dry_run=true` without Hydra's app, which would create the run directory: compose each job
+    (every combination of a `-m` sweep), check its inputs and print its plan. False if not a dry run."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from molt.config import compose
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    if not any(o.key_or_group == "run.dry_run" for o in parsed):
+        return False
+    jobs = BasicSweeper.split_arguments(parsed, None)[0] if multirun else [list(overrides)]
+    specs = [compose(job) for job in jobs]
+    if not all(spec.run.dry_run for spec in specs):
+        return False
+    for spec in specs:
+        for warning in spec_warnings(spec):
+            log.warning(warning)
+        check_inputs(spec)
+        print(describe_plan(spec), end="\n\n" if len(specs) > 1 else "\n")
+    return True
 
 
 def init_ray(spec: RunSpec) -> None:
@@ -52,16 +95,21 @@ def init_ray(spec: RunSpec) -> None:
 
 def launch(spec: RunSpec) -> dict[str, float]:
     """Validate-time checks done; place everything and run the loop. Returns the last step's metrics."""
-    print(describe_plan(spec))
+    for warning in spec_warnings(spec):
+        log.warning(warning)  # console and the run directory's log file
+    check_inputs(spec)
     if spec.run.dry_run:
+        print(describe_plan(spec))
         return {}
     import ray
 
     from molt.loop import train
+    from molt.placement import bind
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_ray(spec)
     try:
+        print(describe_plan(spec, bind(spec)))   # the cluster holds the plan: now actors may start
         return train(spec)
     finally:
         ray.shutdown()

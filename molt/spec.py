@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from molt.spec_checks import check_combinations, check_parallel
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -45,13 +47,15 @@ class ModelSpec(Strict):
 
 class ParallelSpec(Strict):
     device: Literal["cpu", "cuda"] = "cpu"
-    nodes: int = 1
+    nodes: int = 1                  # Ray nodes the run uses (see molt/placement.py)
+    gpus_per_node: int = 8          # cuda: GPUs on each node; the placement plan must fit nodes x this
+    trainer_nodes: int | None = None  # K: nodes 0..K-1 train, the others generate; None: all roles share
     world_size: int = 1             # trainer ranks
     dp_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
     ep_size: int = 1
-    offload_optimizer: bool = False
+    offload: Literal["none", "optimizer", "full"] = "none"  # host memory: optimizer state, or everything
     activation_checkpointing: bool = False
 
     @model_validator(mode="after")
@@ -65,6 +69,7 @@ class ParallelSpec(Strict):
         if (self.dp_size * self.cp_size) % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide dp_size*cp_size="
                              f"{self.dp_size * self.cp_size} (experts shard over data-parallel ranks)")
+        check_parallel(self)
         return self
 
 
@@ -239,13 +244,9 @@ class RunSpec(Strict):
     @model_validator(mode="after")
     def _cross_section(self) -> RunSpec:
         samples = self.train.prompts_per_step * self.rollout.samples_per_prompt
-        per_step = self.parallel.dp_size * self.train.micro_batch_size
         if samples % self.parallel.dp_size:
             raise ValueError(f"train.prompts_per_step*rollout.samples_per_prompt = {samples} must be "
                              f"divisible by parallel.dp_size={self.parallel.dp_size}")
-        if self.train.micro_batch_size > samples:
-            raise ValueError(f"train.micro_batch_size={self.train.micro_batch_size} exceeds the "
-                             f"{samples} samples of one step (dp_size*micro_batch_size={per_step})")
         if self.rollout.max_tokens >= self.model.max_model_len:
             raise ValueError(f"rollout.max_tokens={self.rollout.max_tokens} must be below "
                              f"model.max_model_len={self.model.max_model_len}")
@@ -263,9 +264,19 @@ class RunSpec(Strict):
                              "(routes are captured by re-scoring each batch on an otherwise idle engine)")
         return self
 
+    @model_validator(mode="after")
+    def _combinations(self) -> RunSpec:
+        check_combinations(self)
+        return self
+
 
 class SpecError(ValueError):
     """A config that does not validate; the message lists every problem at once."""
+
+
+# Keys that were renamed: an old key is an error that names its replacement.
+RENAMED = {"parallel.offload_optimizer": "parallel.offload: none | optimizer | full "
+                                         "(offload_optimizer=true used to mean full)"}
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
@@ -281,6 +292,8 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
 
 def unknown_key_message(dotted: str) -> str | None:
     """None if `dotted` names a spec key (or lies inside a free-form dict), else an error with a hint."""
+    if dotted in RENAMED:
+        return f"'{dotted}' was renamed: use {RENAMED[dotted]}"
     model: Any = RunSpec
     parts = dotted.split(".")
     for i, part in enumerate(parts):
@@ -304,7 +317,9 @@ def validate_spec(data: dict[str, Any]) -> RunSpec:
         for e in err.errors():
             loc = tuple(p for p in e["loc"] if not isinstance(p, int))
             dotted = ".".join(str(p) for p in e["loc"])
-            if e["type"] == "extra_forbidden":
+            if e["type"] == "extra_forbidden" and dotted in RENAMED:
+                lines.append(f"  {dotted}: renamed, use {RENAMED[dotted]}")
+            elif e["type"] == "extra_forbidden":
                 near = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1, cutoff=0.5)
                 hint = f" (did you mean '{'.'.join(map(str, loc[:-1] + (near[0],)))}'?)" if near else ""
                 lines.append(f"  {dotted}: unknown key{hint}")

@@ -37,7 +37,8 @@ def test_default_is_tiny():
 
 def test_qwen30b_tools_matches_its_description():
     spec = compose(["+experiment=qwen30b_tools"])
-    assert spec.parallel.ep_size == 8 and spec.parallel.nodes == 2
+    assert spec.parallel.nodes == 2 and spec.parallel.trainer_nodes == 1 and spec.parallel.world_size == 8
+    assert spec.parallel.ep_size == 1  # replay hooks HF MoE classes, which AutoModel's EP does not shard
     assert spec.rollout.mode == "async" and spec.rollout.partial_rollout
     assert (spec.algo.correction.level, spec.algo.correction.mode) == ("geo", "mask")
     assert (spec.algo.correction.low, spec.algo.correction.high) == (0.99, 1.01)
@@ -77,6 +78,26 @@ def test_bad_type_is_reported_with_key_and_value():
         (["train.prompts_per_step=3", "parallel=cpu2", "rollout.samples_per_prompt=1"], "divisible"),
         (["algo=gae"], "needs a critic"),
         (["algo.correction.low=1.5", "algo.correction.high=1.0"], "must be below"),
+        # layouts the trainer cannot run, refused with the reason (docs/parallelism.md)
+        (["parallel=cpu2", "parallel.dp_size=1", "parallel.cp_size=2"], "cp_size > 1 is not supported"),
+        (["parallel=cpu2", "parallel.ep_size=2"], "ep_size > 1 needs parallel.device=cuda"),
+        (["+experiment=qwen30b_tools", "parallel.ep_size=8"], "router_replay with parallel.ep_size=8"),
+        (["parallel.offload=full"], "offload=full needs world_size > 1"),
+        (["parallel.nodes=2", "parallel.trainer_nodes=2"], "trainer_nodes=2 must leave the engines"),
+        # combinations peers refuse
+        (["+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
+         "speculative_config with enable_prefix_caching=true"),
+        (["model=tiny_moe", "rollout.engine.enable_prefix_caching=false",
+          "+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
+         "speculative_config with model.router_replay"),
+        (["algo=grpo", "rollout.samples_per_prompt=1"], "grpo compares samples of one prompt"),
+        (["algo=rloo", "rollout.samples_per_prompt=1"], "rloo compares samples of one prompt"),
+        # a 24-GPU plan on a 16-GPU layout
+        (["+experiment=qwen30b_tools", "rollout.engine.num_engines=16"],
+         r"needs 24 GPUs \(policy 8 \+ 16 engines x 1\) but parallel.nodes x gpus_per_node = 2 x 8 = 16"),
+        (["+experiment=qwen30b_tools", "model.critic=true", "parallel.trainer_nodes=null"],
+         "needs 24 GPUs"),
+        (["+experiment=qwen3_4b_math", "rollout.engine.tp_size=16"], "does not fit on one node"),
     ],
 )
 def test_cross_field_rules(overrides, fragment):
@@ -98,11 +119,11 @@ def test_yaml_off_is_the_string_off():
 def test_diff_tiny_vs_qwen30b_tools(capsys):
     a, b = compose(["+experiment=tiny"]), compose(["+experiment=qwen30b_tools"])
     keys = {k for k, _, _ in key_diff(a, b)}
-    assert "parallel.ep_size" in keys and "model.path" in keys and "run.seed" not in keys
-    assert "+  ep_size: 8" in unified_diff(a, b, "tiny", "qwen30b_tools")
+    assert "parallel.world_size" in keys and "model.path" in keys and "run.seed" not in keys
+    assert "+  world_size: 8" in unified_diff(a, b, "tiny", "qwen30b_tools")
     assert diff_main(["tiny", "qwen30b_tools"]) == 0
     out = capsys.readouterr().out
-    assert "parallel.ep_size" in out and "1 -> 8" in out
+    assert "parallel.world_size" in out and "1 -> 8" in out
 
 
 def test_diff_of_override_lists(capsys):
@@ -124,12 +145,15 @@ def test_cli_typo_fails_before_anything_starts():
 def test_cli_print_config():
     proc = _molt("+experiment=qwen30b_tools", "--cfg", "job", "--resolve")
     assert proc.returncode == 0, proc.stderr
-    assert yaml.safe_load(proc.stdout)["parallel"]["ep_size"] == 8
+    assert yaml.safe_load(proc.stdout)["parallel"]["world_size"] == 8
 
 
 def test_multirun_writes_one_resolved_spec_per_job(tmp_path):
-    proc = _molt("-m", "algo=grpo,rloo,reinforce_pp", "run.dry_run=true", f"hydra.sweep.dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr
+    """Each job writes its resolved spec and logs the async warning in its run log, then stops before Ray:
+    the data file is missing."""
+    proc = _molt("-m", "algo=grpo,rloo,reinforce_pp", "rollout.mode=async", "data.train_path=missing.jsonl",
+                 f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode != 0 and "dataset file not found: 'missing.jsonl'" in proc.stderr
     specs = sorted(tmp_path.glob("*/spec.yaml"))
     assert len(specs) == 3
     loaded = [yaml.safe_load(p.read_text()) for p in specs]
@@ -138,3 +162,78 @@ def test_multirun_writes_one_resolved_spec_per_job(tmp_path):
         assert spec["run"]["dir"] == str(path.parent)           # resolved, not ${...}
         assert spec["logging"]["wandb"]["group"] == tmp_path.name  # one W&B group per sweep
         assert spec["logging"]["wandb"]["job_type"] == spec["algo"]["estimator"]
+        assert "algo.correction.level=off" in (path.parent / "__main__.log").read_text()
+
+
+def test_multirun_dry_run_prints_each_plan_and_writes_nothing(tmp_path):
+    proc = _molt("-m", "algo=grpo,rloo", "run.dry_run=true", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("placement: total:") == 2
+    assert "estimator=grpo" in proc.stdout and "estimator=rloo" in proc.stdout
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_renamed_key_names_its_replacement():
+    from molt.spec import validate_spec
+
+    with pytest.raises(SpecError, match=r"offload_optimizer' was renamed: use parallel.offload"):
+        compose(["parallel.offload_optimizer=true"])
+    data = compose([]).model_dump(mode="json")
+    data["parallel"]["offload_optimizer"] = True  # an old config file
+    with pytest.raises(SpecError, match=r"parallel.offload_optimizer: renamed, use parallel.offload"):
+        validate_spec(data)
+
+
+def test_micro_batch_size_is_an_upper_bound():
+    assert compose(["train.prompts_per_step=2", "train.micro_batch_size=64"]).train.micro_batch_size == 64
+
+
+def test_async_without_correction_warns():
+    from molt.spec_checks import spec_warnings
+
+    assert not spec_warnings(compose(["rollout.mode=async", "algo=tis"]))
+    assert "algo.correction.level=off" in spec_warnings(compose(["rollout.mode=async"]))[0]
+
+
+PLANS = {
+    "tiny": ["node 0: policy rank 0, engine 0", "total: 2 CPU processes on 1 node(s)"],
+    "qwen3_4b_math": ["node 0: policy ranks 0-3, engines 0-1 | 8/8 GPUs", "total: 8 of 1 x 8 = 8 GPUs"],
+    "qwen30b_tools": ["node 0: policy ranks 0-7 | 8/8 GPUs", "node 1: engines 0-7 | 8/8 GPUs",
+                      "total: 16 of 2 x 8 = 16 GPUs"],
+    "dsv3_ep256": ["nodes 0-31: policy ranks 0-255 | 8/8 GPUs each",
+                   "nodes 32-63: engines 0-31 | 8/8 GPUs each", "total: 512 of 64 x 8 = 512 GPUs"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_shipped_experiments_plan_totals_and_inputs(name):
+    from molt.launch import check_inputs, describe_plan
+
+    spec = compose([f"+experiment={name}"])
+    lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
+             if line.startswith("placement: ")]
+    assert lines == PLANS[name]
+    check_inputs(spec)  # its data files load and its agent module imports
+
+
+def test_dry_run_checks_data_and_agent_module():
+    from molt.launch import check_inputs
+
+    with pytest.raises(FileNotFoundError, match="dataset file not found: 'nope.jsonl'"):
+        check_inputs(compose(["data.train_path=nope.jsonl"]))
+    with pytest.raises(FileNotFoundError, match="dataset file not found: 'nope_eval.jsonl'"):
+        check_inputs(compose(["data.eval_path=nope_eval.jsonl"]))
+    with pytest.raises(ImportError, match="agent.module='nope.py' could not be loaded"):
+        check_inputs(compose(["agent.module=nope.py"]))
+
+
+def test_cli_dry_run_writes_nothing_and_over_subscription_fails_before_ray():
+    before = sorted((REPO / "runs").rglob("*")) if (REPO / "runs").exists() else []
+    ok = _molt("+experiment=qwen30b_tools", "run.dry_run=true")
+    assert ok.returncode == 0, ok.stderr
+    assert "total: 16 of 2 x 8 = 16 GPUs" in ok.stdout and "no run directory" in ok.stdout
+    bad = _molt("+experiment=qwen30b_tools", "run.dry_run=true", "rollout.engine.num_engines=16")
+    assert bad.returncode != 0 and "needs 24 GPUs" in bad.stderr
+    assert "Ray" not in bad.stderr and not bad.stdout  # failed at validation: nothing placed, nothing started
+    after = sorted((REPO / "runs").rglob("*")) if (REPO / "runs").exists() else []
+    assert after == before

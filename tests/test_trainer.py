@@ -137,13 +137,51 @@ def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp
     assert loss_normalizer(b["loss_mask"], make_spec(tiny_model_path).algo, 8) == m["tokens"]
 
 
+@pytest.mark.parametrize("layout", [
+    dict(world_size=2, dp_size=2, offload="full"),
+    dict(world_size=2, dp_size=1, tp_size=2, offload="optimizer"),
+], ids=["dp2-offload_full", "tp2-offload_optimizer"])
+def test_layouts_and_offload_equal_one_process(ray_session, tiny_model_path, layout) -> None:
+    """Tensor parallel and both offload modes train like the single-process reference: logprobs, losses,
+    gradient norms and weights after 2 steps (fp32, 1e-5); offload=optimizer on TP's DTensors (and, in
+    test_resume_is_exact, through a checkpoint). micro_batch_size 64 is more than the 8 rows of a step (an
+    upper bound). On CPU the offload moves are no-ops, but their code paths run."""
+    batches = [batch_of(s) for s in range(2)]
+    base = make_spec(tiny_model_path, mbs=64, lr=1e-4)
+    ref_losses, ref_weights = reference_run(tiny_model_path, batches, base)
+    group = TrainerGroup(base.model_copy(update={"parallel": base.parallel.model_copy(update=layout)}))
+    logp = group.logprobs(batches[0])
+    metrics = [group.train_step(b) for b in batches]
+    weights = full_weights(group)
+    group.shutdown()
+    mask = batches[0]["attention_mask"] > 0
+    assert float((logp - ref_losses[0][1])[mask].abs().max()) < 1e-5
+    for m, (loss, _) in zip(metrics, ref_losses, strict=True):
+        assert abs(m["loss"] - loss) < 1e-5
+    assert max_diff(ref_weights, weights) <= 1e-5, layout
+    assert metrics[0]["grad_norm"] == pytest.approx(_grad_norm(tiny_model_path, batches[0], base), rel=1e-5)
+
+
+def _grad_norm(path: str, batch: dict[str, torch.Tensor], spec: RunSpec) -> float:
+    """The first step's gradient norm, single process (before clipping)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp, _ = token_logprobs(logits, batch["input_ids"], batch["attention_mask"], spec.rollout.temperature)
+    norm = float(batch["loss_mask"].sum())
+    loss, _ = policy_loss(logp, {**batch, "old_logp": logp.detach()}, spec.algo, norm)
+    loss.backward()
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+
+
 def test_resume_is_exact(ray_session, tiny_model_path, tmp_path) -> None:
     """4 steps straight == 2 steps + checkpoint + new actors + resume + 2 steps (weights and optimizer),
-    with optimizer offload and activation checkpointing switched on."""
+    with optimizer-state offload and activation checkpointing switched on."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     spec = make_spec(tiny_model_path, 2, 4, lr_schedule="cosine", warmup_steps=2, weight_decay=0.01)
-    spec.parallel.offload_optimizer = spec.parallel.activation_checkpointing = True
+    spec.parallel.offload, spec.parallel.activation_checkpointing = "optimizer", True
     batches = [batch_of(10 + s) for s in range(4)]
     first = TrainerGroup(spec)
     lrs = [first.train_step(b)["lr"] for b in batches[:2]]

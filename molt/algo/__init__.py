@@ -4,6 +4,7 @@ Every registry maps a config name (from the `algo` group) to one function, so th
 looks functions up by name and never branches on the algorithm:
 
     ESTIMATORS        algo.estimator          -> advantage estimator (compute_advantages calls it)
+    GROUP_BASELINE    the estimators that need several samples per prompt
     LOSS_NORMS        algo.loss.norm          -> additive loss normalizer (loss_normalizer)
     CORRECTIONS       algo.correction.level   -> gated importance statistic (importance_weights)
     CORRECTION_MODES  algo.correction.mode    -> weight from the statistic
@@ -15,6 +16,7 @@ from molt.algo import opo  # noqa: F401  (registers the worked-example estimator
 from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, importance_weights
 from molt.algo.estimators import (
     ESTIMATORS,
+    GROUP_BASELINE,
     Advantages,
     compute_advantages,
     kl_penalty,
@@ -27,8 +29,9 @@ from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, value_loss
 from molt.algo.masked import masked_max, masked_mean, masked_sum, masked_whiten
 
 __all__ = [
-    "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "KL_ESTIMATORS", "LOSS_NORMS", "Advantages",
-    "apply_filters", "compute_advantages", "group_mean", "group_sum", "importance_weights", "kl_k1", "kl_k2",
-    "kl_k3", "kl_penalty", "loss_normalizer", "masked_max", "masked_mean", "masked_sum", "masked_whiten",
-    "policy_loss", "register_estimator", "rollout_sum", "to_tokens", "token_gae", "value_loss",
+    "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
+    "LOSS_NORMS", "Advantages", "apply_filters", "compute_advantages", "group_mean", "group_sum",
+    "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",
+    "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_sum",
+    "to_tokens", "token_gae", "value_loss",
 ]

@@ -41,14 +41,20 @@ class Advantages(NamedTuple):
 
 Estimator = Callable[..., Advantages]
 ESTIMATORS: dict[str, Estimator] = {}
+GROUP_BASELINE: set[str] = set()    # estimators whose baseline is the prompt's other samples
 
 
-def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: make `fn` the estimator for `algo.estimator: name`."""
+def register_estimator(name: str, group_baseline: bool = False) -> Callable[[Estimator], Estimator]:
+    """Decorator: make `fn` the estimator for `algo.estimator: name`.
+
+    `group_baseline=True` says its advantage compares the samples of one prompt, so the spec refuses it
+    with one sample per prompt (every advantage would be 0)."""
     def add(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
         ESTIMATORS[name] = fn
+        if group_baseline:
+            GROUP_BASELINE.add(name)
         return fn
     return add
 
@@ -88,7 +94,7 @@ def reinforce_pp(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, lo
     return Advantages(masked_whiten(returns, loss_mask), None, {})
 
 
-@register_estimator("reinforce_baseline")
+@register_estimator("reinforce_baseline", group_baseline=True)
 def reinforce_baseline(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
                        algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
                        ref_logp: Tensor | None = None) -> Advantages:
@@ -97,7 +103,7 @@ def reinforce_baseline(rewards: Tensor, group_ids: Tensor, segment_rollout: Tens
                         values, logp, ref_logp)
 
 
-@register_estimator("grpo")
+@register_estimator("grpo", group_baseline=True)
 def grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
          values: Tensor | None = None, logp: Tensor | None = None,
          ref_logp: Tensor | None = None) -> Advantages:
@@ -112,7 +118,7 @@ def grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask:
                       {"zero_std_frac": zero_std.float().mean()})
 
 
-@register_estimator("dr_grpo")
+@register_estimator("dr_grpo", group_baseline=True)
 def dr_grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
             values: Tensor | None = None, logp: Tensor | None = None,
             ref_logp: Tensor | None = None) -> Advantages:
@@ -121,7 +127,7 @@ def dr_grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_ma
     return Advantages(to_tokens(r - group_mean(r, group_ids), segment_rollout, loss_mask), None, {})
 
 
-@register_estimator("rloo")
+@register_estimator("rloo", group_baseline=True)
 def rloo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
          values: Tensor | None = None, logp: Tensor | None = None,
          ref_logp: Tensor | None = None) -> Advantages:

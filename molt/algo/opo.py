@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from molt.spec import AlgoSpec
 
 
-@register_estimator("opo")
+@register_estimator("opo", group_baseline=True)
 def opo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
         values: Tensor | None = None, logp: Tensor | None = None,
         ref_logp: Tensor | None = None) -> Advantages:

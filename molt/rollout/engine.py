@@ -242,9 +242,13 @@ def actor_options(engine: dict[str, Any]) -> dict[str, Any]:
 
 def start_engines(spec: Any, model_path: str) -> list:
     """Start `rollout.engine.num_engines` engine actors from a `RunSpec` and wait until they are ready."""
+    from molt.placement import cluster_nodes, node_selector, plan
+
     rollout, model = spec.rollout.model_dump(), spec.model.model_dump()
     opts = actor_options(rollout["engine"])
-    engines = [EngineActor.options(**opts).remote(model_path, rollout, model, spec.run.seed, i)
-               for i in range(rollout["engine"]["num_engines"])]
+    ids = [n["NodeID"] for n in cluster_nodes(spec)]   # each engine on its plan node (molt/placement.py)
+    engines = [EngineActor.options(**opts, label_selector=node_selector(ids[s.node]))
+               .remote(model_path, rollout, model, spec.run.seed, s.index)
+               for s in plan(spec) if s.role == "engine"]
     ray.get([e.ready.remote() for e in engines])
     return engines

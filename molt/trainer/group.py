@@ -1,9 +1,10 @@
 """Driver-side handle over the Ray actors of one trainer role (policy, reference or critic).
 
-The group places one `TrainerWorker` per rank (one GPU each on CUDA), has them rendezvous into one
-torch.distributed group, and turns each call into the same collective call on every rank: rows of a
-batch are padded to a multiple of dp_size and split into equal contiguous shards (tp/cp ranks of one
-data shard get the same rows), and rank 0's answer is returned.
+The group places one `TrainerWorker` per rank (one GPU each on CUDA) on the node the placement plan gives
+it (molt/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
+the same collective call on every rank: rows of a batch are padded to a multiple of dp_size and split
+into equal contiguous shards (tp/cp ranks of one data shard get the same rows), and rank 0's answer is
+returned.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from molt.placement import cluster_nodes, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
 from molt.trainer.worker import TrainerWorker
@@ -26,12 +28,16 @@ class TrainerGroup:
     def __init__(self, spec: RunSpec, role: str = "policy") -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
-        if spec.parallel.cp_size > 1:
-            raise NotImplementedError("parallel.cp_size > 1: the trainer does not shard sequences yet")
         self.spec, self.role = spec, role
         par = spec.parallel
         bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
-        self._pg = placement_group([bundle] * par.world_size, strategy="PACK")
+        # Each rank's bundle is pinned to its plan node; a role the spec does not configure (a direct
+        # TrainerGroup call) goes where the policy goes.
+        slots = plan(spec)
+        mine = [s for s in slots if s.role == role] or [s for s in slots if s.role == "policy"]
+        ids = [n["NodeID"] for n in cluster_nodes(spec)]
+        self._pg = placement_group([bundle] * par.world_size, strategy="PACK",
+                                   bundle_label_selector=[node_selector(ids[s.node]) for s in mine])
         ray.get(self._pg.ready())
         actor = ray.remote(TrainerWorker)
         self.workers = [

@@ -40,9 +40,10 @@ def distributed_setup(spec: RunSpec) -> Any:
     par = spec.parallel
     cuda = par.device == "cuda"
     compute = DTYPES[spec.model.dtype] if cuda else torch.float32  # CPU trains in fp32 (spec rule)
-    # Optimizer offload = FSDP2 CPU offload: sharded params, grads and optimizer state live on the host.
-    # pin_memory needs an accelerator; on CPU the policy is a no-op kept for the same code path.
-    offload = CPUOffloadPolicy(pin_memory=cuda) if par.offload_optimizer else None
+    # offload=full is FSDP2's CPU offload: sharded params, grads and optimizer state live on the host
+    # (offload=optimizer is the optimizer's business: molt/trainer/offload.py). pin_memory needs an
+    # accelerator; on CPU the policy is a no-op kept for the same code path.
+    offload = CPUOffloadPolicy(pin_memory=cuda) if par.offload == "full" else None
     strategy = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                        output_dtype=torch.float32),
@@ -55,12 +56,12 @@ def distributed_setup(spec: RunSpec) -> Any:
                                   activation_checkpointing=par.activation_checkpointing)
 
 
-def build_model(spec: RunSpec, role: str) -> nn.Module:
-    """The sharded model of `role` (policy | reference | critic), ready for forward on this rank."""
+def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
+    """The sharded model of `role` (policy | reference | critic) on `distributed_setup(spec)`'s mesh,
+    ready for forward on this rank."""
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
     path = model_path(spec, role)
-    setup = distributed_setup(spec)
     cuda = spec.parallel.device == "cuda"
     # fp32 master weights everywhere; on GPU the FSDP2 policy computes in model.dtype (bf16).
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
@@ -75,7 +76,8 @@ def build_model(spec: RunSpec, role: str) -> nn.Module:
         from nemo_automodel import NeMoAutoModelForCausalLM
 
         # AutoModel's loader parallelizes while loading; replay/freeze hooks attach to the sharded modules.
-        # Replay and freeze act on Hugging Face MoE routers, so those switches ask for the HF classes.
+        # Replay and freeze act on Hugging Face MoE routers, so those switches ask for the HF classes
+        # (which AutoModel's expert parallel does not shard: the spec refuses them with ep_size > 1).
         moe_switch = spec.model.router_replay or spec.model.freeze_router
         model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, force_hf=moe_switch,
                                                          **common)

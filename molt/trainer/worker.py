@@ -14,12 +14,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+from nemo_automodel.components.training.utils import clip_grad_norm
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from molt.algo import loss_normalizer, policy_loss, value_loss
 from molt.spec import RunSpec
 from molt.trainer import checkpoint, weights
-from molt.trainer.model import DTYPES, build_model, model_path, token_logprobs
+from molt.trainer.model import DTYPES, build_model, distributed_setup, model_path, token_logprobs
+from molt.trainer.offload import HostStateAdamW
 from molt.trainer.router_replay import replay_routes
 
 
@@ -72,7 +76,9 @@ class TrainerWorker:
                                 rank=self.rank, world_size=par.world_size)
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         torch.manual_seed(self.spec.run.seed)
-        self.model = build_model(self.spec, self.role)
+        setup = distributed_setup(self.spec)
+        self.mesh = setup.mesh_context.device_mesh
+        self.model = build_model(self.spec, self.role, setup)
         # The loss is already a global SUM / global normalizer per rank, so FSDP must sum gradients
         # across data shards instead of averaging them. Gloo has no pre-multiplied sum: force plain sums.
         for module in self.model.modules():
@@ -83,8 +89,9 @@ class TrainerWorker:
         if self.role != "reference":
             params = [p for p in self.model.parameters() if p.requires_grad]
             lr = self.spec.train.critic_lr if self.role == "critic" else self.spec.train.lr
-            self.optimizer = torch.optim.AdamW(params, lr=lr, betas=self.spec.train.betas,
-                                               weight_decay=self.spec.train.weight_decay)
+            adamw = HostStateAdamW if self.spec.parallel.offload == "optimizer" else torch.optim.AdamW
+            self.optimizer = adamw(params, lr=lr, betas=self.spec.train.betas,
+                                   weight_decay=self.spec.train.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                                lambda s: lr_factor(self.spec, s))
 
@@ -95,6 +102,8 @@ class TrainerWorker:
         with replay_routes(self.model, routes):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                                 use_cache=False).logits.float()
+        if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
+            logits = logits.full_tensor()
         if self.role == "critic":
             return logits[..., 0] * mb["attention_mask"], None
         return token_logprobs(logits, mb["input_ids"], mb["attention_mask"], self.spec.rollout.temperature,
@@ -162,10 +171,11 @@ class TrainerWorker:
             add("tokens", n_tok)
             for key, value in metrics.items():
                 add(f"w/{key}", float(value) * n_tok)  # token-weighted means across micro-batches/ranks
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], spec.train.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        # Parameters replicated over tensor-parallel ranks (norms) got each rank's part of the gradient:
+        # reduce them once; then clip with AutoModel, which groups gradients by mesh (TP and FSDP
+        # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix).
+        synchronize_tp_replica_gradients([self.model], self.mesh)
+        grad_norm = clip_grad_norm(spec.train.grad_clip, [self.model])
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

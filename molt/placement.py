@@ -1,0 +1,164 @@
+"""Placement: which node runs every actor, planned before Ray starts and checked before any actor starts.
+
+The plan comes from the spec alone. Trainer roles (the policy, then the reference, then the critic;
+`parallel.world_size` ranks of one device each) and engines (`rollout.engine.num_engines`, each
+`tp_size * dp_size` devices on one node) fill `parallel.nodes` nodes of `parallel.gpus_per_node` GPUs in
+order. With `parallel.trainer_nodes = K` nodes 0..K-1 train and the others generate; left null, all roles
+share every node (trainer ranks first). On CUDA a plan that does not fit is a spec error, so it fails before
+Ray starts. On CPU devices are time-shared cores, so the plan only maps roles to nodes.
+
+Binding, once Ray is up: plan node i is the i-th alive Ray node (with GPUs, on CUDA), the driver's node
+first, then the others by address and id. Each node's total resources must hold what the plan puts on it,
+or the run stops with the numbers. Actors are pinned with the label Ray gives every node (`ray.io/node-id`):
+placement-group bundles for trainer ranks, a label selector for engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from molt.spec import RunSpec
+
+NODE_LABEL = "ray.io/node-id"
+
+
+@dataclass(frozen=True)
+class Slot:
+    role: str       # policy | reference | critic | engine
+    index: int      # the rank, or the engine's index
+    node: int       # plan node
+    gpus: int       # devices it holds on CUDA (0 on CPU)
+
+
+def trainer_roles(spec: RunSpec) -> list[str]:
+    return ["policy"] + ["reference"] * bool(spec.model.reference) + ["critic"] * spec.model.critic
+
+
+def plan(spec: RunSpec) -> list[Slot]:
+    """Every actor's plan node; on CUDA raises ValueError with the numbers when the plan does not fit."""
+    par, eng = spec.parallel, spec.rollout.engine
+    cuda = par.device == "cuda"
+    per_engine = eng.tp_size * eng.dp_size
+    roles = trainer_roles(spec)
+    if cuda:
+        _check_totals(spec, roles, per_engine)
+    free = {n: par.gpus_per_node if cuda else float("inf") for n in range(par.nodes)}
+    k = par.trainer_nodes
+    train_nodes, engine_nodes = (range(par.nodes),) * 2 if k is None else (range(k), range(k, par.nodes))
+    slots = []
+    for role in roles:
+        for rank in range(par.world_size):
+            node = next((n for n in train_nodes if free[n] >= 1), None)
+            if node is None:
+                raise ValueError(f"the trainer ({_trainer_words(spec, roles)}) does not fit on nodes "
+                                 f"{_span(train_nodes)} of {par.gpus_per_node} GPUs")
+            free[node] -= 1
+            slots.append(Slot(role, rank, node, int(cuda)))
+    for index in range(eng.num_engines):
+        node = next((n for n in engine_nodes if free[n] >= per_engine), None)
+        if node is None:
+            left = ", ".join(f"node {n}: {free[n]:g}" for n in engine_nodes)
+            raise ValueError(f"{eng.num_engines} engines x {per_engine} GPUs do not fit on nodes "
+                             f"{_span(engine_nodes)} (GPUs free after the trainer: {left})")
+        free[node] -= per_engine
+        slots.append(Slot("engine", index, node, per_engine * cuda))
+    return slots
+
+
+def _check_totals(spec: RunSpec, roles: list[str], per_engine: int) -> None:
+    par, eng = spec.parallel, spec.rollout.engine
+    if per_engine > par.gpus_per_node:
+        raise ValueError(f"an engine of tp_size*dp_size = {per_engine} GPUs does not fit on one node of "
+                         f"parallel.gpus_per_node={par.gpus_per_node} (an engine never spans nodes)")
+    trainer, engines = len(roles) * par.world_size, eng.num_engines * per_engine
+    have = par.nodes * par.gpus_per_node
+    if trainer + engines > have:
+        raise ValueError(f"the plan needs {trainer + engines} GPUs ({_trainer_words(spec, roles)} + "
+                         f"{eng.num_engines} engines x {per_engine}) but parallel.nodes x gpus_per_node = "
+                         f"{par.nodes} x {par.gpus_per_node} = {have}")
+
+
+def _trainer_words(spec: RunSpec, roles: list[str]) -> str:
+    return " + ".join(f"{role} {spec.parallel.world_size}" for role in roles)
+
+
+def _span(nodes: range) -> str:
+    return f"{nodes[0]}..{nodes[-1]}" if len(nodes) > 1 else str(nodes[0])
+
+
+def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
+    """One line per node (what runs there, GPUs used of the node's), then the total. Consecutive nodes
+    that hold the same (e.g. 32 trainer nodes) share one line unless `node_names` are given."""
+    par = spec.parallel
+    cuda = par.device == "cuda"
+    slots = plan(spec)
+    rows = []
+    for node in range(par.nodes):
+        here = [s for s in slots if s.node == node]
+        shape = tuple((role, len(list(g))) for role, g in groupby(here, key=lambda s: s.role))
+        rows.append((node, here, shape))
+    lines = []
+    for _, run in groupby(rows, key=lambda r: r[2] if node_names is None else r[0]):
+        run = list(run)
+        first, last = run[0][0], run[-1][0]
+        here = [s for r in run for s in r[1]]
+        parts = []
+        for role, group in groupby(here, key=lambda s: s.role):
+            idx = [s.index for s in group]
+            noun = "engine" if role == "engine" else f"{role} rank"
+            parts.append(noun + (f"s {idx[0]}-{idx[-1]}" if len(idx) > 1 else f" {idx[0]}"))
+        each = " each" if len(run) > 1 else ""
+        used = f" | {sum(s.gpus for s in run[0][1])}/{par.gpus_per_node} GPUs{each}" if cuda else ""
+        name = f" ({node_names[first]})" if node_names else ""
+        nodes = f"nodes {first}-{last}" if len(run) > 1 else f"node {first}"
+        lines.append(f"{nodes}{name}: {', '.join(parts) or 'idle'}{used}")
+    if cuda:
+        total = sum(s.gpus for s in slots)
+        lines.append(f"total: {total} of {par.nodes} x {par.gpus_per_node} = {par.nodes * par.gpus_per_node} "
+                     "GPUs")
+    else:
+        lines.append(f"total: {len(slots)} CPU processes on {par.nodes} node(s)")
+    return lines
+
+
+def cluster_nodes(spec: RunSpec) -> list[dict]:
+    """The Ray nodes (as `ray.nodes()` entries) that plan nodes 0..nodes-1 run on."""
+    import ray
+
+    cuda = spec.parallel.device == "cuda"
+    me = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n["Alive"] and (not cuda or n["Resources"].get("GPU", 0) > 0)]
+    nodes.sort(key=lambda n: (n["NodeID"] != me, n["NodeManagerAddress"], n["NodeID"]))
+    if len(nodes) < spec.parallel.nodes:
+        raise RuntimeError(f"parallel.nodes={spec.parallel.nodes} but the Ray cluster has {len(nodes)} alive "
+                           f"node(s){' with GPUs' if cuda else ''}")
+    return nodes[:spec.parallel.nodes]
+
+
+def bind(spec: RunSpec) -> list[dict]:
+    """`cluster_nodes`, after checking that each one's total resources hold what the plan puts on it;
+    raises RuntimeError with the numbers otherwise. Call it before any actor starts."""
+    from molt.rollout.engine import actor_options
+
+    engine_cpus = actor_options(spec.rollout.engine.model_dump())["num_cpus"]
+    nodes, slots, problems = cluster_nodes(spec), plan(spec), []
+    for i, node in enumerate(nodes):
+        here = [s for s in slots if s.node == i]
+        need = {"GPU": sum(s.gpus for s in here),
+                "CPU": sum(engine_cpus if s.role == "engine" else 1 for s in here)}
+        for resource, amount in need.items():
+            have = node["Resources"].get(resource, 0.0)
+            if amount > have + 1e-6:
+                where = f"node {i} ({node['NodeManagerAddress']}, {node['NodeID'][:8]})"
+                problems.append(f"{where}: the plan puts {amount:g} {resource} there, the node has {have:g}")
+    if problems:
+        raise RuntimeError("the Ray cluster cannot hold the placement plan:\n  " + "\n  ".join(problems))
+    return nodes
+
+
+def node_selector(node_id: str) -> dict[str, str]:
+    """A Ray label selector that pins an actor or bundle to one node."""
+    return {NODE_LABEL: node_id}

@@ -1,0 +1,88 @@
+"""Rules of the run spec that need a reason: layouts and combinations the code cannot run (refused
+when the spec validates) and accepted but risky settings (logged loudly at launch). docs/parallelism.md
+lists what each parallel setting does and where it is tested.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from molt.spec import ParallelSpec, RunSpec
+
+
+def check_parallel(par: ParallelSpec) -> None:
+    """Refuse the layouts the trainer cannot run, with the reason (docs/parallelism.md)."""
+    if par.cp_size > 1:
+        raise ValueError("cp_size > 1 is not supported: the trainer does not shard sequences, and torch's "
+                         "context parallel has no CPU path to test it on (aten._scaled_dot_product_flash_"
+                         "attention_for_cpu has no sharding strategy)")
+    if par.ep_size > 1 and par.device == "cpu":
+        raise ValueError("ep_size > 1 needs parallel.device=cuda: AutoModel shards experts only in its own "
+                         "MoE model classes, which call torch.cuda.current_device() when built; the CPU "
+                         "trainer loads the Hugging Face classes, on which AutoModel's expert parallel "
+                         "raises")
+    if par.offload == "full" and par.world_size == 1:
+        raise ValueError("offload=full needs world_size > 1: with one rank AutoModel does not wrap the model "
+                         "in FSDP2, whose CPUOffloadPolicy is what moves parameters to the host; use "
+                         "offload=optimizer")
+    if par.nodes < 1 or par.gpus_per_node < 1:
+        raise ValueError(f"nodes={par.nodes} and gpus_per_node={par.gpus_per_node} must be >= 1")
+    if par.trainer_nodes is not None and not 1 <= par.trainer_nodes < par.nodes:
+        raise ValueError(f"trainer_nodes={par.trainer_nodes} must leave the engines at least one of the "
+                         f"{par.nodes} node(s) (1 <= trainer_nodes < nodes), or be null to share all nodes")
+
+
+def check_combinations(spec: RunSpec) -> None:
+    """Cross-section refusals; on CUDA also the placement plan, so an over-subscribed layout fails
+    before Ray starts (CPU devices are time-shared: nothing to total)."""
+    _moe_with_expert_parallel(spec)
+    _speculative_decoding(spec)
+    _group_baseline(spec)
+    if spec.parallel.device == "cuda":
+        from molt.placement import plan
+
+        plan(spec)
+
+
+def _moe_with_expert_parallel(spec: RunSpec) -> None:
+    switches = [k for k in ("router_replay", "freeze_router") if getattr(spec.model, k)]
+    if switches and spec.parallel.ep_size > 1:
+        raise ValueError(f"model.{'/'.join(switches)} with parallel.ep_size={spec.parallel.ep_size}: replay "
+                         "and freeze act on Hugging Face MoE routers, and AutoModel's expert parallel shards "
+                         "only its own MoE classes (it raises on the Hugging Face ones); use ep_size=1 "
+                         "(FSDP2 still shards the experts) or turn the switch off")
+
+
+def _speculative_decoding(spec: RunSpec) -> None:
+    engine = spec.rollout.engine
+    if engine.speculative_config is None:
+        return
+    if spec.model.router_replay:
+        raise ValueError("rollout.engine.speculative_config with model.router_replay: tokens accepted from "
+                         "a draft are scored in a verification pass, so the engine's routes do not come from "
+                         "one pass per sampled token and replaying them is not exact")
+    if engine.enable_prefix_caching:
+        raise ValueError("rollout.engine.speculative_config with enable_prefix_caching=true: peers measured "
+                         "a ~10x larger trainer/engine logprob mismatch with both on; set "
+                         "rollout.engine.enable_prefix_caching=false")
+
+
+def _group_baseline(spec: RunSpec) -> None:
+    from molt.algo import GROUP_BASELINE  # lazy: molt.algo imports this module's types
+
+    if spec.algo.estimator in GROUP_BASELINE and spec.rollout.samples_per_prompt < 2:
+        raise ValueError(f"algo.estimator={spec.algo.estimator} compares samples of one prompt, and "
+                         "rollout.samples_per_prompt=1 makes every advantage 0; use >= 2 samples, or a "
+                         "batch-baseline estimator (reinforce_pp)")
+
+
+def spec_warnings(spec: RunSpec) -> list[str]:
+    """Accepted but risky settings; the launcher logs each one loudly (console and the run's log)."""
+    out = []
+    if spec.rollout.mode == "async" and spec.algo.correction.level == "off":
+        out.append("rollout.mode=async with algo.correction.level=off: tokens up to rollout.max_staleness="
+                   f"{spec.rollout.max_staleness} policy versions old (and, with partial rollouts, responses "
+                   "that span a refit) are trained as if on-policy; set algo.correction (e.g. algo=tis) "
+                   "unless this is the ablation you want")
+    return out
