@@ -120,7 +120,9 @@ def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
         lines.append(f"total: {total} of {par.nodes} x {par.gpus_per_node} = {par.nodes * par.gpus_per_node} "
                      "GPUs")
     else:
-        lines.append(f"total: {len(slots)} CPU processes on {par.nodes} node(s)")
+        engines = sum(s.role == "engine" for s in slots)
+        lines.append(f"total: {len(slots) - engines} trainer rank(s) and {engines} engine(s) on {par.nodes} "
+                     "node(s) (CPU: cores are shared)")
     return lines
 
 

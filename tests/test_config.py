@@ -196,7 +196,8 @@ def test_async_without_correction_warns():
 
 
 PLANS = {
-    "tiny": ["node 0: policy rank 0, engine 0", "total: 2 CPU processes on 1 node(s)"],
+    "tiny": ["node 0: policy rank 0, engine 0",
+             "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "qwen3_4b_math": ["node 0: policy ranks 0-3, engines 0-1 | 8/8 GPUs", "total: 8 of 1 x 8 = 8 GPUs"],
     "qwen30b_tools": ["node 0: policy ranks 0-7 | 8/8 GPUs", "node 1: engines 0-7 | 8/8 GPUs",
                       "total: 16 of 2 x 8 = 16 GPUs"],

@@ -1,7 +1,9 @@
 """Multi-node placement for real: a 2-node Ray cluster started on this machine (`ray start --head` and a
 second `ray start` with its own resources), a run attached to it with `ray.address`, the trainer on node 0
-and the engine on node 1 as in qwen30b_tools, 2 training steps. The fixture stops exactly the processes of
-the cluster it started (found by its private temp dir), also when the test fails."""
+and the engine on node 1 as in qwen30b_tools, 2 training steps. The engine also runs speculative decoding
+(ngram drafts, prefix caching off, as the spec demands), and the trainer must still reproduce its
+logprobs. The fixture stops exactly the processes of the cluster it started (found by its private temp
+dir), also when the test fails."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _stop(temp_dir: str) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=10)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=3)
     for p in alive:
         try:
             p.kill()
@@ -80,10 +82,14 @@ def test_run_attached_to_two_nodes_places_roles_and_trains(two_nodes, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "molt", *SMALL, "train.steps=2", "train.save_every=0", "train.eval_every=0",
          f"ray.address={two_nodes}", "parallel.nodes=2", "parallel.trainer_nodes=1",
-         f"hydra.run.dir={run_dir}"],
+         "rollout.engine.enable_prefix_caching=false", f"hydra.run.dir={run_dir}",
+         "+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2, "
+         "prompt_lookup_max: 2}"],
         env=ENV, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["mismatch/max_abs"] < 1e-4 for m in metrics)  # also after the cross-node refit
     assert "placement: node 0 (" in proc.stdout and "placement: node 1 (" in proc.stdout
     probe = subprocess.run([sys.executable, "-c", PROBE, two_nodes], env=ENV, capture_output=True, text=True,
                            timeout=120, check=True)
