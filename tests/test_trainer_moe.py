@@ -138,3 +138,18 @@ def test_router_replay_matches_engine(policy, exported, engine, tmp_path) -> Non
     assert gates and all(torch.equal(before[k], after[k]) for k in gates)
     assert not torch.equal(before["model.layers.0.mlp.experts.0.up_proj.weight"],
                            after["model.layers.0.mlp.experts.0.up_proj.weight"])
+
+
+def test_automodel_moe_classes_need_cuda() -> None:
+    """Why the spec refuses parallel.ep_size > 1 on CPU (docs/parallelism.md): AutoModel's expert parallel
+    shards only its own MoE classes, and they cannot be built without CUDA. If this stops raising, EP can
+    be tested on CPU: revisit the refusal."""
+    from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+    from transformers import AutoConfig
+
+    from molt.tiny import tiny_model_path
+
+    config = AutoConfig.from_pretrained(tiny_model_path(**MOE))
+    config.tie_word_embeddings = False  # AutoModel's class rejects tied heads before it gets to CUDA
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        Qwen3MoeForCausalLM(config)
