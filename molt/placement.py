@@ -43,8 +43,9 @@ def plan(spec: RunSpec) -> list[Slot]:
     cuda = par.device == "cuda"
     per_engine = eng.tp_size * eng.dp_size
     roles = trainer_roles(spec)
+    words = " + ".join(f"{role} {par.world_size}" for role in roles)   # e.g. "policy 8 + reference 8"
     if cuda:
-        _check_totals(spec, roles, per_engine)
+        _check_totals(spec, words, len(roles) * par.world_size, per_engine)
     free = {n: par.gpus_per_node if cuda else float("inf") for n in range(par.nodes)}
     k = par.trainer_nodes
     train_nodes, engine_nodes = (range(par.nodes),) * 2 if k is None else (range(k), range(k, par.nodes))
@@ -53,40 +54,31 @@ def plan(spec: RunSpec) -> list[Slot]:
         for rank in range(par.world_size):
             node = next((n for n in train_nodes if free[n] >= 1), None)
             if node is None:
-                raise ValueError(f"the trainer ({_trainer_words(spec, roles)}) does not fit on nodes "
-                                 f"{_span(train_nodes)} of {par.gpus_per_node} GPUs")
+                raise ValueError(f"the trainer ({words}) does not fit on nodes {train_nodes[0]}.."
+                                 f"{train_nodes[-1]} of {par.gpus_per_node} GPUs")
             free[node] -= 1
             slots.append(Slot(role, rank, node, int(cuda)))
+    after_trainer = dict(free)
     for index in range(eng.num_engines):
         node = next((n for n in engine_nodes if free[n] >= per_engine), None)
         if node is None:
-            left = ", ".join(f"node {n}: {free[n]:g}" for n in engine_nodes)
+            left = ", ".join(f"node {n}: {after_trainer[n]:g}" for n in engine_nodes)
             raise ValueError(f"{eng.num_engines} engines x {per_engine} GPUs do not fit on nodes "
-                             f"{_span(engine_nodes)} (GPUs free after the trainer: {left})")
+                             f"{engine_nodes[0]}..{engine_nodes[-1]} (GPUs free after the trainer: {left})")
         free[node] -= per_engine
         slots.append(Slot("engine", index, node, per_engine * cuda))
     return slots
 
 
-def _check_totals(spec: RunSpec, roles: list[str], per_engine: int) -> None:
+def _check_totals(spec: RunSpec, words: str, trainer: int, per_engine: int) -> None:
     par, eng = spec.parallel, spec.rollout.engine
     if per_engine > par.gpus_per_node:
         raise ValueError(f"an engine of tp_size*dp_size = {per_engine} GPUs does not fit on one node of "
                          f"parallel.gpus_per_node={par.gpus_per_node} (an engine never spans nodes)")
-    trainer, engines = len(roles) * par.world_size, eng.num_engines * per_engine
-    have = par.nodes * par.gpus_per_node
-    if trainer + engines > have:
-        raise ValueError(f"the plan needs {trainer + engines} GPUs ({_trainer_words(spec, roles)} + "
-                         f"{eng.num_engines} engines x {per_engine}) but parallel.nodes x gpus_per_node = "
-                         f"{par.nodes} x {par.gpus_per_node} = {have}")
-
-
-def _trainer_words(spec: RunSpec, roles: list[str]) -> str:
-    return " + ".join(f"{role} {spec.parallel.world_size}" for role in roles)
-
-
-def _span(nodes: range) -> str:
-    return f"{nodes[0]}..{nodes[-1]}" if len(nodes) > 1 else str(nodes[0])
+    need, have = trainer + eng.num_engines * per_engine, par.nodes * par.gpus_per_node
+    if need > have:
+        raise ValueError(f"the plan needs {need} GPUs ({words} + {eng.num_engines} engines x {per_engine}) "
+                         f"but parallel.nodes x gpus_per_node = {par.nodes} x {par.gpus_per_node} = {have}")
 
 
 def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
