@@ -7,6 +7,13 @@ cd "$(dirname "$0")"
 TARGET="${1:-cpu}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
+# Tool code runs under bubblewrap (molt.agents.sandbox); as root on Debian/Ubuntu it is installed here.
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q bubblewrap >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || true
+fi
+command -v bwrap >/dev/null || echo "install.sh: bubblewrap (bwrap) is not installed: tool sandboxes" \
+  "(molt.agents.sandbox) will refuse to run until it is (apt-get install bubblewrap)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip

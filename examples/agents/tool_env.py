@@ -1,11 +1,15 @@
-"""Multi-turn tool use (Env): the model may call a calculator, then answers.
+"""Multi-turn tool use (Env): the model may call a calculator or run Python, then answers.
 
 A turn that contains a Hermes tool call `<tool_call>{"name": "calculator", "arguments":
-{"expression": "..."}}</tool_call>` gets the calculator's output back as a tool message. A turn with
-`ANSWER: <number>` ends the episode, rewarded 1 when the number equals the label. Anything else gets a
-short hint and another turn, until agent.max_turns. The calculator runs in `molt.agents.sandbox` (a
-separate Python process with time, memory and file limits, unprivileged when run as root), evaluates
-only arithmetic (an AST whitelist) and is killed after a timeout.
+{"expression": "..."}}</tool_call>` (or `"name": "python", "arguments": {"code": "..."}`) gets the
+tool's output back as a tool message. A turn with `ANSWER: <number>` ends the episode, rewarded 1 when
+the number equals the label. Anything else gets a short hint and another turn, until agent.max_turns.
+
+Both tools run in `molt.agents.sandbox` (no network, no view of the run or the home directory, limits,
+killed after a timeout); the calculator evaluates only arithmetic (an AST whitelist). What goes wrong
+inside a tool (an exception, a limit, the timeout, a blocked escape) is the model's doing and comes
+back to it as `error: ...` in the tool message; the rollout goes on and is trained. A sandbox that
+cannot start (`SandboxUnavailable`) is not the model's doing: it fails the rollout.
 """
 
 import asyncio
@@ -18,7 +22,9 @@ from molt.agents.sandbox import run_python
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 ANSWER = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)")
 
-SANDBOX = r"""
+MAX_OUTPUT_CHARS = 2000   # of a tool's stdout shown to the model
+
+CALCULATOR = r"""
 import ast, operator as op, sys
 OPS = {ast.Add: op.add, ast.Sub: op.sub, ast.Mult: op.mul, ast.Div: op.truediv, ast.Mod: op.mod,
        ast.Pow: op.pow, ast.USub: op.neg, ast.UAdd: op.pos}
@@ -34,14 +40,18 @@ print(ev(ast.parse(sys.stdin.read(), mode="eval").body))
 """
 
 
-def calculator(expression: str, timeout_s: float = 2.0) -> str:
-    """Evaluate `expression` in a sandboxed subprocess; errors and timeouts come back as text."""
-    done = run_python(SANDBOX, expression, timeout_s=timeout_s)
+def run_tool(code: str, stdin: str = "", timeout_s: float = 2.0) -> str:
+    """Run `code` in the sandbox: its stdout, or the error (last line of the traceback, or the timeout)."""
+    done = run_python(code, stdin, timeout_s=timeout_s)
     if done.timed_out:
         return f"error: timed out after {timeout_s}s"
     if done.returncode:
-        return "error: " + (done.stderr.strip().splitlines() or ["failed"])[-1]
-    return done.stdout.strip()
+        return "error: " + (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    return done.stdout.strip()[:MAX_OUTPUT_CHARS]
+
+
+def calculator(expression: str, timeout_s: float = 2.0) -> str:
+    return run_tool(CALCULATOR, expression, timeout_s)
 
 
 class ToolEnv(Env):
@@ -51,14 +61,21 @@ class ToolEnv(Env):
             return Result(reward=float(float(answer.group(1)) == float(state.label)))
         call = CALL.search(state.action)
         if call:
+            timeout = float(self.options.get("tool_timeout_s", 2.0))
             try:
-                expression = str(json.loads(call.group(1))["arguments"]["expression"])
+                request = json.loads(call.group(1))
+                name, args = request["name"], request["arguments"]
+                if name == "calculator":
+                    code, stdin = CALCULATOR, str(args["expression"])
+                elif name == "python":
+                    code, stdin = str(args["code"]), ""
+                else:
+                    raise KeyError(f"unknown tool {name!r}; the tools are calculator and python")
             except (ValueError, KeyError, TypeError) as err:
                 output = f"error: malformed tool call ({err})"
             else:
-                timeout = float(self.options.get("tool_timeout_s", 2.0))
                 # a thread, so the subprocess does not block the other rollouts' event loop
-                output = await asyncio.to_thread(calculator, expression, timeout)
+                output = await asyncio.to_thread(run_tool, code, stdin, timeout)
             return Result(reward=0.0, observation={"role": "tool", "content": output}, terminated=False,
                           info={"tool_calls": 1.0})
         hint = "Call the calculator or reply with ANSWER: <number>."
