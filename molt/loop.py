@@ -298,7 +298,7 @@ async def evaluate(spec: RunSpec, runner: Any, router: Router, eval_set: PromptD
     async def generate(prompt_ids: list[int], sampling: dict, key: str) -> dict:
         return await router.generate(prompt_ids, {**sampling, **params}, key)
 
-    sampler = SimpleNamespace(generate=generate)
+    sampler = SimpleNamespace(generate=generate, release=router.release)
     items = list(eval_set)
     results = await asyncio.gather(*[runner.run(item, f"eval{step}-{i}-{k}", f"eval{step}-{i}", sampler)
                                      for i, item in enumerate(items) for k in range(e.n)])

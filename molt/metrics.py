@@ -59,7 +59,7 @@ class RunLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._metrics = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")  # append: resume continues
         self._wandb = self._init_wandb()
-        self._dumped: set[int] = set()  # steps whose rollout file this process has started
+        self._dumping: int | None = None   # the step whose rollout file this process has started last
         self._bar = None
         if spec.logging.progress:
             from tqdm import tqdm
@@ -92,16 +92,22 @@ class RunLogger:
         """Append this step's rollouts to rollouts/step_XXXXXX.jsonl (unless logging.dump_rollouts is off).
 
         The first dump of a step in this process truncates the file: a resumed run re-runs the steps
-        after its checkpoint, and their files must hold the new batch, not the killed run's too.
+        after its checkpoint, and their files must hold the new batch, not the killed run's too. Files
+        of steps `logging.dump_keep_steps` or more before this one are deleted (0 keeps all).
         """
         if not self.spec.logging.dump_rollouts:
             return None
         path = self.dir / "rollouts" / f"step_{step:06d}.jsonl"
         path.parent.mkdir(exist_ok=True)
-        with path.open("a" if step in self._dumped else "w", encoding="utf-8") as f:
-            self._dumped.add(step)
+        with path.open("a" if step == self._dumping else "w", encoding="utf-8") as f:
+            self._dumping = step
             for rollout in rollouts:  # every field, so load_rollouts rebuilds each rollout exactly
                 f.write(json.dumps(dataclasses.asdict(rollout)) + "\n")
+        keep = self.spec.logging.dump_keep_steps
+        if keep:
+            for old in path.parent.glob("step_*.jsonl"):
+                if old.stem[5:].isdigit() and int(old.stem[5:]) <= step - keep:
+                    old.unlink(missing_ok=True)
         return path
 
     def close(self) -> list[Path]:

@@ -28,7 +28,13 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     from molt.trainer.group import TrainerGroup
 
     spec = RunSpec.model_validate(yaml.safe_load((run_dir / "spec.yaml").read_text()))
-    rollouts = load_rollouts(run_dir / "rollouts" / f"step_{step:06d}.jsonl")
+    dump = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+    if not dump.exists():
+        kept = sorted(int(p.stem[5:]) for p in dump.parent.glob("step_*.jsonl") if p.stem[5:].isdigit())
+        raise FileNotFoundError(f"{dump}: no rollout dump of step {step} (dumps kept: "
+                                f"{f'steps {kept[0]}..{kept[-1]}' if kept else 'none'}; only the last "
+                                f"logging.dump_keep_steps={spec.logging.dump_keep_steps} steps are kept)")
+    rollouts = load_rollouts(dump)
     pad_id = AutoTokenizer.from_pretrained(model_path_of(spec)).pad_token_id
     if not ray.is_initialized():
         init_ray(spec)

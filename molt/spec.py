@@ -221,6 +221,7 @@ class LoggingSpec(Strict):
     wandb: WandbSpec = Field(default_factory=WandbSpec)
     progress: bool = True
     dump_rollouts: bool = True
+    dump_keep_steps: int = Field(100, ge=0)   # rollout dumps of the last N steps are kept; 0 keeps all
     plots: bool = True
 
 

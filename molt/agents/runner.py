@@ -3,6 +3,9 @@
 `run` never raises for an agent's fault: an exception, a timeout (agent.timeout_s), a missing or
 malformed `Result` or a non-finite reward comes back as a `Rollout` with `error` set, which the loop
 counts against agent.max_failure_rate and never trains on.
+
+The sampler is anything with `generate(prompt_ids, sampling, key)` (the key is the rollout id); one
+that also has `release(key)` (the router: it pins a rollout to an engine) is told when the rollout ends.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class Runner:
             error = f"agent timed out after {self.spec.agent.timeout_s}s"
         except Exception as err:  # the user's code failed: report it on the rollout, keep the loop going
             error = f"{type(err).__name__}: {err}"
+        finally:
+            if hasattr(sampler, "release"):
+                sampler.release(rollout_id)
         return failed_rollout(rollout_id, group_id, self.label_of(item), error)
 
     async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:

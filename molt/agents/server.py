@@ -5,6 +5,10 @@ clients need nothing but `base_url` and `api_key`. Requests are validated with v
 a request for an unknown session, with a wrong key, with a malformed or oversized body fails with a 4xx
 in the wire's error shape before it can touch any trajectory. The server runs in its own thread; each
 sampler call is sent back to the event loop of the rollout that owns the session.
+
+Slow or vanished clients cost nothing lasting: a request head or body that is not complete within
+READ_TIMEOUT_S is dropped (408 for a body), and a client that disconnects while its turn is sampled
+cancels the turn, which aborts its engine requests and leaves the session as it was before the request.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -30,6 +36,7 @@ from molt.agents.tools import forced_call_regex, make_parser, parse_reply
 from molt.agents.trace import Trace
 
 MAX_BODY_BYTES = 4 << 20
+READ_TIMEOUT_S = 30.0   # for a request's head (request line + headers) and, separately, its body
 # Accepted by the wire schemas but not honoured by the sampler: refused rather than silently ignored.
 OPENAI_UNSUPPORTED = ("logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
                       "stop", "response_format", "best_of", "echo")
@@ -38,7 +45,7 @@ ANTHROPIC_UNSUPPORTED = ("stop_sequences",)
 
 class ApiError(Exception):
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "request_too_large", 500: "api_error"}
+             408: "invalid_request_error", 413: "request_too_large", 500: "api_error"}
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -48,7 +55,36 @@ class ApiError(Exception):
         kind = self.TYPES.get(self.status, "api_error")
         body = {"type": "error", "error": {"type": kind, "message": self.message}} if anthropic else \
             {"error": {"message": self.message, "type": kind, "param": None, "code": self.status}}
-        return JSONResponse(body, status_code=self.status)
+        # A client too slow to send its body is not waited for any longer.
+        slow = {"connection": "close"} if self.status == 408 else None
+        return JSONResponse(body, status_code=self.status, headers=slow)
+
+
+class HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request head.
+
+    uvicorn waits for a request line and headers forever, so a client that trickles them (slowloris)
+    would hold its connection for good. Here the next request's head must be complete READ_TIMEOUT_S
+    after the connection opens or the previous response ends (by then the rest of a refused body has
+    been drained too); otherwise the connection is closed.
+    """
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def _arm_head_deadline(self) -> None:
+        cycle = self.cycle   # replaced when the next request's head is complete
+
+        def expire() -> None:
+            if self.cycle is cycle:   # no new request head since
+                self.transport.close()
+
+        self.loop.call_later(READ_TIMEOUT_S, expire)
 
 
 class LoopbackServer:
@@ -67,8 +103,10 @@ class LoopbackServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))   # a free port chosen by the OS; loopback only
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
-                                                     timeout_graceful_shutdown=1))
+        # Idle keep-alive connections close after 5 s; a head over 16 KiB is answered 400 (h11's limit).
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
+            http=HeadDeadlineProtocol, timeout_keep_alive=5, h11_max_incomplete_event_size=16 << 10))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         while not self._server.started:
@@ -98,7 +136,7 @@ class LoopbackServer:
             session, body = await self._admit(sid, request)
             chat = ChatCompletionRequest.model_validate(body)
             self._check(chat.model, body, OPENAI_UNSUPPORTED)
-            outs, replies, prompt_len = await self._turn(session, chat)
+            outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
             return err.response(anthropic=False)
         except ValueError as err:   # pydantic's ValidationError is a ValueError
@@ -116,7 +154,7 @@ class LoopbackServer:
             self._check(msg.model, body, ANTHROPIC_UNSUPPORTED)
             chat = AnthropicServingMessages.to_chat_completion_request(msg)
             chat.stream = False
-            outs, replies, prompt_len = await self._turn(session, chat)
+            outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
             return err.response(anthropic=True)
         except ValueError as err:   # pydantic's ValidationError; vLLM's converter on bad tool changes
@@ -138,10 +176,16 @@ class LoopbackServer:
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
         raw = b""
-        async for part in request.stream():
-            raw += part
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        except TimeoutError:
+            raise ApiError(408, f"request body not received within {READ_TIMEOUT_S:g}s") from None
+        except ClientDisconnect:
+            raise ApiError(499, "the client disconnected before sending the whole body") from None
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -160,22 +204,46 @@ class LoopbackServer:
             raise ApiError(400, f"unsupported parameter(s) {sent}: the loopback server does not implement "
                                 "them (sampling is the run's policy with temperature/top_p/top_k/seed)")
 
+    async def _turn_while_connected(self, request: Request, session: ChatSession,
+                                    chat: ChatCompletionRequest) -> tuple[list, list, int]:
+        """`_turn`, cancelled if the client disconnects first (nobody would read its replies)."""
+        turn = asyncio.ensure_future(self._turn(session, chat))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({turn, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not turn.done():
+                turn.cancel()
+                await asyncio.wait({turn})   # its engine requests are aborted, the session rolled back
+        if turn.cancelled():
+            raise ApiError(499, "the client disconnected during the turn")
+        return turn.result()
+
     async def _turn(self, session: ChatSession, chat: ChatCompletionRequest) -> tuple[list, list, int]:
-        """Accumulate the request into the session's trajectory, sample, and parse the replies."""
+        """Accumulate the request into the session's trajectory, sample, and parse the replies.
+
+        A turn that fails or is cancelled leaves the session as it was before the request."""
         messages = [{**m, "content": text_of(m.get("content"))} for m in map(dict, chat.messages)]
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
         sampling = self._sampling(chat, tools)
         async with session.lock:
             if session.turns >= session.max_turns:
                 raise ApiError(400, f"this session used all {session.max_turns} turns (agent.max_turns)")
-            session.turns += 1
-            ids = session.prompt_ids(messages, tools)
-            budget = min(sampling["max_tokens"], session.max_total_tokens - len(ids))
-            if budget < 1:
-                raise ApiError(400, f"the conversation has {len(ids)} tokens: no room left under "
-                                    f"agent.max_total_tokens={session.max_total_tokens}")
-            outs = await asyncio.gather(*[self._sample(session, ids, {**sampling, "max_tokens": budget}, i)
-                                          for i in range(chat.n or 1)])
+            undo = session.checkpoint()
+            try:
+                session.turns += 1
+                ids = session.prompt_ids(messages, tools)
+                budget = min(sampling["max_tokens"], session.max_total_tokens - len(ids))
+                if budget < 1:
+                    raise ApiError(400, f"the conversation has {len(ids)} tokens: no room left under "
+                                        f"agent.max_total_tokens={session.max_total_tokens}")
+                turn_sampling = {**sampling, "max_tokens": budget}
+                outs = await asyncio.gather(*[self._sample(session, ids, turn_sampling, i)
+                                              for i in range(chat.n or 1)])
+            except BaseException:
+                undo()
+                raise
             replies = [parse_reply(self.parser, self.tokenizer, list(o["token_ids"]), chat) for o in outs]
             for out, (content, calls) in zip(outs, replies, strict=True):
                 extra = {"tool_calls": calls} if calls else {}
@@ -208,3 +276,9 @@ class LoopbackServer:
             sampling = {**sampling, "seed": sampling["seed"] + choice}   # n>1 choices must differ
         coro = session.sampler.generate(ids, sampling, session.trace.rollout_id)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only a disconnect is left to receive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,16 @@ class ChatSession:
         self.history: list[dict] = []   # messages of the last request (its prompt)
         self.tools: list[dict] | None = None
         self.candidates: list[Candidate] = []
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A function that puts this session and its trace back as they are now."""
+        saved = (self.turns, self.history, self.tools, list(self.candidates),
+                 {k: list(v) if isinstance(v, list) else v for k, v in vars(self.trace).items()})
+
+        def undo() -> None:
+            self.turns, self.history, self.tools, self.candidates, trace = saved
+            vars(self.trace).update(trace)
+        return undo
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """Accumulate this request into the trajectory; return the ids the engine is to continue."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError
 
 
@@ -35,8 +36,14 @@ class Router:
         """`EngineActor.generate` on the engine of `key`; the result also names that engine."""
         i = self.pick(key)
         self.load[i] += 1
+        ref = self.engines[i].generate.remote(prompt_ids, sampling)
         try:
-            out = await self.engines[i].generate.remote(prompt_ids, sampling)
+            out = await ref
+        except asyncio.CancelledError:
+            # Ray leaves a remote call running when its awaiter is cancelled; `ray.cancel` cancels the
+            # actor's coroutine, and vLLM aborts a request whose generator is cancelled (its KV is freed).
+            ray.cancel(ref)
+            raise
         except RayActorError as err:
             # Ray fails every call to a dead actor at once, so a killed engine surfaces here within
             # seconds; the rollout fails and the loop's `check` turns it into one clear error.
@@ -55,7 +62,7 @@ class Router:
                                   "the last checkpoint with run.resume")
 
     def release(self, key: str) -> None:
-        """Forget `key` (its rollout finished)."""
+        """Forget `key`: its rollout ended (`Runner.run` calls this, so the map holds only live rollouts)."""
         self.sticky.pop(key, None)
 
     async def update_weights(self, chunk_refs: list, version: int) -> float:

@@ -1,21 +1,32 @@
-"""Loopback server faults through the real OpenAI and Anthropic SDKs, against the shared engine:
-loopback-only binding, unknown model, parameters the server does not implement and over-long prompts
-each raise the SDK's own readable exception and leave the trajectory untouched.
+"""Loopback server faults through the real OpenAI and Anthropic SDKs and raw sockets, against the shared
+engine: loopback-only binding, unknown model, parameters the server does not implement and over-long
+prompts raise the SDK's own readable exception; another session's key or a guessed session id gets
+nothing; slow (slowloris), malformed and oversized requests are answered or dropped while other sessions
+go on; a client that disconnects aborts its engine request; hundreds of concurrent sessions with client
+timeouts, cancellations and abandoned streams all end token-exact, leaving no session, router entry or
+engine request behind.
 
-(Keys, cross-session access, malformed JSON and body size limits: tests/test_agents_chat.py.)
+(Malformed JSON and body size limits through each wire: tests/test_agents_chat.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import secrets
+import time
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 from faultlib import small_spec
+from test_agents import Recorder, assert_exact
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
+from molt.agents import server as server_module
+from molt.agents.server import LoopbackServer
+from molt.agents.trace import Trace
 from molt.rollout.router import Router
 
 LONG = "word " * 600   # far more than agent.max_total_tokens=256 once tokenized
@@ -95,3 +106,256 @@ def test_bad_requests_raise_readable_sdk_errors(tok, engine):
     for name, (kind, message) in expected.items():
         assert isinstance(seen.get(name), kind), (name, seen.get(name))
         assert re.search(message, str(seen[name])), (name, str(seen[name]))
+
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4}
+HI = [{"role": "user", "content": "hi"}]
+
+
+def started(tok, **sampling) -> LoopbackServer:
+    server = LoopbackServer(tok, "molt-tiny", {**SAMPLING, **sampling})
+    server.start()
+    return server
+
+
+async def ask(server: LoopbackServer, session, messages: list[dict] = HI, **kw):
+    """One chat completion of `session` through the OpenAI SDK."""
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/s/{session.id}/v1", api_key=session.key,
+                                  max_retries=0, timeout=60) as client:
+        return await client.chat.completions.create(model="molt-tiny", messages=messages, **kw)
+
+
+def state(session) -> tuple:
+    t = session.trace
+    return list(t.ids), list(t.mask), len(t.segments), session.turns, len(session.candidates)
+
+
+def test_a_session_cannot_touch_another_with_its_key_or_a_guessed_id(tok, engine):
+    server = started(tok)
+
+    async def main() -> tuple:
+        router = Router([engine])
+        a, b = server.open(Trace("a", "g"), router, 4, 256), server.open(Trace("b", "g"), router, 4, 256)
+        await ask(server, a)
+        reply = (await ask(server, b)).choices[0]
+        before = state(b)
+        turn = HI + [reply.message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        body = {"model": "molt-tiny", "messages": turn, "max_tokens": 4}
+        bearer = lambda key: {"authorization": f"Bearer {key}"}  # noqa: E731
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            seen = {
+                "openai_other_key": (await http.post(f"/s/{b.id}/v1/chat/completions", json=body,
+                                                     headers=bearer(a.key))).status_code,
+                "anthropic_other_key": (await http.post(f"/s/{b.id}/v1/messages", json=body,
+                                                        headers={"x-api-key": a.key})).status_code,
+                "read": {(await http.get(path, headers=bearer(b.key))).status_code
+                         for path in (f"/s/{b.id}/v1/chat/completions", f"/s/{b.id}", f"/s/{b.id}/v1")},
+            }
+            guesses = [(secrets.token_hex(8), key) for _ in range(100) for key in (a.key, b.key)]
+            replies = await asyncio.gather(*[http.post(f"/s/{sid}/v1/chat/completions", json=body,
+                                                       headers=bearer(key)) for sid, key in guesses])
+            seen["guessed"] = {r.status_code for r in replies}
+        untouched = state(b) == before
+        # b itself carries on from exactly where it was
+        await ask(server, b, turn)
+        return seen, untouched, before, state(b)
+
+    try:
+        seen, untouched, before, after = asyncio.run(main())
+    finally:
+        server.stop()
+    assert seen == {"openai_other_key": 401, "anthropic_other_key": 401, "read": {404, 405}, "guessed": {404}}
+    assert untouched and after[0][:len(before[0])] == before[0] and after[3] == 2
+
+
+async def raw_exchange(port: int, payload: bytes, drip: bytes = b"",
+                       stop: asyncio.Event | None = None) -> bytes:
+    """Send `payload`, then one byte of `drip` every 0.2 s until the server hangs up (or `stop` is set);
+    returns everything the server sent before closing. Bounded: 60 s at most."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(payload)
+
+    async def dribble() -> None:
+        for byte in drip:
+            await asyncio.sleep(0.2)
+            if stop is not None and stop.is_set():
+                writer.close()   # the client gives up
+                return
+            writer.write(bytes([byte]))
+            await writer.drain()
+
+    dribbling = asyncio.create_task(dribble())
+    try:
+        return await asyncio.wait_for(reader.read(), 60)
+    finally:
+        dribbling.cancel()
+        writer.close()
+
+
+def test_slow_malformed_and_oversized_requests_do_not_block_other_sessions(tok, engine, monkeypatch):
+    server = started(tok)
+    port = int(server.url.rsplit(":", 1)[1])
+
+    async def main() -> dict:
+        router = Router([engine])
+        a = server.open(Trace("a", "g"), router, 4, 256)
+        head = (f"POST /s/{a.id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {a.key}\r\n"
+                "Content-Type: application/json\r\n")
+        body_head = (head + "Content-Length: 1000\r\n\r\n").encode() + b'{"model": '
+        out = {}
+        # 1) While a head and a body trickle in (with a deadline far away), other sessions are served.
+        monkeypatch.setattr(server_module, "READ_TIMEOUT_S", 600.0)
+        stop = asyncio.Event()
+        slow = [asyncio.create_task(raw_exchange(port, head.encode(), b"X-Slow: " + b"a" * 500, stop)),
+                asyncio.create_task(raw_exchange(port, body_head, b" " * 500, stop))]
+        await asyncio.sleep(1.0)   # both are connected and dripping
+        others = [server.open(Trace(f"o{i}", "g"), router, 1, 256) for i in range(3)]
+        replies = await asyncio.gather(*[ask(server, o) for o in others])
+        out["served_while_slow"] = [r.choices[0].finish_reason for r in replies]
+        out["slow_still_open"] = not any(t.done() for t in slow)
+        stop.set()
+        await asyncio.gather(*slow)
+        # 2) Malformed and oversized heads get 400 at once; nothing reaches the application.
+        out["garbage"] = await raw_exchange(port, b"\x16\x03\x01\x00\xa5 not http at all\r\n\r\n")
+        big = b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n"
+        out["oversized"] = await raw_exchange(port, big)
+        # 3) With the deadline near, a trickled head is dropped unanswered, a trickled body gets 408.
+        monkeypatch.setattr(server_module, "READ_TIMEOUT_S", 1.5)
+        out["slow_head"], out["slow_body"] = await asyncio.gather(
+            raw_exchange(port, head.encode(), b"X-Slow: " + b"a" * 200),
+            raw_exchange(port, body_head, b" " * 200))
+        out["a_untouched"] = state(a) == ([], [], 0, 0, 0)
+        await ask(server, a)   # and a still works
+        return out
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        server.stop()
+    assert out["served_while_slow"] == ["length"] * 3 and out["slow_still_open"]
+    assert out["garbage"].startswith(b"HTTP/1.1 400") and out["oversized"].startswith(b"HTTP/1.1 400")
+    assert out["slow_head"] == b""
+    assert out["slow_body"].startswith(b"HTTP/1.1 408") and b"not received within 1.5s" in out["slow_body"]
+    assert out["a_untouched"]
+
+
+def test_a_client_disconnect_aborts_its_engine_request(tok, engine):
+    """The engine's own final output of the request says `abort`, not `length`: 480 tokens would take
+    seconds, the disconnect comes as soon as the engine has started it."""
+
+    def watch(actor) -> int:   # runs in the engine actor: keep the output collectors of running requests
+        states = actor.llm.output_processor.request_states
+        actor.molt_test_watched = [s.queue for s in states.values()]
+        return len(states)
+
+    def finished(actor) -> list | None:   # their final outputs, once the engine holds no request
+        if actor.llm.output_processor.request_states:
+            return None
+        watched = actor.__dict__.pop("molt_test_watched")
+        return [q.output.outputs[0].finish_reason if q.output else None for q in watched]
+
+    async def abort_while_running(request: asyncio.Task) -> list:
+        while not await engine.__ray_call__.remote(watch):
+            assert not request.done(), request
+            await asyncio.sleep(0.01)
+        request.cancel()
+        deadline = time.time() + 60
+        while (reasons := await engine.__ray_call__.remote(finished)) is None and time.time() < deadline:
+            await asyncio.sleep(0.05)
+        return reasons
+
+    server = started(tok, max_tokens=480, ignore_eos=True)
+
+    async def main() -> tuple:
+        router = Router([engine])
+        # The router: cancelling a generate call aborts the engine's request (the Env path, agent timeouts).
+        via_router = await abort_while_running(asyncio.create_task(
+            router.generate([1, 2, 3], {**SAMPLING, "max_tokens": 480, "ignore_eos": True}, "k")))
+        # The chat server: a client that goes away mid-turn.
+        a = server.open(Trace("a", "g"), router, 1, 512)
+        async with httpx.AsyncClient(timeout=60) as http:
+            post = http.post(f"{server.url}/s/{a.id}/v1/chat/completions", json={"messages": HI},
+                             headers={"authorization": f"Bearer {a.key}"})
+            via_server = await abort_while_running(asyncio.create_task(post))
+        untouched = state(a) == ([], [], 0, 0, 0)
+        # The aborted turn did not count: the session's single turn is still there.
+        reply = await ask(server, a, max_tokens=4)
+        return via_router, via_server, untouched, reply.choices[0].finish_reason, await engine.stats.remote()
+
+    try:
+        via_router, via_server, untouched, finish, stats = asyncio.run(main())
+    finally:
+        server.stop()
+    assert via_router == ["abort"] and via_server == ["abort"]
+    assert untouched and finish == "length" and stats["in_flight"] == 0
+
+
+def test_hundreds_of_concurrent_sessions_with_timeouts_and_cancellations(tok, engine):
+    modes = ["plain", "stream", "abandon_stream", "cancel", "client_timeout"]
+    http: list[httpx.AsyncClient] = []
+    gave_up = []   # requests a client abandoned mid-flight
+
+    class Busy(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                                        http_client=http[0])
+            create = lambda **kw: client.chat.completions.create(  # noqa: E731
+                model=ctx.model_name, messages=ctx.messages, **kw)
+            mode = ctx.item["mode"]
+            if mode == "cancel":   # gives up on its request mid-flight, then asks again
+                try:
+                    return Result(reward=len((await asyncio.wait_for(create(), 0.05)).choices))
+                except TimeoutError:
+                    gave_up.append(mode)
+            if mode == "client_timeout":   # the SDK's own timeout, then asks again
+                try:
+                    return Result(reward=len((await create(timeout=0.01)).choices))
+                except openai.APITimeoutError:
+                    gave_up.append(mode)
+            if mode in ("stream", "abandon_stream"):
+                stream = await create(stream=True)
+                async for _ in stream:
+                    if mode == "abandon_stream":
+                        break
+                await stream.close()
+                return Result(reward=0.5)
+            return Result(reward=len((await create()).choices))
+
+    class Sampler(Recorder):
+        def release(self, key: str) -> None:
+            self.router.release(key)
+
+    spec = small_spec({"kind": "chat", "max_turns": 2, "max_total_tokens": 256, "timeout_s": 300.0},
+                      rollout={"max_tokens": 4})
+    runner = ChatAgentRunner(Busy)
+    runner.setup(tok, spec)
+    sampler = Sampler(engine)
+    n = 250
+
+    async def main() -> list:
+        http.append(httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=120))
+        try:
+            items = [{"prompt": "x", "label": "x", "mode": modes[i % len(modes)]} for i in range(n)]
+            runs = [runner.run(item, f"r{i}", "g", sampler) for i, item in enumerate(items)]
+            return await asyncio.gather(*runs)
+        finally:
+            await http[0].aclose()
+
+    try:
+        rollouts = asyncio.run(main())
+        sessions_left = dict(runner.server.sessions)
+    finally:
+        runner.close()
+    for r in rollouts:
+        assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])   # ok, and token-exact
+    assert gave_up and sessions_left == {} and sampler.router.sticky == {}
+    deadline = time.time() + 60
+    while ray_in_flight(engine) and time.time() < deadline:
+        time.sleep(0.1)
+    assert ray_in_flight(engine) == 0   # every abandoned request was aborted or finished
+
+
+def ray_in_flight(engine) -> int:
+    import ray
+
+    return ray.get(engine.stats.remote())["in_flight"]
