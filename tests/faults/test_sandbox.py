@@ -189,10 +189,10 @@ def test_refuses_without_bubblewrap_or_namespaces(tmp_path, monkeypatch, fresh_s
         run_python("print(1)")
 
 
-def escapes(home_file: Path, run_spec: Path) -> dict[str, tuple[str, str]]:
+def escapes(home_file: Path, run_spec: Path, port: int) -> dict[str, tuple[str, str]]:
     """Each escape as model-written code for the reference agent's `python` tool, and what the model reads."""
     return {
-        "network": ("import socket; socket.create_connection(('127.0.0.1', 9))", "ConnectionRefusedError"),
+        "network": (f"import socket; socket.create_connection(('127.0.0.1', {port}))", "ConnectionRefused"),
         "run_dir": (f"print(open({str(run_spec)!r}).read())", "FileNotFoundError"),
         "home": (f"print(open({str(home_file)!r}).read())", "FileNotFoundError"),
         "write": ("open('/etc/molt-escape', 'w')", "Read-only file system"),
@@ -206,7 +206,8 @@ def escapes(home_file: Path, run_spec: Path) -> dict[str, tuple[str, str]]:
 def test_escapes_through_the_reference_tool_agent_become_tool_errors_and_training_goes_on(
         tok, engine, secrets_on_host, fresh_sandbox_check, monkeypatch):
     base = load_agent_runner(AgentSpec(module=TOOL_ENV)).env_cls
-    cases = escapes(secrets_on_host[0], secrets_on_host[1])
+    listener = socket.create_server(("127.0.0.1", 0))   # something to reach, were the network not cut
+    cases = escapes(secrets_on_host[0], secrets_on_host[1], listener.getsockname()[1])
 
     class Escaping(base):
         """The reference ToolEnv, whose model wrote the escape as its first action."""
@@ -226,7 +227,8 @@ def test_escapes_through_the_reference_tool_agent_become_tool_errors_and_trainin
         return await asyncio.gather(*[runner.run({"prompt": "What is 2+3?", "label": "5", "escape": name},
                                                  f"r-{name}", "g", router) for name in cases])
 
-    rollouts = dict(zip(cases, asyncio.run(main()), strict=True))
+    with listener:
+        rollouts = dict(zip(cases, asyncio.run(main()), strict=True))
     for name, rollout in rollouts.items():
         assert rollout.ok, (name, rollout.error)
         text = tok.decode(rollout.segments[0].token_ids)
