@@ -97,7 +97,7 @@ def sandbox_command() -> tuple[str, ...]:
     if bwrap is None:
         raise SandboxUnavailable(
             "tool code runs in a bubblewrap sandbox, and `bwrap` is not installed: install it "
-            "(Debian/Ubuntu: `apt-get install bubblewrap`, Fedora: `dnf install bubblewrap`; version >= 0.7)")
+            "(Debian/Ubuntu: `apt-get install bubblewrap`, Fedora: `dnf install bubblewrap`)")
     command = (bwrap, *_layout())
     probe = subprocess.run([*command, "--", sys.executable, "-I", "-c", "pass"], capture_output=True,
                            text=True, timeout=60)
@@ -106,7 +106,7 @@ def sandbox_command() -> tuple[str, ...]:
             f"bubblewrap cannot create the tool sandbox here: {probe.stderr.strip() or probe.returncode}. It "
             "needs Linux namespaces: run as root, or allow unprivileged user namespaces "
             "(sysctl user.max_user_namespaces > 0; in a container, a seccomp/AppArmor profile that permits "
-            "them); needs bwrap >= 0.7 for --size")
+            "them); and a bwrap that knows --size (Debian 12 ships 0.8)")
     return command
 
 
