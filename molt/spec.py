@@ -26,37 +26,42 @@ def _power_of_two(name: str, value: int) -> None:
 
 
 class RunSection(Strict):
-    name: str = "tiny"
-    seed: int = 0
-    dir: str | None = None          # the run directory; the launcher fills it from Hydra's output dir
-    resume: str | None = None       # "auto" (latest checkpoint in dir) or a checkpoint path
-    dry_run: bool = False           # print the placement plan and exit
+    name: str = Field("tiny", description="names the run directory, the sweep directory and the W&B run")
+    seed: int = Field(0, description="seed of the prompt order and of the engines' sampling")
+    dir: str | None = Field(None, description="run directory; the launcher fills it from Hydra's output dir")
+    resume: str | None = Field(
+        None, description="continue from 'auto' (newest checkpoint in run.dir), a run or a checkpoint dir")
+    dry_run: bool = Field(False, description="validate, print the placement plan and exit; starts nothing")
 
 
 class ModelSpec(Strict):
-    path: str | None = None         # a Hugging Face folder or hub id; None builds the tiny model below
-    tiny: dict[str, int] = Field(default_factory=dict)  # molt.tiny options (sizes, experts, seed)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_model_len: int = 512
-    reference: str | None = None    # frozen reference / teacher; "policy" = a frozen copy of the start
-    critic: bool = False            # a value model (required by the gae estimator)
-    router_replay: bool = False     # MoE: replay the engine's routed experts in the training forward
-    freeze_router: bool = False     # MoE: do not train router weights
-    trust_remote_code: bool = False
+    path: str | None = Field(None, description="Hugging Face folder or hub id; null builds the tiny model")
+    tiny: dict[str, int] = Field(default_factory=dict, description="molt.tiny options (sizes, experts, seed)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights dtype of engines and trainer (float32 on CPU)")
+    max_model_len: int = Field(512, description="context length in tokens: the prompt plus every turn")
+    reference: str | None = Field(
+        None, description="frozen reference / teacher model; 'policy' = a frozen copy of the start")
+    critic: bool = Field(False, description="train a value model beside the policy (gae needs one)")
+    router_replay: bool = Field(False, description="MoE: replay the engine's routed experts in training")
+    freeze_router: bool = Field(False, description="MoE: do not train the router weights")
+    trust_remote_code: bool = Field(False, description="run the model repository's own Python code")
 
 
 class ParallelSpec(Strict):
-    device: Literal["cpu", "cuda"] = "cpu"
-    nodes: int = 1                  # Ray nodes the run uses (see molt/placement.py)
-    gpus_per_node: int = 8          # cuda: GPUs on each node; the placement plan must fit nodes x this
-    trainer_nodes: int | None = None  # K: nodes 0..K-1 train, the others generate; None: all roles share
-    world_size: int = 1             # trainer ranks
-    dp_size: int = 1
-    tp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
-    offload: Literal["none", "optimizer", "full"] = "none"  # host memory: optimizer state, or everything
-    activation_checkpointing: bool = False
+    device: Literal["cpu", "cuda"] = Field("cpu", description="trainer device: cpu (gloo) or cuda (NCCL)")
+    nodes: int = Field(1, description="Ray nodes the run uses (the placement plan, molt/placement.py)")
+    gpus_per_node: int = Field(8, description="cuda: GPUs on each node; the plan must fit nodes x this")
+    trainer_nodes: int | None = Field(
+        None, description="K: nodes 0..K-1 train, the others generate; null: all roles share every node")
+    world_size: int = Field(1, description="trainer ranks; equals dp_size*tp_size*cp_size")
+    dp_size: int = Field(1, description="data-parallel ranks (FSDP2 shards over them)")
+    tp_size: int = Field(1, description="tensor-parallel ranks (a power of two)")
+    cp_size: int = Field(1, description="context-parallel ranks (a power of two; > 1 is refused)")
+    ep_size: int = Field(1, description="MoE expert-parallel ranks; divides dp_size*cp_size (power of 2)")
+    offload: Literal["none", "optimizer", "full"] = Field(
+        "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
+    activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
 
     @model_validator(mode="after")
     def _sizes(self) -> ParallelSpec:
@@ -74,77 +79,86 @@ class ParallelSpec(Strict):
 
 
 class EngineSpec(Strict):
-    num_engines: int = 1
-    tp_size: int = 1
-    dp_size: int = 1
-    enable_expert_parallel: bool = False
-    gpu_memory_utilization: float = 0.85
-    kv_cache_gib: float = 1.0       # CPU only (VLLM_CPU_KVCACHE_SPACE)
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    speculative_config: dict[str, Any] | None = None   # e.g. {method: mtp, num_speculative_tokens: 1}
-    extra_args: dict[str, Any] = Field(default_factory=dict)  # any other vLLM engine argument, as is
+    num_engines: int = Field(1, description="vLLM engine actors (the router spreads requests over them)")
+    tp_size: int = Field(1, description="tensor-parallel GPUs per engine")
+    dp_size: int = Field(1, description="data-parallel replicas inside one engine")
+    enable_expert_parallel: bool = Field(False, description="MoE: shard experts over the engine's GPUs")
+    gpu_memory_utilization: float = Field(0.85, description="fraction of GPU memory vLLM may use")
+    kv_cache_gib: float = Field(1.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    enforce_eager: bool = Field(True, description="skip torch.compile and CUDA graphs (faster start)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes")
+    max_num_batched_tokens: int | None = Field(None, description="vLLM token budget per scheduler step")
+    max_num_seqs: int | None = Field(None, description="vLLM's most concurrent sequences per engine")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="vLLM speculative decoding, e.g. {method: mtp, num_speculative_tokens: 1}")
+    extra_args: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine arguments")
 
 
 class SamplingSpec(Strict):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    n: int = 1
+    temperature: float = Field(1.0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
+    top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
+    max_tokens: int = Field(16, description="most tokens generated per turn")
+    n: int = Field(1, description="samples per eval prompt (eval/pass@n)")
 
 
 class RolloutSpec(Strict):
-    mode: Literal["sync", "async"] = "sync"
-    samples_per_prompt: int = 8
-    max_tokens: int = 16            # per turn
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    groups_in_flight: int = 16      # streaming depth: prompt groups kept in flight
-    partial_rollout: bool = True    # a refit keeps in-flight requests (pause/keep) instead of dropping them
-    max_staleness: int = 1          # max policy versions between sampling a token and training on it
-    prompt_too_long: Literal["truncate", "reject"] = "reject"
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    eval: SamplingSpec = Field(default_factory=lambda: SamplingSpec(temperature=0.0, n=1))
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate one batch, then train; async: keep generating while training")
+    samples_per_prompt: int = Field(8, description="rollouts per prompt: the group size of group estimators")
+    max_tokens: int = Field(16, description="most tokens sampled per turn")
+    temperature: float = Field(1.0, description="sampling temperature; the trainer scores logits/temperature")
+    top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
+    top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
+    groups_in_flight: int = Field(16, description="async: prompt groups kept generating while training")
+    partial_rollout: bool = Field(
+        True, description="a refit keeps in-flight requests (pause/keep) instead of dropping them")
+    max_staleness: int = Field(1, description="most policy versions between sampling a token and training it")
+    prompt_too_long: Literal["truncate", "reject"] = Field(
+        "reject", description="a prompt with no room for one token: fail the rollout or keep its tail")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
+    eval: SamplingSpec = Field(default_factory=lambda: SamplingSpec(temperature=0.0, n=1),
+                               description="sampling of the eval set (train.eval_every)")
 
 
 class TrainSpec(Strict):
-    steps: int = 100
-    prompts_per_step: int = 8       # groups per optimizer step
-    micro_batch_size: int = 16      # sequences per forward/backward, per rank
-    lr: float = 5e-4
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    critic_lr: float = 1e-3
-    save_every: int = 0             # 0 = only at the end
-    eval_every: int = 0             # 0 = never
+    steps: int = Field(100, description="optimizer steps (one batch of prompt groups each)")
+    prompts_per_step: int = Field(8, description="prompt groups per optimizer step")
+    micro_batch_size: int = Field(16, description="most sequences per forward/backward, per rank")
+    lr: float = Field(5e-4, description="AdamW learning rate of the policy")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after warm-up: constant, or cosine / linear decay to 0 at train.steps")
+    warmup_steps: int = Field(0, description="steps of linear learning-rate warm-up")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, description="clip the global gradient norm to this")
+    critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
+    save_every: int = Field(0, description="checkpoint every N steps (0 = only at the end)")
+    eval_every: int = Field(0, description="evaluate on data.eval_path every N steps (0 = never)")
 
 
 class LossSpec(Strict):
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens
-    norm: Literal["token", "seq"] = "token"  # global token mean, or per-sequence (Dr.GRPO) constant
-    value_clip: float = 0.2
-    entropy_coef: float = 0.0
+    eps_low: float = Field(0.2, description="PPO clip: the ratio's lower bound is 1-eps_low")
+    eps_high: float = Field(0.2, description="PPO clip: the ratio's upper bound is 1+eps_high")
+    dual_clip: float | None = Field(None, description="c > 1 bounds the loss of negative-advantage tokens")
+    norm: Literal["token", "seq"] = Field(
+        "token", description="token: global token mean; seq: per-sequence constant (Dr.GRPO)")
+    value_clip: float = Field(0.2, description="critic: largest value change from the old values")
+    entropy_coef: float = Field(0.0, description="entropy bonus weight (0 = off)")
 
 
 class CorrectionSpec(Strict):
-    level: Literal["off", "token", "seq", "geo"] = "off"
+    level: Literal["off", "token", "seq", "geo"] = Field(
+        "off", description="importance ratio gated: per token, sequence product or its geometric mean")
 
     @field_validator("level", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
-    mode: Literal["mask", "clip", "trunc"] = "trunc"
-    low: float = 0.0
-    high: float = 2.0
+    mode: Literal["mask", "clip", "trunc"] = Field(
+        "trunc", description="outside [low, high]: mask drops, clip clamps, trunc caps at high (TIS)")
+    low: float = Field(0.0, description="lower end of the accepted ratio band")
+    high: float = Field(2.0, description="upper end of the accepted ratio band")
 
     @model_validator(mode="after")
     def _band(self) -> CorrectionSpec:
@@ -154,93 +168,89 @@ class CorrectionSpec(Strict):
 
 
 class KLSpec(Strict):
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    coef: float = 0.0
-    in_reward: bool = False         # fold into the reward instead of adding a loss term
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL(policy || reference) estimator")
+    coef: float = Field(0.0, description="KL penalty weight (0 = off; > 0 needs model.reference)")
+    in_reward: bool = Field(False, description="fold the KL penalty into the reward instead of the loss")
 
 
 class FilterSpec(Strict):
-    drop_equal_rewards: bool = False        # dynamic sampling: drop groups with zero reward variance
-    score_range: tuple[float, float] | None = None  # keep groups whose mean score lies inside
-    drop_truncated: bool = False            # over-long filter: drop responses cut at max_tokens
+    drop_equal_rewards: bool = Field(
+        False, description="dynamic sampling: drop groups whose rewards are all equal")
+    score_range: tuple[float, float] | None = Field(
+        None, description="keep only groups whose mean score lies inside [low, high]")
+    drop_truncated: bool = Field(False, description="drop responses cut off at max_tokens")
 
 
 class AlgoSpec(Strict):
-    estimator: str = "reinforce_pp"
-    gamma: float = 1.0
-    lam: float = 1.0
-    distill_coef: float = 1.0
-    loss: LossSpec = Field(default_factory=LossSpec)
-    correction: CorrectionSpec = Field(default_factory=CorrectionSpec)
-    kl: KLSpec = Field(default_factory=KLSpec)
-    filters: FilterSpec = Field(default_factory=FilterSpec)
-
-    @field_validator("estimator")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        from molt.algo import ESTIMATORS  # lazy: molt.algo imports this module's types
-
-        if value not in ESTIMATORS:
-            near = difflib.get_close_matches(value, list(ESTIMATORS), n=1, cutoff=0.5)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
-            names = ", ".join(sorted(ESTIMATORS))
-            raise ValueError(f"unknown estimator '{value}'{hint}; registered: {names}")
-        return value
+    estimator: str = Field("reinforce_pp", description="advantage estimator, by registered name")
+    gamma: float = Field(1.0, description="discount of later rewards (reinforce_pp, gae)")
+    lam: float = Field(1.0, description="GAE lambda")
+    distill_coef: float = Field(1.0, description="on_policy_distill: weight of the teacher log-ratio")
+    loss: LossSpec = Field(default_factory=LossSpec, description="the clipped policy loss")
+    correction: CorrectionSpec = Field(default_factory=CorrectionSpec,
+                                       description="importance correction of trainer vs engine logprobs")
+    kl: KLSpec = Field(default_factory=KLSpec, description="KL regularization to model.reference")
+    filters: FilterSpec = Field(default_factory=FilterSpec, description="batch filters before the update")
 
 
 class AgentSpec(Strict):
-    module: str = "examples/agents/repeat.py"   # dotted module or .py file exporting AgentRunner
-    kind: Literal["env", "chat"] = "env"
-    options: dict[str, Any] = Field(default_factory=dict)  # passed to the agent unchanged
-    max_turns: int = 1
-    max_total_tokens: int = 512
-    timeout_s: float = 60.0
-    on_failure: Literal["drop_group", "keep_group"] = "drop_group"
-    max_failure_rate: float = 0.5   # stop the run when a batch has more failed rollouts than this
+    module: str = Field("examples/agents/repeat.py",
+                        description="dotted module or .py file that exports AgentRunner")
+    kind: Literal["env", "chat"] = Field(
+        "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
+    max_turns: int = Field(1, description="most LLM calls per rollout")
+    max_total_tokens: int = Field(512, description="most tokens per rollout: prompt, turns and observations")
+    timeout_s: float = Field(60.0, description="seconds before a rollout fails as timed out")
+    on_failure: Literal["drop_group", "keep_group"] = Field(
+        "drop_group", description="a failed rollout drops its whole group, or only itself")
+    max_failure_rate: float = Field(0.5, description="stop the run when more of a batch than this fails")
 
 
 class DataSpec(Strict):
-    train_path: str = "examples/data/repeat_train.jsonl"
-    eval_path: str | None = "examples/data/repeat_eval.jsonl"
-    prompt_key: str = "prompt"
-    messages_key: str = "messages"
-    label_key: str = "label"
-    shuffle: bool = True
+    train_path: str = Field("examples/data/repeat_train.jsonl", description="training prompts, jsonl/parquet")
+    eval_path: str | None = Field("examples/data/repeat_eval.jsonl", description="eval prompts (null = none)")
+    prompt_key: str = Field("prompt", description="column holding a prompt string")
+    messages_key: str = Field("messages", description="column holding chat messages (wins over prompt_key)")
+    label_key: str = Field("label", description="column handed to the agent as the label")
+    shuffle: bool = Field(True, description="shuffle the prompts each epoch (seeded by run.seed)")
 
 
 class WandbSpec(Strict):
-    project: str = "molt"
-    entity: str | None = None
-    mode: Literal["online", "offline", "disabled", "auto"] = "auto"  # auto: online with a key, else offline
-    group: str | None = None
-    job_type: str | None = None
-    tags: list[str] = Field(default_factory=list)
+    project: str = Field("molt", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user; null = the default)")
+    mode: Literal["online", "offline", "disabled", "auto"] = Field(
+        "auto", description="auto: online with WANDB_API_KEY, else offline (WANDB_MODE wins)")
+    name: str | None = Field(None, description="W&B run name (null = run.name; a sweep job: its choices)")
+    group: str | None = Field(None, description="W&B group (null; a sweep sets the sweep directory's name)")
+    job_type: str | None = Field(None, description="W&B job type (null = the algo group's choice)")
+    tags: list[str] = Field(default_factory=list, description="W&B tags")
 
 
 class LoggingSpec(Strict):
-    wandb: WandbSpec = Field(default_factory=WandbSpec)
-    progress: bool = True
-    dump_rollouts: bool = True
-    dump_keep_steps: int = Field(100, ge=0)   # rollout dumps of the last N steps are kept; 0 keeps all
-    plots: bool = True
+    wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases")
+    progress: bool = Field(True, description="show a progress bar with reward, step time and tokens/s")
+    dump_rollouts: bool = Field(True, description="write each step's rollouts to rollouts/step_*.jsonl")
+    dump_keep_steps: int = Field(100, ge=0, description="keep the rollout dumps of the last N steps (0: all)")
+    plots: bool = Field(True, description="write PNG plots into plots/ at the end of the run")
 
 
 class RaySpec(Strict):
-    address: str | None = None      # attach to an existing cluster; None starts Ray locally
-    num_cpus: int | None = None
+    address: str | None = Field(None, description="attach to this Ray cluster (null = start Ray locally)")
+    num_cpus: int | None = Field(None, description="logical CPUs of a local Ray (null = at least 16 on CPU)")
 
 
 class RunSpec(Strict):
-    run: RunSection = Field(default_factory=RunSection)
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
-    train: TrainSpec = Field(default_factory=TrainSpec)
-    algo: AlgoSpec = Field(default_factory=AlgoSpec)
-    agent: AgentSpec = Field(default_factory=AgentSpec)
-    data: DataSpec = Field(default_factory=DataSpec)
-    logging: LoggingSpec = Field(default_factory=LoggingSpec)
-    ray: RaySpec = Field(default_factory=RaySpec)
+    run: RunSection = Field(default_factory=RunSection, description="name, seed, directory, resume")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="policy model, reference, critic")
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="the trainer's parallel layout")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="sampling, streaming, engines")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="optimizer, batch, checkpoints, eval")
+    algo: AlgoSpec = Field(default_factory=AlgoSpec, description="estimator, loss, correction, KL, filters")
+    agent: AgentSpec = Field(default_factory=AgentSpec, description="the agent that produces rollouts")
+    data: DataSpec = Field(default_factory=DataSpec, description="prompt datasets")
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="W&B, progress bar, dumps, plots")
+    ray: RaySpec = Field(default_factory=RaySpec, description="the Ray cluster")
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunSpec:
