@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -10,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
 
 CONFIG_MODULE = "molt.conf"
-GROUPS = ("model", "parallel", "algo", "agent", "experiment")
+GROUPS = ("experiment", "model", "parallel", "algo", "agent")
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
@@ -29,25 +30,53 @@ def check_overrides(overrides: Sequence[str]) -> None:
         message = unknown_key_message(key)
         if message:
             problems.append(f"  {message}")
+    if len(problems) == 1:
+        raise SpecError(f"invalid override: {problems[0].strip()}")
     if problems:
-        raise SpecError("invalid override(s):\n" + "\n".join(problems))
+        raise SpecError("invalid overrides:\n" + "\n".join(problems))
 
 
 def to_spec(cfg: DictConfig) -> RunSpec:
-    """Resolve interpolations and validate."""
-    data: Any = OmegaConf.to_container(cfg, resolve=True)
+    """Resolve interpolations and validate (a `hydra` node, as `compose_config` keeps, is left out)."""
+    data: Any = {key: OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+                 for key, value in cfg.items() if key != "hydra"}
     return validate_spec(data)
+
+
+def compose_config(overrides: Sequence[str] = (), config_dir: Path | None = None,
+                   search_path: Path | None = None) -> DictConfig:
+    """The composed config with its `hydra` node (group choices, run and sweep directories).
+
+    `config_dir` replaces the installed conf/ (a checkout of another revision); `search_path` adds a
+    folder whose `experiment/` holds extra experiment files. A missing group option raises SpecError
+    with one line naming the options that exist.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir, initialize_config_module
+    from hydra.errors import MissingConfigException
+
+    check_overrides(overrides)
+    extra = [f"hydra.searchpath=[file://{search_path}]"] if search_path else []
+    init = initialize_config_dir(str(config_dir), version_base=None) if config_dir else \
+        initialize_config_module(CONFIG_MODULE, version_base=None)
+    try:
+        with init:
+            return hydra_compose("config", overrides=[*overrides, *extra], return_hydra_config=True)
+    except MissingConfigException as err:
+        group, _, name = (err.missing_cfg_file or "").rpartition("/")
+        raise SpecError(f"unknown {group or 'config'} '{name}'; available: "
+                        f"{', '.join(err.options or [])}") from None
+
+
+def choices_of(cfg: DictConfig) -> dict[str, str]:
+    """Config-group options a composed config used, e.g. {"algo": "grpo", "model": "tiny", ...}."""
+    chosen = cfg.hydra.runtime.choices
+    return {g: str(chosen[g]) for g in GROUPS if chosen.get(g) is not None}
 
 
 def compose(overrides: Sequence[str] = ()) -> RunSpec:
     """Compose conf/ with Hydra overrides (e.g. ["+experiment=qwen30b_tools", "train.lr=1e-5"])."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    check_overrides(overrides)
-    with initialize_config_module(CONFIG_MODULE, version_base=None):
-        cfg = hydra_compose("config", overrides=list(overrides))
-    return to_spec(cfg)
+    return to_spec(compose_config(overrides))
 
 
 def spec_yaml(spec: RunSpec) -> str:
