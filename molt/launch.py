@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 
 from molt.spec import RunSpec
 from molt.spec_checks import spec_warnings
@@ -52,27 +51,13 @@ def check_inputs(spec: RunSpec) -> None:
     load_agent_runner(spec.agent)
 
 
-def dry_run(overrides: Sequence[str], multirun: bool = False) -> bool:
-    """`run.dry_run=true` without Hydra's app, which would create the run directory: compose each job
-    (every combination of a `-m` sweep), check its inputs and print its plan. False if not a dry run."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from molt.config import compose
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    if not any(o.key_or_group == "run.dry_run" for o in parsed):
-        return False
-    jobs = BasicSweeper.split_arguments(parsed, None)[0] if multirun else [list(overrides)]
-    specs = [compose(job) for job in jobs]
-    if not all(spec.run.dry_run for spec in specs):
-        return False
-    for spec in specs:
-        for warning in spec_warnings(spec):
-            log.warning(warning)
-        check_inputs(spec)
-        print(describe_plan(spec), end="\n\n" if len(specs) > 1 else "\n")
-    return True
+def dry_run(spec: RunSpec) -> str:
+    """`run.dry_run=true`: log the spec's warnings, check its inputs and return its plan; writes nothing
+    (`python -m molt` answers a dry run without Hydra's app, which would create the run directory)."""
+    for warning in spec_warnings(spec):
+        log.warning(warning)
+    check_inputs(spec)
+    return describe_plan(spec)
 
 
 def init_ray(spec: RunSpec) -> None:

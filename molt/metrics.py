@@ -73,9 +73,12 @@ class RunLogger:
         import wandb
 
         cfg = self.spec.logging.wandb
+        # quiet: W&B's start lines (mode, local folder) stay; its end-of-run history dump does not
         return wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, job_type=cfg.job_type,
-                          tags=cfg.tags or None, mode=mode, dir=str(self.dir), name=self.spec.run.name,
-                          config=self.spec.model_dump(mode="json"), reinit="create_new")
+                          tags=cfg.tags or None, mode=mode, dir=str(self.dir),
+                          name=cfg.name or self.spec.run.name,
+                          config=self.spec.model_dump(mode="json"), reinit="create_new",
+                          settings=wandb.Settings(quiet=True))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         values = {k: float(v) for k, v in metrics.items()}
@@ -84,7 +87,7 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         if self._bar is not None:
-            self._bar.update(step + 1 - self._bar.n)  # position-based, so a resumed run starts mid-bar
+            self._bar.update(step - self._bar.n)  # `step` counts finished steps; a resumed run starts mid-bar
             shown = {label: format(values[k], fmt) for k, label, fmt in BAR_FIELDS if k in values}
             self._bar.set_postfix(shown)
 

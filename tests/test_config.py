@@ -1,4 +1,4 @@
-"""Foundation: experiments compose and validate; bad config fails clearly; diff; multirun."""
+"""Foundation: experiments compose and validate; bad config fails clearly; validated print; sweep preview."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import molt.__main__ as cli
 from molt.config import compose
-from molt.diff import key_diff, unified_diff
-from molt.diff import main as diff_main
 from molt.spec import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,30 +105,12 @@ def test_cross_field_rules(overrides, fragment):
 
 
 def test_missing_experiment_fails():
-    from hydra.errors import MissingConfigException
-
-    with pytest.raises(MissingConfigException, match="experiment/nope"):
+    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: dsv3_ep256, qwen30b_tools"):
         compose(["+experiment=nope"])
 
 
 def test_yaml_off_is_the_string_off():
     assert compose(["algo.correction.level=off"]).algo.correction.level == "off"
-
-
-def test_diff_tiny_vs_qwen30b_tools(capsys):
-    a, b = compose(["+experiment=tiny"]), compose(["+experiment=qwen30b_tools"])
-    keys = {k for k, _, _ in key_diff(a, b)}
-    assert "parallel.world_size" in keys and "model.path" in keys and "run.seed" not in keys
-    assert "+  world_size: 8" in unified_diff(a, b, "tiny", "qwen30b_tools")
-    assert diff_main(["tiny", "qwen30b_tools"]) == 0
-    out = capsys.readouterr().out
-    assert "parallel.world_size" in out and "1 -> 8" in out
-
-
-def test_diff_of_override_lists(capsys):
-    assert diff_main(["tiny", "tiny algo=rloo train.lr=1e-4"]) == 0
-    out = capsys.readouterr().out
-    assert "algo.estimator" in out and "train.lr" in out and "3 key(s) differ" in out  # + job_type
 
 
 def _molt(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -140,12 +121,6 @@ def _molt(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 def test_cli_typo_fails_before_anything_starts():
     proc = _molt("parallel.ep_sise=8")
     assert proc.returncode != 0 and "parallel.ep_size" in proc.stderr
-
-
-def test_cli_print_config():
-    proc = _molt("+experiment=qwen30b_tools", "--cfg", "job", "--resolve")
-    assert proc.returncode == 0, proc.stderr
-    assert yaml.safe_load(proc.stdout)["parallel"]["world_size"] == 8
 
 
 def test_multirun_writes_one_resolved_spec_per_job(tmp_path):
@@ -238,3 +213,57 @@ def test_cli_dry_run_writes_nothing_and_over_subscription_fails_before_ray():
     assert "Ray" not in bad.stderr and not bad.stdout  # failed at validation: nothing placed, nothing started
     after = sorted((REPO / "runs").rglob("*")) if (REPO / "runs").exists() else []
     assert after == before
+
+
+def _main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+          ) -> tuple[int | str | None, str, str]:
+    """`python -m molt ARGS` in this process (the print / preview paths start nothing)."""
+    monkeypatch.setattr("sys.argv", ["molt", *args])
+    code: int | str | None = 0
+    try:
+        cli.main()
+    except SystemExit as done:
+        code = done.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_print_config_is_the_validated_spec(monkeypatch, capsys):
+    code, out, _ = _main(monkeypatch, capsys, "+experiment=qwen30b_tools", "--cfg", "job", "--resolve")
+    assert code == 0
+    printed = yaml.safe_load(out)
+    assert printed["parallel"]["world_size"] == 8
+    assert printed["logging"]["wandb"]["job_type"] == "grpo_seq_mask_tis"   # filled as the launcher does
+    assert printed["run"]["dir"].startswith(str(Path.cwd() / "runs" / "qwen30b_tools"))
+    assert printed["rollout"]["engine"]["kv_cache_gib"] == 1.0                 # a schema default, included
+    assert compose(["+experiment=qwen30b_tools"]).model_dump(mode="json")["algo"] == printed["algo"]
+
+
+def test_cli_print_refuses_an_invalid_spec_as_a_run_does(monkeypatch, capsys):
+    code, out, _ = _main(monkeypatch, capsys, "parallel.dp_size=3", "--cfg", "job")
+    assert out == "" and isinstance(code, str) and code.startswith("molt: invalid run spec (1 error(s)):")
+    proc = _molt("parallel.dp_size=3")
+    assert proc.returncode == 1 and proc.stderr.strip() == code
+
+
+def test_sweep_preview_prints_every_job_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    sweep = tmp_path / "sweep"
+    code, out, _ = _main(monkeypatch, capsys, "-m", "algo=grpo,icepop", "train.lr=1e-6,1e-5", "train.steps=3",
+                         "--cfg", "job", f"hydra.sweep.dir={sweep}")
+    assert code == 0 and not sweep.exists()
+    docs = list(yaml.safe_load_all(out))
+    names = ["algo=grpo,train.lr=1e-06", "algo=grpo,train.lr=1e-05", "algo=icepop,train.lr=1e-06",
+             "algo=icepop,train.lr=1e-05"]
+    assert [d["logging"]["wandb"]["name"] for d in docs] == names            # the swept choices only
+    assert [d["run"]["dir"] for d in docs] == [str(sweep / f"{i}_{n}") for i, n in enumerate(names)]
+    assert {d["logging"]["wandb"]["group"] for d in docs} == {"sweep"}       # one W&B group per sweep
+    assert [d["logging"]["wandb"]["job_type"] for d in docs] == ["grpo", "grpo", "icepop", "icepop"]
+    assert {d["train"]["steps"] for d in docs} == {3}
+    assert [line for line in out.splitlines() if line.startswith("# sweep job")][2] == \
+        "# sweep job 2: algo=icepop,train.lr=1e-06"
+
+
+def test_an_invalid_sweep_job_fails_before_any_job_starts(tmp_path, monkeypatch, capsys):
+    code, _, _ = _main(monkeypatch, capsys, "-m", "algo=grpo,gae", f"hydra.sweep.dir={tmp_path / 's'}")
+    assert isinstance(code, str) and code.startswith("molt: sweep job 1 (algo=gae")
+    assert "needs a critic" in code and not (tmp_path / "s").exists()

@@ -27,21 +27,22 @@ def make_spec(run_dir: Path, **logging: object) -> RunSpec:
 def test_metrics_jsonl_and_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = time.time()
     with RunLogger(make_spec(tmp_path)) as logger:
-        logger.log(0, {"reward/mean": 0.25, "time/step": 1.5, "tokens/per_s": 100})
-        logger.log(1, {"reward/mean": np.float32(0.5), "train/loss": torch.tensor(-0.125)})
+        logger.log(1, {"reward/mean": 0.25, "time/step": 1.5, "tokens/per_s": 100})   # the loop logs
+        logger.log(2, {"reward/mean": np.float32(0.5), "train/loss": torch.tensor(-0.125)})  # from step 1
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == [1, 2]
     assert all(before <= r["time"] <= time.time() for r in records)
     assert {k: v for k, v in records[0].items() if k != "time"} == \
-        {"step": 0, "reward/mean": 0.25, "time/step": 1.5, "tokens/per_s": 100.0}
+        {"step": 1, "reward/mean": 0.25, "time/step": 1.5, "tokens/per_s": 100.0}
     assert {k: v for k, v in records[1].items() if k != "time"} == \
-        {"step": 1, "reward/mean": 0.5, "train/loss": -0.125}
+        {"step": 2, "reward/mean": 0.5, "train/loss": -0.125}
     bar = capsys.readouterr().err
-    assert "2/3" in bar and "reward=0.500" in bar and "step_s=1.5" in bar and "tok/s=100" in bar
+    assert "2/3" in bar and "3/3" not in bar   # two steps logged of three: the bar must not run ahead
+    assert "reward=0.500" in bar and "step_s=1.5" in bar and "tok/s=100" in bar
 
     with RunLogger(make_spec(tmp_path, progress=False)) as logger:   # a resumed run appends
-        logger.log(2, {"reward/mean": 1.0})
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+        logger.log(3, {"reward/mean": 1.0})
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert "reward" not in capsys.readouterr().err
 
 
