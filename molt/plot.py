@@ -34,6 +34,11 @@ def _series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
     return steps, [rows[s][key] for s in steps]
 
 
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last `window` values at every position (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / min(i + 1, window) for i in range(len(values))]
+
+
 def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=100, bbox_inches="tight")  # "tight" keeps legends placed outside the axes
     return path
@@ -47,8 +52,7 @@ def _reward(rows: Rows, out: Path) -> Path | None:
     ax = fig.add_subplot()
     ax.plot(steps, reward, alpha=0.35, label="reward/mean")
     window = max(1, len(reward) // 10)
-    rolling = [sum(reward[max(0, i + 1 - window):i + 1]) / min(i + 1, window) for i in range(len(reward))]
-    ax.plot(steps, rolling, linewidth=2, label=f"rolling mean ({window} steps)")
+    ax.plot(steps, rolling_mean(reward, window), linewidth=2, label=f"rolling mean ({window} steps)")
     ax.set(xlabel="step", ylabel="reward", title="train reward")
     ax.legend()
     return _save(fig, out / "reward.png")
@@ -70,19 +74,37 @@ def _lines(rows: Rows, prefix: str, title: str, path: Path, marker: str | None =
     return _save(fig, path)
 
 
+def warmup_clip(step_times: list[float]) -> float | None:
+    """A y-axis top for the timings plot when the first step (engine and trainer warm-up, e.g. 17.7 s
+    against 0.3 s later) would flatten every other step; None when it does not stand out."""
+    if len(step_times) < 2:
+        return None
+    top = 1.2 * max(step_times[1:])
+    return top if step_times[0] > 2 * top else None
+
+
 def _timings(rows: Rows, out: Path) -> Path | None:
-    """Stage times stacked per step; time/step (the whole step) is drawn as a line over them."""
-    stages = sorted({k for r in rows.values() for k in r if k.startswith("time/") and k != "time/step"})
+    """The step's consecutive stages (wait for the batch, logprobs, train, refit, ...) stacked; time/step
+    (the whole step) and time/generate (engine busy time, which overlaps the stages) as lines. A slow
+    first step is cut at the top of the axis with its time written beside it."""
+    lines = ("time/step", "time/generate")
+    stages = sorted({k for r in rows.values() for k in r if k.startswith("time/") and k not in lines})
     total_steps, total = _series(rows, "time/step")
-    if not stages and not total_steps:
+    if not stages and not any(_series(rows, k)[0] for k in lines):
         return None
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
     if stages:
         steps = [s for s, r in rows.items() if any(k in r for k in stages)]
         ax.stackplot(steps, [[rows[s].get(k, 0.0) for s in steps] for k in stages], labels=stages, alpha=0.8)
-    if total_steps:
-        ax.plot(total_steps, total, color="black", linewidth=1, label="time/step")
+    for key, style in zip(lines, ("-", "--"), strict=True):
+        if _series(rows, key)[0]:
+            ax.plot(*_series(rows, key), color="black", linestyle=style, linewidth=1, label=key)
+    top = warmup_clip(total)
+    if top is not None:
+        ax.set_ylim(0, top)
+        ax.annotate(f"step {total_steps[0]}: {total[0]:.1f} s (warm-up, off scale)", xy=(total_steps[0], top),
+                    xytext=(4, -12), textcoords="offset points", fontsize="small")
     ax.set(xlabel="step", ylabel="seconds", title="stage timings")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     return _save(fig, out / "timings.png")

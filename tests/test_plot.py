@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from molt.plot import main, plot_run, read_metrics
+from molt.plot import main, plot_run, read_metrics, warmup_clip
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -72,3 +72,14 @@ def test_cli(tmp_path: Path) -> None:
         main([str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="usage"):
         main([])
+
+
+def test_a_slow_first_step_does_not_flatten_the_timings(tmp_path: Path) -> None:
+    # measured on the default run: 17.7 s for step 1 (engine and trainer warm-up), ~0.3 s afterwards
+    assert warmup_clip([17.7, 0.3, 0.45, 0.35]) == pytest.approx(1.2 * 0.45)
+    assert warmup_clip([0.5, 0.3, 0.45]) is None and warmup_clip([17.7]) is None
+    write_metrics(tmp_path, steps=20)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0]) | {"time/step": 17.7, "time/generate": 16.0}
+    (tmp_path / "metrics.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    assert (tmp_path / "plots" / "timings.png") in plot_run(tmp_path)
