@@ -261,6 +261,10 @@ def test_sweep_preview_prints_every_job_and_creates_nothing(tmp_path, monkeypatc
     assert {d["train"]["steps"] for d in docs} == {3}
     assert [line for line in out.splitlines() if line.startswith("# sweep job")][2] == \
         "# sweep job 2: algo=icepop,train.lr=1e-06"
+    # a time-stamped sweep directory is one directory for every job (as Hydra's sweeper keeps it)
+    code, out, _ = _main(monkeypatch, capsys, "-m", "algo=grpo,rloo,icepop", "--cfg", "job",
+                         f"hydra.sweep.dir={tmp_path}/s_${{now:%H-%M-%S-%f}}")
+    assert code == 0 and len({Path(d["run"]["dir"]).parent for d in yaml.safe_load_all(out)}) == 1
 
 
 def test_an_invalid_sweep_job_fails_before_any_job_starts(tmp_path, monkeypatch, capsys):
