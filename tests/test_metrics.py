@@ -19,7 +19,8 @@ def make_spec(run_dir: Path, **logging: object) -> RunSpec:
     return RunSpec.model_validate({
         "run": {"name": "t", "dir": str(run_dir), "seed": 1},
         "train": {"steps": 3},
-        "logging": {"wandb": {"mode": "disabled", "group": "sweep-1", "job_type": "grpo", "tags": ["a", "b"]},
+        "logging": {"wandb": {"mode": "disabled", "name": "algo=grpo", "group": "sweep-1", "job_type": "grpo",
+                          "tags": ["a", "b"]},
                     "plots": False, **logging},
     })
 
@@ -67,7 +68,8 @@ def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = RunLogger(make_spec(tmp_path, progress=False))
     run = logger._wandb
-    assert (run.group, run.job_type, list(run.tags), run.project) == ("sweep-1", "grpo", ["a", "b"], "molt")
+    assert (run.name, run.group, run.job_type, list(run.tags), run.project) == \
+        ("algo=grpo", "sweep-1", "grpo", ["a", "b"], "molt")
     assert run.config["run"]["dir"] == str(tmp_path) and run.config["train"]["steps"] == 3
     logger.log(0, {"reward/mean": 0.5})
     logger.close()
