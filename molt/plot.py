@@ -75,18 +75,19 @@ def _lines(rows: Rows, prefix: str, title: str, path: Path, marker: str | None =
 
 
 def warmup_clip(step_times: list[float]) -> float | None:
-    """A y-axis top for the timings plot when the first step (engine and trainer warm-up, e.g. 17.7 s
-    against 0.3 s later) would flatten every other step; None when it does not stand out."""
-    if len(step_times) < 2:
+    """A y-axis top for the timings plot when the warm-up steps (the first 2%, at least one: engine and
+    trainer warm-up, e.g. 17.7 s against 0.3 s later) would flatten every other step; None otherwise."""
+    warm = max(1, len(step_times) // 50)
+    if len(step_times) <= warm:
         return None
-    top = 1.2 * max(step_times[1:])
-    return top if step_times[0] > 2 * top else None
+    top = 1.2 * max(step_times[warm:])
+    return top if max(step_times[:warm]) > 2 * top else None
 
 
 def _timings(rows: Rows, out: Path) -> Path | None:
     """The step's consecutive stages (wait for the batch, logprobs, train, refit, ...) stacked; time/step
-    (the whole step) and time/generate (engine busy time, which overlaps the stages) as lines. A slow
-    first step is cut at the top of the axis with its time written beside it."""
+    (the whole step) and time/generate (engine busy time, which overlaps the stages) as lines. Slow
+    warm-up steps are cut at the top of the axis, the slowest one's time written beside it."""
     lines = ("time/step", "time/generate")
     stages = sorted({k for r in rows.values() for k in r if k.startswith("time/") and k not in lines})
     total_steps, total = _series(rows, "time/step")
@@ -102,9 +103,11 @@ def _timings(rows: Rows, out: Path) -> Path | None:
             ax.plot(*_series(rows, key), color="black", linestyle=style, linewidth=1, label=key)
     top = warmup_clip(total)
     if top is not None:
+        slowest = max(range(len(total)), key=total.__getitem__)
         ax.set_ylim(0, top)
-        ax.annotate(f"step {total_steps[0]}: {total[0]:.1f} s (warm-up, off scale)", xy=(total_steps[0], top),
-                    xytext=(4, -12), textcoords="offset points", fontsize="small")
+        ax.annotate(f"warm-up: step {total_steps[slowest]} took {total[slowest]:.1f} s (off scale)",
+                    xy=(total_steps[slowest], top), xytext=(4, -12), textcoords="offset points",
+                    fontsize="small")
     ax.set(xlabel="step", ylabel="seconds", title="stage timings")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     return _save(fig, out / "timings.png")

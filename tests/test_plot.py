@@ -78,6 +78,8 @@ def test_a_slow_first_step_does_not_flatten_the_timings(tmp_path: Path) -> None:
     # measured on the default run: 17.7 s for step 1 (engine and trainer warm-up), ~0.3 s afterwards
     assert warmup_clip([17.7, 0.3, 0.45, 0.35]) == pytest.approx(1.2 * 0.45)
     assert warmup_clip([0.5, 0.3, 0.45]) is None and warmup_clip([17.7]) is None
+    loaded = [4.8, 5.9, 3.0, 3.4, 2.1, 1.5, 0.9, 0.5] + [0.4, 1.2] * 196   # busy machine: 8 slow steps
+    assert warmup_clip(loaded) == pytest.approx(1.2 * 1.2)
     write_metrics(tmp_path, steps=20)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     first = json.loads(lines[0]) | {"time/step": 17.7, "time/generate": 16.0}
