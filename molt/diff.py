@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from molt.config import choices_of, compose_config, spec_yaml, to_spec
+from molt.config import GROUPS, choices_of, compose_config, spec_yaml, to_spec
 from molt.spec import RunSpec, SpecError, Strict, validate_spec
 
 SIDE = "_molt_diff_side"   # the name an experiment file gets while it is composed
@@ -42,11 +42,6 @@ class Side:
     label: str
     spec: RunSpec
     choices: dict[str, str] = field(default_factory=dict)
-
-
-def experiment_names() -> list[str]:
-    return sorted(p.name.removesuffix(".yaml") for p in files("molt.conf").joinpath("experiment").iterdir()
-                  if p.name.endswith(".yaml"))
 
 
 def _compose(label: str, overrides: list[str], text: str | None = None, name: str = "",
@@ -140,7 +135,8 @@ def _load(arg: str) -> Side:
         if "@package _global_" in text:
             return _compose(arg, overrides, text, path.stem)
         return _run_spec(arg, text, path.parent, overrides)
-    names = experiment_names()
+    names = sorted(p.name.removesuffix(".yaml") for p in files("molt.conf").joinpath("experiment").iterdir()
+                   if p.name.endswith(".yaml"))
     if source in names:
         return _compose(arg, [f"+experiment={source}", *overrides])
     what = "no such file or directory" if "/" in source or path.suffix in (".yaml", ".yml") else \
@@ -167,12 +163,6 @@ def key_diff(a: RunSpec, b: RunSpec) -> list[tuple[str, Any, Any]]:
             if fa.get(k, ABSENT) != fb.get(k, ABSENT)]
 
 
-def choice_diff(a: Side, b: Side) -> list[tuple[str, str, str]]:
-    groups = [g for g in ("experiment", "model", "parallel", "algo", "agent") if g in a.choices | b.choices]
-    return [(g, a.choices.get(g, "(none)"), b.choices.get(g, "(none)")) for g in groups
-            if a.choices.get(g, "(none)") != b.choices.get(g, "(none)")]
-
-
 def show(value: Any) -> str:
     """A value as one line of YAML flow style: null, true, 1.0e-06, {hidden_size: 128, ...}."""
     if isinstance(value, str) and value == ABSENT:
@@ -182,8 +172,10 @@ def show(value: Any) -> str:
 
 
 def _sections(a: Side, b: Side) -> list[tuple[str, list[tuple[str, Any, Any]]]]:
+    """("groups", differing group choices) first, then (section, its differing keys) in schema order."""
     sections: dict[str, list[tuple[str, Any, Any]]] = {}
-    choices = choice_diff(a, b)
+    chosen = [(g, a.choices.get(g, "(none)"), b.choices.get(g, "(none)")) for g in GROUPS]
+    choices = [(g, ca, cb) for g, ca, cb in chosen if ca != cb]
     if choices:
         sections["groups"] = choices
     for key, va, vb in key_diff(a.spec, b.spec):

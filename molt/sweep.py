@@ -20,13 +20,6 @@ NOTES = ("final: mean `reward/mean` over the last 10% of steps; best: highest ro
          "step's end (start-up excluded).")
 
 
-def job_dirs(sweep_dir: Path) -> list[Path]:
-    """The sweep's job directories (those with a spec.yaml), in job order (`<num>_<choices>`)."""
-    jobs = [p for p in sweep_dir.iterdir() if (p / "spec.yaml").is_file()]
-    return sorted(jobs, key=lambda p: (int(p.name.split("_")[0]) if p.name.split("_")[0].isdigit()
-                                       else 1 << 30, p.name))
-
-
 def job_row(job: Path) -> dict[str, Any]:
     """One job's numbers from its metrics.jsonl; only `job` when it logged no step."""
     from molt.plot import read_metrics, rolling_mean
@@ -92,7 +85,8 @@ def summarize(sweep_dir: str | Path) -> str:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"no such sweep directory: {sweep_dir}")
-    jobs = job_dirs(sweep_dir)
+    jobs = [p for p in sweep_dir.iterdir() if (p / "spec.yaml").is_file()]   # `<num>_<choices>`
+    jobs.sort(key=lambda p: (p.name.partition("_")[0].zfill(9), p.name))     # by number: 2 before 10
     rows = [job_row(j) for j in jobs]
     if not any("steps" in r for r in rows):
         return ""
