@@ -190,9 +190,9 @@ def as_text(a: Side, b: Side) -> str:
             for title, group in sections for i, (key, va, vb) in enumerate(group)]
     w_title = max((len(t) for t, _, _, _ in rows), default=0)
     w_key = max((len(k) for _, k, _, _ in rows), default=0)
-    lines = [f"--- {a.label}", f"+++ {b.label}"]
+    lines = [f"{a.label} -> {b.label}: {summary(a, b)}"]
     lines += [f"{t:<{w_title}}  {k:<{w_key}}  {show(va)} -> {show(vb)}" for t, k, va, vb in rows]
-    return "\n".join(lines + [summary(a, b)]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def as_markdown(a: Side, b: Side) -> str:

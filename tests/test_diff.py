@@ -34,15 +34,15 @@ def test_text_output_puts_group_choices_first_and_keeps_free_dicts_on_one_line(c
     code, out, _ = run(capsys, str(EXPERIMENTS / "tiny.yaml"), "qwen30b_tools")
     assert code == 1
     lines = out.splitlines()
-    assert lines[:2] == [f"--- {EXPERIMENTS / 'tiny.yaml'}", "+++ qwen30b_tools"]
-    assert lines[2].split() == ["groups", "experiment", "tiny", "->", "qwen30b_tools"]
-    assert ["algo", "reinforce_pp", "->", "grpo_seq_mask_tis"] in [line.split() for line in lines[3:7]]
-    sections = [line.split()[0] for line in lines[2:-1] if not line.startswith(" ")]
+    n = len(key_diff(compose([]), compose(["+experiment=qwen30b_tools"])))
+    assert lines[0] == f"{EXPERIMENTS / 'tiny.yaml'} -> qwen30b_tools: {n} key(s) differ"
+    assert lines[1].split() == ["groups", "experiment", "tiny", "->", "qwen30b_tools"]
+    assert ["algo", "reinforce_pp", "->", "grpo_seq_mask_tis"] in [line.split() for line in lines[2:6]]
+    sections = [line.split()[0] for line in lines[1:] if not line.startswith(" ")]
     assert sections == ["groups", "run", "model", "parallel", "rollout", "train", "algo", "agent", "data"]
     [tiny] = [line for line in lines if line.split()[0] == "tiny"]   # model.tiny, under "model"
     assert "{hidden_size: 128," in tiny and tiny.endswith("-> {}")
-    assert lines[-1] == f"{len(key_diff(compose([]), compose(['+experiment=qwen30b_tools'])))} key(s) differ"
-    assert len(lines) <= 50   # one screen
+    assert len(lines) == n + 5 + 1 <= 50   # one screen: a header, 5 group choices, the keys
 
 
 def test_markdown_table_for_a_pull_request(capsys):
@@ -103,7 +103,7 @@ def test_file_at_a_git_revision_is_composed_with_conf_at_that_revision(tmp_path,
 
     code, out, _ = run(capsys, "experiments/tiny.yaml@HEAD~1", "experiments/tiny.yaml@HEAD")
     assert code == 1
-    assert [line.split() for line in out.splitlines()[2:-1]] == [
+    assert [line.split() for line in out.splitlines()[1:]] == [
         ["groups", "experiment", "tiny@HEAD~1", "->", "tiny@HEAD"],
         ["train", "lr", "0.0005", "->", "0.0001"],
         ["algo", "gamma", "1.0", "->", "0.5"]]
