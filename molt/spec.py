@@ -192,6 +192,18 @@ class AlgoSpec(Strict):
     kl: KLSpec = Field(default_factory=KLSpec, description="KL regularization to model.reference")
     filters: FilterSpec = Field(default_factory=FilterSpec, description="batch filters before the update")
 
+    @field_validator("estimator")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from molt.algo import ESTIMATORS  # lazy: molt.algo imports this module's types
+
+        if value not in ESTIMATORS:
+            near = difflib.get_close_matches(value, list(ESTIMATORS), n=1, cutoff=0.5)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            names = ", ".join(sorted(ESTIMATORS))
+            raise ValueError(f"unknown estimator '{value}'{hint}; registered: {names}")
+        return value
+
 
 class AgentSpec(Strict):
     module: str = Field("examples/agents/repeat.py",
