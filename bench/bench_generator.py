@@ -31,30 +31,40 @@ async def generate_many(engine, n: int, tokens: int) -> tuple[int, float]:
     return sum(len(o["token_ids"]) for o in outs), time.perf_counter() - start
 
 
+async def refit_once(policy, router, version: int) -> tuple[float, float]:
+    """The loop's refit (trainer gathers and broadcasts, the engine receives and reloads), timed from
+    both ends: (seconds inside the engine, seconds of the whole call)."""
+    t0 = time.perf_counter()
+    engine_s, _ = await asyncio.gather(router.update_weights(version), asyncio.to_thread(policy.send_weights))
+    return engine_s, time.perf_counter() - t0
+
+
 def bench_one(size: str, args: argparse.Namespace) -> list:
     import ray
-    from safetensors.torch import load_file
 
+    from molt.loop import connect_refit
     from molt.rollout.engine import start_engines
+    from molt.rollout.router import Router
     from molt.spec import RunSpec
     from molt.tiny import tiny_model_path
+    from molt.trainer.group import TrainerGroup
 
     path = str(tiny_model_path(**SIZES[size]))
-    spec = RunSpec.model_validate({"model": {"max_model_len": args.tokens + 64},
-                                   "rollout": {"max_tokens": args.tokens, "engine": {"kv_cache_gib": 0.5}}})
+    spec = RunSpec.model_validate({"model": {"path": path, "max_model_len": args.tokens + 64},
+                                   "rollout": {"max_tokens": args.tokens, "engine": {"kv_cache_gib": 0.5}},
+                                   "train": {"micro_batch_size": 8}})
     t0 = time.perf_counter()
     [engine] = start_engines(spec, path)
     startup = time.perf_counter() - t0
     asyncio.run(generate_many(engine, 4, 8))                         # warm-up
     tokens, seconds = asyncio.run(generate_many(engine, args.requests, args.tokens))
-    weights = load_file(f"{path}/model.safetensors")
-    engine_s, call_s = [], []
-    for v in range(1, args.refits + 1):
-        t0 = time.perf_counter()
-        engine_s.append(ray.get(engine.update_weights.remote([ray.put(weights)], v)))
-        call_s.append(time.perf_counter() - t0)
+    policy, router = TrainerGroup(spec), Router([engine])
+    asyncio.run(connect_refit(policy, router))
+    times = [asyncio.run(refit_once(policy, router, v)) for v in range(1, args.refits + 1)]
+    policy.shutdown()
     ray.get(engine.shutdown.remote())
     ray.kill(engine)
+    engine_s, call_s = zip(*times, strict=True)
     row = [size, f"{param_count(path) / 1e6:.2f}", f"{startup:.1f}", f"{tokens / seconds:.0f}",
            f"{statistics.median(engine_s):.3f}", f"{statistics.median(call_s):.3f}"]
     print(row, flush=True)
@@ -77,8 +87,9 @@ def main() -> None:
     head = ["model", "params (M)", "engine start (s)", "generation tok/s", "refit (s, in engine)",
             "refit (s, whole call)"]
     body = (f"## Generator\n\n{header()}\n\nOne engine (enforce_eager), {args.requests} concurrent "
-            f"requests × {args.tokens} tokens; refit = full weights through the object store and the "
-            f"worker reload path, median of {args.refits}. Load average at start: {load:.1f}.\n\n"
+            f"requests × {args.tokens} tokens; refit = a 1-rank trainer gathers and broadcasts the "
+            f"full weights (gloo), the engine receives them into its reload path, median of "
+            f"{args.refits}. Load average at start: {load:.1f}.\n\n"
             f"{table(head, rows)}")
     print(table(head, rows))
     write_section("generator", body)

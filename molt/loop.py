@@ -36,7 +36,7 @@ from molt.spec import RunSpec
 from molt.tiny import tiny_model_path
 from molt.trainer.batch import make_batch
 from molt.trainer.group import TrainerGroup
-from molt.trajectory import NO_VERSION, Rollout, Segment
+from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
 
 
 def model_path_of(spec: RunSpec) -> str:
@@ -72,6 +72,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     policy = TrainerGroup(spec, "policy")
     reference = TrainerGroup(spec, "reference") if spec.model.reference else None
     critic = TrainerGroup(spec, "critic") if spec.model.critic else None
+    await connect_refit(policy, router)
     logger = RunLogger(spec)
 
     step, version, pending = 0, 0, []
@@ -156,7 +157,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
                 engines: list | None = None) -> dict[str, float]:
     """One optimizer step on finished rollouts (also how a dumped batch is replayed).
 
-    With `model.router_replay`, segments without routed experts get them from `engines` first.
+    With `model.router_replay`, segments without routed experts get them from `engines` (`fill_routes`).
     """
     metrics = rollout_metrics(spec, rollouts)
     kept = drop_failed(spec, rollouts)
@@ -174,10 +175,10 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
         metrics["train/skipped"] = 1.0
         return metrics
 
-    # --- MoE router replay: routes of every trained segment, from the engines (see fill_routes) ---
+    # --- MoE router replay: segments carry the engine's routes; re-score only those that do not ---
     if spec.model.router_replay:
         t0 = time.perf_counter()
-        await fill_routes(spec, engines, segments)
+        await fill_routes(engines, segments, version)
         metrics["time/route_capture"] = time.perf_counter() - t0
     # --- end router replay ---
 
@@ -259,33 +260,45 @@ def check_token_first(batch: dict[str, torch.Tensor], segments: list[Segment]) -
                            "has no engine version/logprob: refusing to train on it")
 
 
-async def fill_routes(spec: RunSpec, engines: list | None, segments: list[Segment]) -> None:
-    """Fill `routed_experts` of the segments that lack it by re-scoring them on the engines (split evenly).
+async def fill_routes(engines: list | None, segments: list[Segment], version: int) -> None:
+    """Fallback for segments that came without routed experts: re-score them on the engines (split evenly).
 
-    Runs before the refit, so the engines hold the policy that sampled the batch (sync mode; CPU async is
-    rejected by the spec). Each engine actor drains its other requests before capturing.
+    Engines return each request's routes with its tokens, so this runs only where they could not. The
+    engines hold `version` now, so only segments that version sampled entirely can be re-scored.
     """
-    from transformers import AutoConfig
-
     todo = [s for s in segments if s.routed_experts is None]
     if not todo:
         return
+    stale = [s for s in todo if any(v not in (NO_VERSION, version) for v in s.versions)]
+    if stale:
+        raise RuntimeError(f"model.router_replay: rollout {stale[0].rollout_id} came without routed experts "
+                           f"and was sampled by an older policy than the engines hold (version {version}); "
+                           "re-scoring it would replay the wrong routes")
     if not engines:
         raise RuntimeError("model.router_replay: these segments carry no routed experts and no engine is "
                            "running to capture them (dumped before the routes were captured?)")
-    top_k = AutoConfig.from_pretrained(model_path_of(spec)).get_text_config().num_experts_per_tok
     shares = [todo[i::len(engines)] for i in range(len(engines))]
-    routes = await asyncio.gather(*[e.capture_routes.remote([s.token_ids for s in share], top_k)
+    routes = await asyncio.gather(*[e.capture_routes.remote([s.token_ids for s in share])
                                     for e, share in zip(engines, shares, strict=True) if share])
     for share, got in zip([s for s in shares if s], routes, strict=True):
         for segment, route in zip(share, got, strict=True):
-            segment.routed_experts = route
+            segment.routed_experts = pad_routes(route, len(segment.token_ids))
+
+
+async def connect_refit(policy: TrainerGroup, router: Router) -> None:
+    """Open the refit group (`molt.refit`): trainer rank 0 and every engine worker, once per run."""
+    host, port = await asyncio.to_thread(policy.refit_address)
+    size = await router.refit_size()
+    await asyncio.gather(asyncio.to_thread(policy.join_refit, host, port, size),
+                         router.join_refit(host, port))
 
 
 async def refit(policy: TrainerGroup, router: Router, version: int) -> float:
-    """Trainer weights → every engine (prefix caches reset, in-flight requests kept); returns seconds."""
+    """Trainer weights → every engine (prefix caches reset, in-flight requests kept); returns seconds.
+
+    The trainer broadcasts while the engines receive, so both sides run at once."""
     t0 = time.perf_counter()
-    await router.update_weights(await asyncio.to_thread(policy.weight_chunks), version)
+    await asyncio.gather(router.update_weights(version), asyncio.to_thread(policy.send_weights))
     return time.perf_counter() - t0
 
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from molt.spec import RunSpec
 from molt.trajectory import Rollout, Segment
 
@@ -46,6 +48,12 @@ def load_rollouts(path: str | Path) -> list[Rollout]:
                 record["segments"] = [Segment(**s) for s in record["segments"]]
                 rollouts.append(Rollout(**record))
     return rollouts
+
+
+def _listed(value: Any) -> Any:
+    if isinstance(value, np.ndarray):  # routed experts
+        return value.tolist()
+    raise TypeError(f"cannot dump {type(value).__name__}")
 
 
 class RunLogger:
@@ -105,7 +113,7 @@ class RunLogger:
         with path.open("a" if step == self._dumping else "w", encoding="utf-8") as f:
             self._dumping = step
             for rollout in rollouts:  # every field, so load_rollouts rebuilds each rollout exactly
-                f.write(json.dumps(dataclasses.asdict(rollout)) + "\n")
+                f.write(json.dumps(dataclasses.asdict(rollout), default=_listed) + "\n")
         keep = self.spec.logging.dump_keep_steps
         if keep:
             for old in path.parent.glob("step_*.jsonl"):

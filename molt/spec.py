@@ -116,6 +116,8 @@ class RolloutSpec(Strict):
     max_staleness: int = Field(1, description="most policy versions between sampling a token and training it")
     prompt_too_long: Literal["truncate", "reject"] = Field(
         "reject", description="a prompt with no room for one token: fail the rollout or keep its tail")
+    refit_chunk_mb: float = Field(
+        256.0, description="a refit streams the weights to the engines in chunks of this size (>= 1 tensor)")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
     eval: SamplingSpec = Field(default_factory=lambda: SamplingSpec(temperature=0.0, n=1),
                                description="sampling of the eval set (train.eval_every)")
@@ -280,11 +282,12 @@ class RunSpec(Strict):
                              "need model.reference (a path, or 'policy')")
         if self.parallel.device == "cpu" and self.model.dtype != "float32":
             raise ValueError("parallel.device=cpu trains in float32: set model.dtype=float32")
-        if self.model.router_replay and self.rollout.mode == "async" and self.parallel.device == "cpu":
-            # CPU routes come from re-scoring the batch on an engine drained of other requests: in async
-            # mode that stalls the pool every step and gives stale tokens the newer policy's routes.
-            raise ValueError("model.router_replay=true needs rollout.mode=sync on parallel.device=cpu "
-                             "(routes are captured by re-scoring each batch on an otherwise idle engine)")
+        eager = self.rollout.engine.enforce_eager
+        if self.model.router_replay and self.parallel.device == "cpu" and not eager:
+            # CPU engines capture routes with a Python callback in each MoE router (molt.rollout.routes),
+            # which a torch.compile'd engine never calls.
+            raise ValueError("model.router_replay=true on parallel.device=cpu needs "
+                             "rollout.engine.enforce_eager=true (routes are captured by an eager-mode hook)")
         return self
 
     @model_validator(mode="after")

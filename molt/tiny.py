@@ -43,7 +43,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", 
 DEFAULTS: dict[str, Any] = dict(
     hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
     vocab_size=320, max_position_embeddings=2048, num_experts=0, num_experts_per_tok=2,
-    moe_intermediate_size=64, seed=0,
+    moe_intermediate_size=64, tie_word_embeddings=1, seed=0,
 )
 
 
@@ -81,7 +81,8 @@ def build_model_config(opts: dict[str, Any], vocab_size: int):
         vocab_size=vocab_size, hidden_size=opts["hidden_size"], num_hidden_layers=opts["num_layers"],
         num_attention_heads=opts["num_heads"], num_key_value_heads=opts["num_kv_heads"],
         head_dim=opts["head_dim"], intermediate_size=opts["intermediate_size"],
-        max_position_embeddings=opts["max_position_embeddings"], tie_word_embeddings=True,
+        max_position_embeddings=opts["max_position_embeddings"],
+        tie_word_embeddings=bool(opts["tie_word_embeddings"]),
         bos_token_id=0, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
     )
     if opts["num_experts"]:

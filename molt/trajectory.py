@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 NO_VERSION = -1  # `versions` entry of a token the engine did not sample (prompt, observation)
 
 
@@ -24,7 +26,7 @@ class Segment:
     segment_index: int = 0
     prompt_len: int = 0             # tokens before the first sampled token
     finish_reason: str = "stop"     # of the last sampled turn: stop | length | abort
-    routed_experts: list[list[list[int]]] | None = None  # MoE: [len][layers][topk] expert ids
+    routed_experts: np.ndarray | None = None  # MoE: [len, layers, top_k] expert ids (see pad_routes)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -32,6 +34,22 @@ class Segment:
             raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: token_ids ({n}), loss_mask "
                              f"({len(self.loss_mask)}), logprobs ({len(self.logprobs)}) and versions "
                              f"({len(self.versions)}) must have one entry per token")
+        if self.routed_experts is not None:
+            self.routed_experts = pad_routes(np.asarray(self.routed_experts), n)
+
+
+def pad_routes(routes: np.ndarray, length: int) -> np.ndarray:
+    """Routes [k, layers, top_k] of the first k <= length tokens, extended to `length` tokens.
+
+    An engine returns routes only for tokens that were an input to its forward, so the last token (and
+    anything appended after the last sample) has none; those routes steer no logprob of an earlier
+    token, and the filler (experts 0..top_k-1) is never trained on.
+    """
+    if routes.ndim != 3 or len(routes) > length:
+        raise ValueError(f"routed experts of shape {routes.shape} for {length} tokens")
+    filler = np.broadcast_to(np.arange(routes.shape[2], dtype=routes.dtype), (length - len(routes),
+                                                                               *routes.shape[1:]))
+    return np.concatenate([routes, filler]) if len(filler) else routes
 
 
 @dataclass

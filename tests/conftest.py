@@ -68,3 +68,51 @@ def engine(ray_session, tiny_model_path, engine_spec):
     yield actor
     ray_session.get(actor.shutdown.remote())
     ray_session.kill(actor)
+
+
+@pytest.fixture(scope="session")
+def push_weights(ray_session):
+    """`push(engines, state_dict, version, chunk_bytes)`: this test process stands in for trainer rank 0.
+
+    It hosts a refit group (`molt.refit`) that the engines join through the Router, then broadcasts the
+    state dict in chunks while every engine receives it through `update_weights(version)`, the path a
+    run takes. With `version=None` the workers only load (no pause, cache reset or relabel). Returns
+    each engine's result.
+    """
+    import asyncio
+    import socket
+
+    import torch
+
+    from molt import refit
+    from molt.rollout.router import Router
+
+    def chunked(state_dict: dict, chunk_bytes: int):
+        chunk, size = {}, 0
+        for name, tensor in state_dict.items():
+            chunk[name] = tensor
+            size += tensor.numel() * tensor.element_size()
+            if size >= chunk_bytes:
+                yield chunk
+                chunk, size = {}, 0
+        yield chunk
+
+    def push(engines: list, state_dict: dict, version: int | None, chunk_bytes: int = 64 << 10) -> list:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        router, cpu = Router(engines), torch.device("cpu")
+
+        async def connect():
+            size = await router.refit_size()
+            opened = asyncio.to_thread(refit.open_group, "127.0.0.1", port, 0, size, cpu)
+            group, _ = await asyncio.gather(opened, router.join_refit("127.0.0.1", port))
+            return group
+
+        group = asyncio.run(connect())
+        receiving = [e.update_weights.remote(version) if version is not None
+                     else e.collective_rpc.remote("molt_refit_receive") for e in engines]
+        refit.send(group, chunked(state_dict, chunk_bytes), cpu)
+        return ray_session.get(receiving)
+
+    return push

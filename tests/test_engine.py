@@ -23,21 +23,24 @@ def perturbed_state_dict(path: str, scale: float = 0.05) -> dict[str, torch.Tens
             for k, v in sd.items()}
 
 
-@pytest.fixture(scope="module")
-def new_weights(tiny_model_path, tmp_path_factory):
+def perturbed_checkpoint(path: str, folder) -> tuple[dict[str, torch.Tensor], str]:
     """(state dict, checkpoint folder) of the perturbed model; the folder is a complete HF checkpoint."""
     import shutil
     from pathlib import Path
 
     from safetensors.torch import save_file
 
-    sd = perturbed_state_dict(tiny_model_path)
-    folder = tmp_path_factory.mktemp("w1")
-    for src in Path(tiny_model_path).iterdir():
+    sd = perturbed_state_dict(path)
+    for src in Path(path).iterdir():
         if src.suffix != ".safetensors":
             shutil.copy(src, folder / src.name)
     save_file(sd, str(folder / "model.safetensors"))
     return sd, str(folder)
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny_model_path, tmp_path_factory):
+    return perturbed_checkpoint(tiny_model_path, tmp_path_factory.mktemp("w1"))
 
 
 @ray.remote(num_cpus=0.01)
@@ -67,13 +70,25 @@ def direct_vllm(paths: list[str], spec: dict, prompts: list[list[int]], sampling
 
 
 @pytest.fixture(scope="module")
-def direct(ray_session, tiny_model_path, new_weights, engine_spec):
-    """Direct-engine outputs: [weights][sampling][prompt] → (ids, logprobs); weights = initial, perturbed.
+def untied(tmp_path_factory):
+    """(initial folder, perturbed state dict, perturbed folder) of a tiny model with its own lm_head."""
+    from molt.tiny import tiny_model_path
+
+    path = str(tiny_model_path(tie_word_embeddings=0))
+    sd, folder = perturbed_checkpoint(path, tmp_path_factory.mktemp("untied"))
+    assert "lm_head.weight" in sd
+    return path, sd, folder
+
+
+@pytest.fixture(scope="module")
+def direct(ray_session, tiny_model_path, new_weights, untied, engine_spec):
+    """Direct-engine outputs: [weights][sampling][prompt] → (ids, logprobs); weights = initial, perturbed,
+    untied perturbed.
 
     A Ray reference, so the reference engines start while the shared engine does (tests list it first).
     """
     samplings = [{**SAMPLED, "seed": 7}, GREEDY]
-    return direct_vllm.remote([tiny_model_path, new_weights[1]], engine_spec.model.model_dump(),
+    return direct_vllm.remote([tiny_model_path, new_weights[1], untied[2]], engine_spec.model.model_dump(),
                               PROMPTS, samplings)
 
 
@@ -114,9 +129,14 @@ def test_logprobs_match_transformers_fp32(engine, tiny_model_path):
     assert diff.abs().mean().item() <= 1e-4
 
 
-def test_refit_equals_fresh_engine_and_needs_cache_reset(direct, engine, new_weights, tiny_model_path):
+def initial_weights(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    return load_file(f"{path}/model.safetensors")
+
+
+def test_refit_equals_fresh_engine_and_needs_cache_reset(direct, engine, new_weights, tiny_model_path,
+                                                          push_weights):
     direct = ray.get(direct)
     w1_greedy = direct[1][1]
     before = generate_all(engine, GREEDY)            # fills the prefix cache with initial-weight KV
@@ -124,26 +144,48 @@ def test_refit_equals_fresh_engine_and_needs_cache_reset(direct, engine, new_wei
     try:
         # Load the new weights through the worker path alone, without the cache reset update_weights
         # does: the long prompt hits stale cached KV, so its output matches neither model.
-        ray.get(engine.collective_rpc.remote("molt_reload_files", ([f"{new_weights[1]}/model.safetensors"],)))
+        push_weights([engine], new_weights[0], None)
         stale = generate_all(engine, GREEDY)
         assert stale[2]["logprobs"] != pytest.approx(w1_greedy[2][1], abs=1e-3)
         for out, (_, logprobs) in zip(stale[:2], w1_greedy[:2], strict=True):   # shorter than a block:
             assert out["logprobs"] == pytest.approx(logprobs, abs=1e-5)          # no hit, new weights
-        seconds = ray.get(engine.update_weights.remote([ray.put(new_weights[0])], 1))
+        # The tied model: its stream has no lm_head, the engine ties it back (64 KiB chunks: ~20 of them)
+        [seconds] = push_weights([engine], new_weights[0], 1)
         assert seconds > 0
         after = generate_all(engine, GREEDY)
         for out, (ids, logprobs) in zip(after, w1_greedy, strict=True):
             assert out["token_ids"] == ids
-            assert out["logprobs"] == pytest.approx(logprobs, abs=1e-5)
+            assert max_gap(out["logprobs"], logprobs) <= 1e-5
             assert out["versions"] == [1] * len(ids)
     finally:  # the engine is shared: restore the initial weights as version 0
-        ray.get(engine.update_weights.remote([ray.put(load_file(f"{tiny_model_path}/model.safetensors"))], 0))
+        push_weights([engine], initial_weights(tiny_model_path), 0)
     assert [o["token_ids"] for o in generate_all(engine, GREEDY)] == [ids for ids, _ in direct[0][1]]
 
 
-def test_partial_rollout_across_refit(engine, new_weights, tiny_model_path):
-    from safetensors.torch import load_file
+def max_gap(a: list[float], b: list[float]) -> float:
+    return float((torch.tensor(a) - torch.tensor(b)).abs().max())
 
+
+def test_refit_untied_equals_fresh_engine(direct, untied, engine_spec, push_weights):
+    from molt.rollout.engine import start_engines
+
+    path, sd, _ = untied
+    [engine] = start_engines(engine_spec, path)
+    try:
+        initial = generate_all(engine, GREEDY)
+        push_weights([engine], sd, 1, chunk_bytes=1 << 30)   # one chunk: the whole (tiny) model
+        after = generate_all(engine, GREEDY)
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
+    fresh = ray.get(direct)[2][1]
+    assert [o["token_ids"] for o in initial] != [ids for ids, _ in fresh]    # the refit changed something
+    for out, (ids, logprobs) in zip(after, fresh, strict=True):
+        assert out["token_ids"] == ids
+        assert max_gap(out["logprobs"], logprobs) <= 1e-5
+
+
+def test_partial_rollout_across_refit(engine, new_weights, tiny_model_path, push_weights):
     n, prompt = 4, PROMPTS[0]
     long = {**SAMPLED, "max_tokens": 200, "ignore_eos": True}
     refs = [engine.generate.remote(prompt, {**long, "seed": 100 + i}, f"partial-{i}") for i in range(n)]
@@ -151,10 +193,10 @@ def test_partial_rollout_across_refit(engine, new_weights, tiny_model_path):
     # refit lands after the long requests sampled some tokens on version 0 and long before their end.
     ray.get(engine.generate.remote(prompt, {**SAMPLED, "max_tokens": 8, "seed": 0}))
     try:
-        ray.get(engine.update_weights.remote([ray.put(new_weights[0])], 1))
+        push_weights([engine], new_weights[0], 1)
         outs = ray.get(refs)
     finally:
-        ray.get(engine.update_weights.remote([ray.put(load_file(f"{tiny_model_path}/model.safetensors"))], 0))
+        push_weights([engine], initial_weights(tiny_model_path), 0)
     switched = 0
     for out in outs:
         assert out["finish_reason"] == "length" and len(out["token_ids"]) == 200   # none dropped or cut

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import ray
-
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import Router
 from molt.trajectory import NO_VERSION, Rollout, Segment
@@ -70,10 +68,10 @@ def test_pool_depth_batches_and_exhaustion(engine):
     assert pool.counts["groups_done"] == 7 and pool.in_flight == 0
 
 
-def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path):
+def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path, push_weights):
     from safetensors.torch import load_file
 
-    weights = ray.put(load_file(f"{tiny_model_path}/model.safetensors"))
+    weights = load_file(f"{tiny_model_path}/model.safetensors")
 
     async def main():
         pool = RolloutPool(items(100), make_rollout_fn(Router([engine]), {}), samples_per_prompt=N,
@@ -82,12 +80,12 @@ def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path
         await pool.next_batch(1)
         while pool.waiting < 3:             # the refilled groups finish on version 0
             await asyncio.sleep(0.05)
-        await engine.update_weights.remote([weights], 2)   # same weights, new version label
+        await asyncio.to_thread(push_weights, [engine], weights, 2)   # same weights, new version label
         pool.set_version(2)
         try:
             batch = await pool.next_batch(4)
         finally:
-            await engine.update_weights.remote([weights], 0)
+            await asyncio.to_thread(push_weights, [engine], weights, 0)
         await pool.close()
         await asyncio.sleep(1.0)            # the cancelled groups' last requests end, then idle time
         return pool, batch, await pool.stats()

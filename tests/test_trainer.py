@@ -46,9 +46,16 @@ def batch_of(seed: int) -> dict[str, torch.Tensor]:
 
 
 def full_weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
-    import ray
+    """The group's full weights in checkpoint names, read back from an exported folder."""
+    import tempfile
+    from pathlib import Path
 
-    return {k: v for ref in group.weight_chunks(64 << 10) for k, v in ray.get(ref).items()}
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        group.export_hf(f"{tmp}/export")
+        files = sorted(Path(tmp, "export").glob("*.safetensors"))
+        return {k: v for f in files for k, v in load_file(f).items()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

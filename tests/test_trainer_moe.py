@@ -1,49 +1,54 @@
-"""MoE router replay and export: trainer ↔ real vLLM CPU engine on a tiny Qwen3-MoE."""
+"""MoE: refit from real trainer ranks into a real vLLM CPU engine, routes captured during generation,
+router replay in the trainer, and partial rollouts across a refit with both (tiny Qwen3-MoE)."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file, save_file
 
 from molt.spec import RunSpec
 from molt.trainer import TrainerGroup, make_batch
-from molt.trainer.router_replay import capture_routes
-from molt.trajectory import Segment
+from molt.trajectory import NO_VERSION, Segment
 
 pytestmark = pytest.mark.timeout(300)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+PROMPTS = [[1, *range(10, 40)], [1, *range(10, 40), 7, 8], [1, 5, 6], [1, *range(50, 60)]]  # shared prefix
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
 
 def moe_spec(path: str, ws: int = 1, **model) -> RunSpec:
     return RunSpec.model_validate({
-        "model": {"path": path, "router_replay": True, **model},
+        "model": {"path": path, "router_replay": True, "max_model_len": 256, **model},
         "parallel": {"world_size": ws, "dp_size": ws},
-        "rollout": {"samples_per_prompt": 4, "max_tokens": 8, "temperature": 1.0},
+        "rollout": {"samples_per_prompt": 4, "max_tokens": 8, "temperature": 1.0,
+                    "engine": {"kv_cache_gib": 0.25}},
         "train": {"prompts_per_step": 1, "micro_batch_size": 2, "lr": 1e-3},
     })
 
 
-def moe_batch(routes=None, logps=None) -> dict[str, torch.Tensor]:
+def random_batch() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     segs = []
     for i, n in enumerate((12, 17, 9, 20)):
         ids = torch.randint(0, 320, (n,), generator=g).tolist()
         mask = [0] * 3 + [1] * (n - 3)
-        behaviour = logps[i] if logps else [-1.0 * m for m in mask]
-        segs.append(Segment(token_ids=ids, loss_mask=mask, logprobs=behaviour,
-                            versions=[0] * n, rollout_id=str(i), group_id="g",
-                            routed_experts=routes[i] if routes else None))
+        segs.append(Segment(token_ids=ids, loss_mask=mask, logprobs=[-1.0 * m for m in mask],
+                            versions=[0] * n, rollout_id=str(i), group_id="g"))
     return make_batch(segs, advantages=[[float(i % 2) - 0.5] * len(s.token_ids) for i, s in enumerate(segs)])
 
 
-def mean_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    keep = mask.clone()
-    keep[:, 0] = 0  # token 0 has no logprob
-    return float((a - b).abs()[keep > 0].mean())
+def full_weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
+    with tempfile.TemporaryDirectory() as tmp:
+        group.export_hf(f"{tmp}/export")
+        files = sorted(Path(tmp, "export").glob("*.safetensors"))
+        return {k: v for f in files for k, v in load_file(f).items()}
 
 
 @pytest.fixture(scope="module")
@@ -53,89 +58,150 @@ def policy(ray_session):
 
     group = TrainerGroup(moe_spec(str(tiny_model_path(**MOE)), ws=2))
     for _ in range(2):
-        group.train_step(moe_batch())
+        group.train_step(random_batch())
     yield group
     group.shutdown()
 
 
 @pytest.fixture(scope="module")
 def exported(policy, tmp_path_factory):
-    """The policy exported as a Hugging Face folder, and its weight chunks."""
-    import ray
-
     out = tmp_path_factory.mktemp("moe") / "export"
-    chunks = [ray.get(r) for r in policy.weight_chunks(32 << 10)]
     policy.export_hf(str(out))
-    return str(out), chunks
+    return str(out)
 
 
 @pytest.fixture(scope="module")
-def engine(exported):
-    from vllm import LLM
+def moe_engine(ray_session):
+    """An engine actor on the initial tiny-MoE weights, capturing routes as it generates."""
+    from molt.rollout.engine import start_engines
+    from molt.tiny import tiny_model_path
 
+    [engine] = start_engines(moe_spec(str(tiny_model_path(**MOE))), str(tiny_model_path(**MOE)))
+    yield engine
+    ray.get(engine.shutdown.remote())
+    ray.kill(engine)
+
+
+@pytest.fixture(scope="module")
+def across_refit(policy, moe_engine):
+    """Long requests started on version 0 (the initial weights); the 2-rank policy refits the engine to
+    version 1 through the run's own refit path while they are in flight. Returns their outputs."""
+    from molt.loop import connect_refit, refit
+    from molt.rollout.router import Router
+
+    long = {"temperature": 1.0, "max_tokens": 120, "ignore_eos": True}
+    refs = [moe_engine.generate.remote(p, {**long, "seed": i}) for i, p in enumerate(PROMPTS)]
+    ray.get(moe_engine.generate.remote(PROMPTS[2], {**long, "max_tokens": 6}))   # a few decode steps in
+    router = Router([moe_engine])
+
+    async def to_version_1() -> None:
+        await connect_refit(policy, router)
+        await refit(policy, router, 1)
+
+    asyncio.run(to_version_1())
+    return ray.get(refs)
+
+
+def segment_of(prompt: list[int], out: dict, i: int) -> Segment:
+    n, k = len(prompt), len(out["token_ids"])
+    return Segment(token_ids=prompt + out["token_ids"], loss_mask=[0] * n + [1] * k,
+                   logprobs=[0.0] * n + out["logprobs"], versions=[NO_VERSION] * n + out["versions"],
+                   rollout_id=str(i), group_id="g", routed_experts=out["routed_experts"])
+
+
+def batch_of(outs: list[dict]) -> dict[str, torch.Tensor]:
+    """The outputs as the loop batches them: prompt + response segments with routes and versions."""
+    segs = [segment_of(p, out, i) for i, (p, out) in enumerate(zip(PROMPTS, outs, strict=True))]
+    return make_batch(segs, versions=[[float(v) for v in s.versions] for s in segs])
+
+
+def test_moe_refit_equals_fresh_engine(across_refit, moe_engine, exported):
+    """The refit engine (2 trainer ranks -> gloo broadcast -> reload + CPU MoE prepack) generates exactly
+    what a fresh engine started on the exported weights generates."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    got = ray.get([moe_engine.generate.remote(p, GREEDY) for p in PROMPTS])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(exported[0], dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              worker_extension_cls="molt.trainer.router_replay.RouterCapture")
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    fresh = LLM(exported, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    try:
+        want = fresh.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                              SamplingParams(**GREEDY, logprobs=0), use_tqdm=False)
+    finally:
+        fresh.llm_engine.engine_core.shutdown()
+    for out, ref in zip(got, want, strict=True):
+        comp = ref.outputs[0]
+        assert out["token_ids"] == list(comp.token_ids) and out["versions"] == [1] * len(out["token_ids"])
+        ref_logp = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+        assert float((torch.tensor(out["logprobs"]) - torch.tensor(ref_logp)).abs().max()) <= 1e-5
 
 
-def test_weight_chunks_match_export(exported) -> None:
-    path, chunks = exported
-    assert len(chunks) > 1  # streamed, not one blob
-    merged = {k: v for c in chunks for k, v in c.items()}
-    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
-    on_disk = {}
-    for file in set(index.values()):
-        on_disk.update(load_file(os.path.join(path, file)))
-    assert merged.keys() == on_disk.keys()
-    assert "model.layers.0.mlp.experts.3.down_proj.weight" in merged and "lm_head.weight" not in merged
-    assert all(torch.equal(merged[k], on_disk[k]) for k in merged)
-
-
-def test_router_replay_matches_engine(policy, exported, engine, tmp_path) -> None:
-    path, _ = exported
-    plain = moe_batch()
-    rows = zip(plain["input_ids"], plain["attention_mask"], strict=True)
-    tokens = [row[: int(m.sum())].tolist() for row, m in rows]
-    routes, engine_logp = capture_routes(engine, tokens, top_k=2)
-    batch = moe_batch(routes=routes, logps=engine_logp)
-
-    # the engine runs the exported weights; the trainer replays the engine's routes: trainer == engine
-    replayed = policy.logprobs(batch)
-    assert mean_gap(replayed, batch["behaviour_logp"], batch["attention_mask"]) <= 1e-4
-    # replay really forces the routes: other experts give other logprobs
+def test_partial_rollouts_carry_routes_and_replay_matches(across_refit, policy):
+    """Requests in flight across the refit keep going; their tokens carry both versions and the routes of
+    the forward that read them, and the trainer (now = version 1) replaying those routes reproduces the
+    engine's logprob of every version-1 token."""
+    for p, out in zip(PROMPTS, across_refit, strict=True):
+        k = out["versions"].count(0)
+        assert len(out["token_ids"]) == 120 and out["versions"] == [0] * k + [1] * (120 - k)
+        assert out["routed_experts"].shape == (len(p) + 120 - 1, 2, 2)   # the last token was never read
+    assert all(0 < out["versions"].count(0) < 120 for out in across_refit)
+    batch = batch_of(across_refit)
+    current = (batch["versions"] == 1) & (batch["loss_mask"] > 0)
+    old = (batch["versions"] == 0) & (batch["loss_mask"] > 0)
+    gap = (policy.logprobs(batch) - batch["behaviour_logp"]).abs()
+    print(f"replayed: max gap {float(gap[current].max()):.2e} on version-1 tokens, "
+          f"mean {float(gap[old].mean()):.2e} on version-0 tokens")
+    assert float(gap[current].max()) <= 1e-4
+    assert float(gap[old].mean()) > 1e-3             # version-0 tokens were sampled by other weights
     shifted = dict(batch, routed_experts=(batch["routed_experts"] + 1) % 4)
-    assert mean_gap(policy.logprobs(shifted), replayed, batch["attention_mask"]) > 1e-3
+    assert float((policy.logprobs(shifted) - batch["behaviour_logp"]).abs()[current].mean()) > 1e-3
 
-    # perturb the trainer's router so that it would pick other experts for some tokens
+
+def test_fallback_rescoring_gives_the_generation_routes(across_refit, moe_engine):
+    """`capture_routes` (the loop's fallback for segments without routes) re-scores on the current weights:
+    for tokens those weights sampled it yields the routes the generation returned."""
+    outs = ray.get([moe_engine.generate.remote(p, {"temperature": 1.0, "max_tokens": 20, "seed": 5})
+                    for p in PROMPTS])
+    seqs = [p + o["token_ids"] for p, o in zip(PROMPTS, outs, strict=True)]
+    rescored = ray.get(moe_engine.capture_routes.remote(seqs))
+    for out, again in zip(outs, rescored, strict=True):
+        assert again.shape == out["routed_experts"].shape
+        same = (again == out["routed_experts"]).all(-1).mean()
+        assert same > 0.98, same   # a near-tie may flip between a decode step and a prefill
+
+
+def test_router_replay_beats_a_perturbed_router(across_refit, exported, tmp_path):
+    """A trainer whose router differs slightly from the engine's gets close to the engine's logprobs only
+    with the routes replayed; with model.freeze_router a step moves experts but not the router."""
+    batch = batch_of(across_refit)
+    plain = {k: v for k, v in batch.items() if k != "routed_experts"}
+    current = (batch["versions"] == 1) & (batch["loss_mask"] > 0)
     perturbed = tmp_path / "perturbed"
     perturbed.mkdir()
-    for name in os.listdir(path):
+    for name in os.listdir(exported):
         if not name.endswith(".safetensors"):
-            os.symlink(os.path.join(path, name), perturbed / name)
+            os.symlink(os.path.join(exported, name), perturbed / name)
     g = torch.Generator().manual_seed(0)
-    for name in {n for n in os.listdir(path) if n.endswith(".safetensors")}:
-        tensors = load_file(os.path.join(path, name))
+    for name in {n for n in os.listdir(exported) if n.endswith(".safetensors")}:
+        tensors = load_file(os.path.join(exported, name))
         for k in tensors:
             if k.endswith("mlp.gate.weight"):
                 tensors[k] = tensors[k] + 0.02 * torch.randn(tensors[k].shape, generator=g)
         save_file(tensors, str(perturbed / name), metadata={"format": "pt"})
     group = TrainerGroup(moe_spec(str(perturbed), freeze_router=True))
-    with_replay = mean_gap(group.logprobs(batch), batch["behaviour_logp"], batch["attention_mask"])
-    without = mean_gap(group.logprobs(plain), batch["behaviour_logp"], batch["attention_mask"])
-    print(f"perturbed router: replay gap {with_replay:.2e}, no-replay gap {without:.2e}")
-    assert without > 1e-3 and with_replay < without / 4
+    try:
+        with_replay = float((group.logprobs(batch) - batch["behaviour_logp"]).abs()[current].mean())
+        without = float((group.logprobs(plain) - batch["behaviour_logp"]).abs()[current].mean())
+        print(f"perturbed router: replay gap {with_replay:.2e}, no-replay gap {without:.2e}")
+        assert without > 1e-3 and with_replay < without / 2
 
-    # freeze-router: a train step moves experts and attention but not the router
-    import ray
-
-    before = {k: v for r in group.weight_chunks() for k, v in ray.get(r).items()}
-    group.train_step(batch)
-    after = {k: v for r in group.weight_chunks() for k, v in ray.get(r).items()}
-    group.shutdown()
+        before = full_weights(group)
+        group.train_step(dict(batch, advantages=torch.ones_like(batch["loss_mask"])))
+        after = full_weights(group)
+    finally:
+        group.shutdown()
     gates = [k for k in before if k.endswith("mlp.gate.weight")]
     assert gates and all(torch.equal(before[k], after[k]) for k in gates)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in before and "lm_head.weight" not in before
     assert not torch.equal(before["model.layers.0.mlp.experts.0.up_proj.weight"],
                            after["model.layers.0.mlp.experts.0.up_proj.weight"])
 

@@ -21,6 +21,7 @@ class Trace:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.routes = None          # MoE routed experts of a prefix of `ids`, from the latest sample
         self.finish_reason = "stop"
         self.num_sampled_total = 0
 
@@ -32,7 +33,12 @@ class Trace:
         self.versions += [NO_VERSION] * len(ids)
 
     def add_sample(self, out: dict[str, Any]) -> None:
-        """Append one sampler result ({token_ids, logprobs, versions, finish_reason}) with mask 1."""
+        """Append one sampler result ({token_ids, logprobs, versions, finish_reason}) with mask 1.
+
+        With router replay the result also carries `routed_experts` of its prompt and output (all but
+        the last token): the whole segment so far, since the prompt was the segment. They replace the
+        earlier ones, so each token keeps the routes of the latest forward that read it (after a refit
+        that is the new policy's, which is what the tokens sampled after it saw)."""
         prompt = out.get("prompt_ids")
         if prompt is not None and list(prompt) != self.ids:
             # The engine shortened the prompt (rollout.prompt_too_long=truncate): the segment must be
@@ -46,6 +52,7 @@ class Trace:
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
         self.versions += [int(v) for v in versions]
+        self.routes = out.get("routed_experts")
         self.finish_reason = out.get("finish_reason") or "stop"
         self.num_sampled_total += len(ids)
 
@@ -60,8 +67,8 @@ class Trace:
             self.segments.append(Segment(
                 token_ids=self.ids, loss_mask=self.mask, logprobs=self.logprobs, versions=self.versions,
                 rollout_id=self.rollout_id, group_id=self.group_id, segment_index=len(self.segments),
-                prompt_len=self.mask.index(1), finish_reason=self.finish_reason))
-        self.ids, self.mask, self.logprobs, self.versions = [], [], [], []
+                prompt_len=self.mask.index(1), finish_reason=self.finish_reason, routed_experts=self.routes))
+        self.ids, self.mask, self.logprobs, self.versions, self.routes = [], [], [], [], None
 
     def rollout(self, reward: Any, score: Any = None, info: dict | None = None, label: Any = None) -> Rollout:
         """Seal and return the rollout; a non-numeric / non-finite reward or no sampled token is an error."""

@@ -13,11 +13,11 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 import ray
 
 from molt.rollout.engine_args import engine_kwargs, on_cpu
-from molt.rollout.transport import load_chunks
-from molt.trainer.router_replay import capture_sequences
+from molt.rollout.routes import from_wire
 
 
 def sampling_params(sampling: dict[str, Any], max_tokens: int):
@@ -55,6 +55,7 @@ class EngineActor:
         self.partial_rollout = rollout["partial_rollout"]
         self.prompt_too_long = rollout["prompt_too_long"]
         self.max_model_len = model["max_model_len"]
+        self.router_replay = model["router_replay"]
         args = AsyncEngineArgs(**engine_kwargs(model_path, rollout, model, seed + index))
         self.llm = AsyncLLM.from_engine_args(args)
         self.version = 0
@@ -63,19 +64,20 @@ class EngineActor:
         self.busy = 0.0
         self.busy_since: float | None = None
         self.last_stats = time.monotonic()
-        # Route capture holds the engine alone: `open` gates new requests, `idle` says none is in flight.
-        self.open, self.idle, self.capture_lock = asyncio.Event(), asyncio.Event(), asyncio.Lock()
-        self.open.set()
-        self.idle.set()
+        self.moe_layers: list[int] | None = None  # with router replay: the layers whose routes are kept
+        self.capture = False                       # routes come from our capture (CPU), not from vLLM
 
     async def ready(self) -> int:
         await self.llm.update_weight_version("0")
+        if self.router_replay:
+            self.capture = on_cpu()
+            method = "molt_routes_start" if self.capture else "molt_moe_layers"
+            self.moe_layers = (await self.llm.collective_rpc(method))[0]
         return self.index
 
     def _enter(self) -> None:
         if self.in_flight == 0:
             self.busy_since = time.monotonic()
-            self.idle.clear()
         self.in_flight += 1
 
     def _leave(self) -> None:
@@ -83,8 +85,6 @@ class EngineActor:
         if self.in_flight == 0 and self.busy_since is not None:
             self.busy += time.monotonic() - self.busy_since
             self.busy_since = None
-        if self.in_flight == 0:
-            self.idle.set()
 
     def _fit(self, prompt_ids: list[int]) -> list[int]:
         """Apply `rollout.prompt_too_long` to a prompt that leaves no room for one generated token."""
@@ -102,16 +102,15 @@ class EngineActor:
         `max_model_len`."""
         from vllm.inputs import TokensPrompt
 
-        await self.open.wait()   # a route capture is running
         prompt = self._fit(prompt_ids)
         max_tokens = min(sampling["max_tokens"], self.max_model_len - len(prompt))
         version_at_start = self.version
+        request_id = request_id or uuid.uuid4().hex
         final = None
         self._enter()
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt),
-                                               sampling_params(sampling, max_tokens),
-                                               request_id or uuid.uuid4().hex):
+                                               sampling_params(sampling, max_tokens), request_id):
                 final = out
         finally:
             self._leave()
@@ -125,38 +124,29 @@ class EngineActor:
             "finish_reason": comp.finish_reason or "abort",
             "prompt_ids": prompt,
         }
-        if comp.routed_experts is not None:
-            # GPU with model.router_replay (vLLM's enable_return_routed_experts): the routes this request
-            # was computed with, [tokens the engine ran][layers][top_k]. Nothing consumes them yet.
-            result["routed_experts"] = comp.routed_experts.tolist()
+        if self.moe_layers is not None:
+            result["routed_experts"] = await self._routes(comp, request_id, len(prompt) + len(ids) - 1)
         return result
 
-    async def capture_routes(self, token_ids: list[list[int]], top_k: int) -> list:
-        """MoE routed experts [len][layers][top_k] of each sequence under the current weights.
+    async def _routes(self, comp: Any, request_id: str, length: int) -> np.ndarray:
+        """[length][MoE layers][top_k] expert ids this request's tokens were routed to (the last sampled
+        token was never an input). vLLM returns them itself on GPU; on CPU our capture kept them."""
+        routes = comp.routed_experts
+        if routes is None:
+            if not self.capture:
+                raise RuntimeError("model.router_replay: the engine returned no routed experts")
+            routes = from_wire((await self.llm.collective_rpc("molt_routes", args=(request_id, length)))[0])
+        return np.ascontiguousarray(routes[:length, self.moe_layers])
 
-        One prefill-only pass per sequence (see `molt.trainer.router_replay`). The capture must see only
-        its own rows, so it closes the engine to new requests and waits for in-flight ones to finish
-        first; requests that arrive meanwhile wait and start after it.
+    async def capture_routes(self, token_ids: list[list[int]]) -> list[np.ndarray]:
+        """Fallback for segments that came without routes: re-score each under the current weights.
+
+        One prefill-only request per sequence (its last token is never an input, so it is left out);
+        the routes are only right for tokens the current weights sampled.
         """
-        from vllm.inputs import TokensPrompt
-
-        async def generate(ids: list[int], params: Any) -> Any:
-            final = None
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, uuid.uuid4().hex):
-                final = out
-            return final
-
-        async def rpc(method: str, *args: Any) -> list:
-            return await self.llm.collective_rpc(method, args=args)
-
-        async with self.capture_lock:
-            self.open.clear()
-            try:
-                await self.idle.wait()
-                routes, _ = await capture_sequences(generate, rpc, token_ids, top_k)
-            finally:
-                self.open.set()
-        return routes
+        outs = await asyncio.gather(*[self.generate(ids[:-1], {"max_tokens": 1, "temperature": 1.0})
+                                      for ids in token_ids])
+        return [out["routed_experts"] for out in outs]
 
     async def _pause(self) -> None:
         # With partial rollouts in-flight requests are kept ("keep"); without, the engine drains them
@@ -175,36 +165,30 @@ class EngineActor:
         self.version = version
         await self.llm.resume_generation()
 
-    async def update_weights(self, chunk_refs: list, version: int) -> float:
-        """CPU refit: load full weights (HF names, object-store chunks); returns the seconds taken."""
+    def refit_workers(self) -> int:
+        """Workers of this engine: each one joins the refit group."""
+        par = self.llm.vllm_config.parallel_config
+        return par.world_size * par.data_parallel_size
+
+    async def join_refit(self, host: str, port: int, rank_offset: int, world_size: int) -> list[int]:
+        """Every worker joins the refit group (`molt.refit`) at ranks rank_offset, rank_offset+1, ..."""
+        return await self.llm.collective_rpc("molt_refit_join", args=(host, port, rank_offset, world_size))
+
+    async def update_weights(self, version: int) -> float:
+        """Receive the weights the trainer broadcasts now and switch to `version`; returns the seconds.
+
+        Pause (keep or wait) -> load through the workers' reload path -> reset the prefix cache ->
+        label later tokens `version` -> resume.
+        """
         start = time.perf_counter()
         await self._pause()
         try:
-            await load_chunks(self.llm, chunk_refs)
+            await self.llm.collective_rpc("molt_refit_receive")
         except BaseException:
             await self.llm.resume_generation()
             raise
         await self._commit(version)
         return time.perf_counter() - start
-
-    # GPU refit: vLLM's NCCL weight transfer, driven from trainer rank 0 by `molt.rollout.nccl`.
-    async def nccl_init(self, init_info: dict) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-
-    async def nccl_start(self) -> None:
-        await self._pause()
-        await self.llm.start_weight_update()
-
-    async def nccl_receive(self, update_info: dict) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-
-    async def nccl_finish(self, version: int) -> None:
-        await self.llm.finish_weight_update()
-        await self._commit(version)
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         return await self.llm.collective_rpc(method, args=args, kwargs=kwargs)

@@ -46,10 +46,9 @@ def engine_kwargs(model_path: str, rollout: dict[str, Any], model: dict[str, Any
             kwargs["distributed_executor_backend"] = "uni"
     else:
         kwargs["gpu_memory_utilization"] = eng["gpu_memory_utilization"]
-        # The engine's own NCCL weight-transfer path (see transport.py) must be enabled at start-up.
-        kwargs["weight_transfer_config"] = {"backend": "nccl"}
         if model["router_replay"]:
-            # The engine's own route capture (needs Model Runner V2, GPU only); CPU hooks the gates instead.
+            # The engine's own route capture (needs Model Runner V2, GPU only); on CPU molt.rollout.routes
+            # captures them instead.
             kwargs["enable_return_routed_experts"] = True
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return {**kwargs, **eng["extra_args"]}

@@ -8,6 +8,7 @@ key (a rollout id) picks the engine with the fewest requests in flight, and late
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import ray
@@ -26,6 +27,7 @@ class Router:
         self.load = [0] * len(engines)      # requests in flight per engine, from this router
         self.sticky: dict[str, int] = {}
         self.dead: dict[int, str] = {}      # engine index -> why its actor died
+        self.refit_workers: list[int] = []  # refit group ranks per engine (see `refit_size`)
 
     def pick(self, key: str) -> int:
         if key not in self.sticky:
@@ -65,7 +67,21 @@ class Router:
         """Forget `key`: its rollout ended (`Runner.run` calls this, so the map holds only live rollouts)."""
         self.sticky.pop(key, None)
 
-    async def update_weights(self, chunk_refs: list, version: int) -> float:
-        """Refit every engine concurrently; returns the slowest engine's seconds."""
-        seconds = await asyncio.gather(*[e.update_weights.remote(chunk_refs, version) for e in self.engines])
+    async def refit_size(self) -> int:
+        """Ranks of the refit group: trainer rank 0 plus every worker of every engine."""
+        self.refit_workers = await asyncio.gather(*[e.refit_workers.remote() for e in self.engines])
+        return 1 + sum(self.refit_workers)
+
+    async def join_refit(self, host: str, port: int) -> None:
+        """Every engine worker joins the refit group at host:port, engine by engine after rank 0 (after
+        `refit_size`, concurrently with the trainer's `join_refit`, which hosts it)."""
+        size = 1 + sum(self.refit_workers)
+        offsets = itertools.accumulate([1, *self.refit_workers[:-1]])
+        await asyncio.gather(*[e.join_refit.remote(host, port, offset, size)
+                               for e, offset in zip(self.engines, offsets, strict=True)])
+
+    async def update_weights(self, version: int) -> float:
+        """Every engine receives the weights the trainer broadcasts meanwhile (`TrainerGroup.send_weights`)
+        and switches to `version`; returns the slowest engine's seconds."""
+        seconds = await asyncio.gather(*[e.update_weights.remote(version) for e in self.engines])
         return max(seconds)

@@ -1,35 +1,32 @@
-"""Code that runs inside vLLM's worker process (installed with `worker_extension_cls`).
+"""Code that runs inside vLLM's worker processes (installed with `worker_extension_cls`).
 
-On CPU vLLM repacks linear weights for oneDNN, so a direct `model.load_weights` corrupts the model;
-the worker's own `reload_weights` re-runs that processing. Tensors cannot cross the engine's process
-boundary through `collective_rpc`, so new weights arrive as safetensors files (in shared memory).
-The MoE route capture hooks (`molt_capture_*`) come from `RouterCapture`, next to the replay they feed.
+Weight refit: every worker of every engine joins the refit group (`molt.refit`) once, and on each refit
+receives the trainer's chunks straight into the worker's own `reload_weights` (vLLM's layer-wise reload:
+on CPU a direct `model.load_weights` corrupts the weights that vLLM repacked for oneDNN). MoE route
+capture comes from `RouteCapture`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import torch
-
+from molt import refit
 from molt.rollout.engine_args import on_cpu
-from molt.trainer.router_replay import RouterCapture
+from molt.rollout.routes import RouteCapture
 
 
-def _read(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-class MoltWorkerExtension(RouterCapture):
+class MoltWorkerExtension(RouteCapture):
     """Methods vLLM mixes into its worker class; reached with `collective_rpc(name, ...)`."""
 
-    def molt_reload_files(self, paths: list[str]) -> None:
-        self.reload_weights(weights_iterator=_read(paths), is_checkpoint_format=True)
+    def molt_refit_join(self, host: str, port: int, rank_offset: int, world_size: int) -> int:
+        """Join the refit group as `rank_offset` + this worker's index in its engine; returns the rank."""
+        par = self.parallel_config
+        rank = rank_offset + par.data_parallel_index * par.world_size + par.rank
+        self._molt_refit = refit.open_group(host, port, rank, world_size, self.device)
+        return rank
+
+    def molt_refit_receive(self) -> None:
+        """Load the weights the trainer is broadcasting now (blocks until its end mark)."""
+        self.reload_weights(weights_iterator=refit.receive(self._molt_refit, self.device),
+                            is_checkpoint_format=True)
         model = self.model_runner.get_model()
         if self.model_config.hf_config.get_text_config().tie_word_embeddings:
             # A tied lm_head receives no checkpoint tensor, so the reload puts its *old* processed

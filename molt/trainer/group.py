@@ -88,9 +88,18 @@ class TrainerGroup:
     def _all(self, method: str, *args: Any) -> Any:
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])[0]
 
-    def weight_chunks(self, chunk_bytes: int = 256 << 20) -> list[ray.ObjectRef]:
-        """Full weights in checkpoint names and model.dtype; each ref holds a dict[str, Tensor]."""
-        return self._all("weight_chunks", chunk_bytes)
+    def refit_address(self) -> tuple[str, int]:
+        """Where rank 0 will host the refit group: its node's IP and a free port."""
+        return ray.get(self.workers[0].address.remote())
+
+    def join_refit(self, host: str, port: int, world_size: int) -> None:
+        """Open the refit group on rank 0; blocks until all `world_size - 1` engine workers joined."""
+        ray.get(self.workers[0].join_refit.remote(host, port, world_size))
+
+    def send_weights(self) -> int:
+        """Broadcast the full weights (checkpoint names, model.dtype) to the engines; returns the bytes sent.
+        The engines must be receiving at the same time (`EngineActor.update_weights`)."""
+        return self._all("send_weights")
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self._all("save", path, extra)

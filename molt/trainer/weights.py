@@ -28,9 +28,9 @@ def _full(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor
 
 
-def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype,
-              device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield dicts of full CPU tensors (on rank 0; empty dicts elsewhere) of about `chunk_bytes` each."""
+def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: torch.device,
+              out: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield dicts of full tensors on `out` (on rank 0; empty dicts elsewhere) of about `chunk_bytes` each."""
     from transformers.core_model_loading import revert_weight_conversion
 
     rank0 = dist.get_rank() == 0
@@ -43,7 +43,7 @@ def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype,
     for i, (name, tensor) in enumerate(named):
         full = _full(tensor.detach(), device)
         if rank0:
-            chunk[name] = full.to(dtype=dtype, device="cpu").clone()
+            chunk[name] = full.to(dtype=dtype, device=out)
             size += chunk[name].numel() * chunk[name].element_size()
         if size >= chunk_bytes or (i == len(named) - 1):
             if rank0:
@@ -64,7 +64,7 @@ def export_hf(model: nn.Module, source: str, path: str, dtype: torch.dtype, devi
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     index: dict[str, str] = {}
-    for k, chunk in enumerate(hf_chunks(model, 1 << 30, dtype, device)):
+    for k, chunk in enumerate(hf_chunks(model, 1 << 30, dtype, device, torch.device("cpu"))):
         if rank0:
             file = f"model-{k:05d}.safetensors"
             tensors = {n: t.contiguous() for n, t in chunk.items()}

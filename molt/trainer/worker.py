@@ -19,6 +19,7 @@ from nemo_automodel.components.training.utils import clip_grad_norm
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from molt import refit
 from molt.algo import loss_normalizer, policy_loss, value_loss
 from molt.spec import RunSpec
 from molt.trainer import checkpoint, weights
@@ -204,16 +205,20 @@ class TrainerWorker:
         return out
 
     # -- weights and checkpoints -----------------------------------------------------------------------
-    def weight_chunks(self, chunk_bytes: int) -> list[Any]:
-        import ray
+    def join_refit(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0: host the refit group (`molt.refit`); returns once every engine worker joined it."""
+        self.refit_group = refit.open_group(host, port, 0, world_size, self.device)
 
-        dtype = DTYPES[self.spec.model.dtype]
-        chunks = weights.hf_chunks(self.model, chunk_bytes, dtype, self.device)
-        refs = []
-        for chunk in chunks:  # other ranks only take part in the gathers
-            if self.rank == 0:
-                refs.append(ray.put(chunk))
-        return refs
+    def send_weights(self) -> int:
+        """Full weights to every engine worker (all ranks gather, rank 0 broadcasts); returns bytes sent."""
+        chunk_bytes = int(self.spec.rollout.refit_chunk_mb * 2**20)
+        chunks = weights.hf_chunks(self.model, chunk_bytes, DTYPES[self.spec.model.dtype], self.device,
+                                   self.device)
+        if self.rank == 0:
+            return refit.send(self.refit_group, chunks, self.device)
+        for _ in chunks:  # the other ranks only take part in the gathers
+            pass
+        return 0
 
     def export_hf(self, path: str) -> None:
         weights.export_hf(self.model, model_path(self.spec, self.role), path, DTYPES[self.spec.model.dtype],

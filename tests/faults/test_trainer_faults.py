@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 from faultlib import small_spec
+from safetensors.torch import load_file
 
 from molt.data import PromptDataset, PromptIterator
 from molt.loop import find_checkpoint, save_checkpoint
@@ -23,7 +26,11 @@ from molt.trajectory import Segment
 
 
 def weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for ref in group.weight_chunks() for k, v in ray.get(ref).items()}
+    """Full weights in checkpoint names, read back from an exported folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        group.export_hf(f"{tmp}/export")
+        files = sorted(Path(tmp, "export").glob("*.safetensors"))
+        return {k: v for f in files for k, v in load_file(f).items()}
 
 
 def train_once(group: TrainerGroup) -> None:
