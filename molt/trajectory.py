@@ -7,7 +7,7 @@ compacts its context starts a new one) and exactly one reward; a group is the ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,15 @@ class Segment:
                              f"({len(self.versions)}) must have one entry per token")
         if self.routed_experts is not None:
             self.routed_experts = pad_routes(np.asarray(self.routed_experts), n)
+
+    def __eq__(self, other: object) -> bool:
+        # the generated __eq__ cannot compare the routes array; compare it by value
+        if not isinstance(other, Segment):
+            return NotImplemented
+        a, b = self.routed_experts, other.routed_experts
+        same_routes = a is b is None or (a is not None and b is not None and np.array_equal(a, b))
+        return same_routes and all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self)
+                                   if f.name != "routed_experts")
 
 
 def pad_routes(routes: np.ndarray, length: int) -> np.ndarray:
