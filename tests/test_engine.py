@@ -166,12 +166,17 @@ def max_gap(a: list[float], b: list[float]) -> float:
     return float((torch.tensor(a) - torch.tensor(b)).abs().max())
 
 
-def test_refit_untied_equals_fresh_engine(direct, untied, engine_spec, push_weights):
+def test_refit_untied_tp2_equals_fresh_engine(direct, untied, engine_spec, push_weights):
+    """An untied model (its lm_head is in the stream) on an engine with two tensor-parallel worker
+    processes: both workers join the refit group and load their shards."""
     from molt.rollout.engine import start_engines
 
     path, sd, _ = untied
-    [engine] = start_engines(engine_spec, path)
+    spec = engine_spec.model_copy(deep=True)
+    spec.rollout.engine.tp_size = 2
+    [engine] = start_engines(spec, path)
     try:
+        assert ray.get(engine.refit_workers.remote()) == 2
         initial = generate_all(engine, GREEDY)
         push_weights([engine], sd, 1, chunk_bytes=1 << 30)   # one chunk: the whole (tiny) model
         after = generate_all(engine, GREEDY)
