@@ -282,12 +282,6 @@ class RunSpec(Strict):
                              "need model.reference (a path, or 'policy')")
         if self.parallel.device == "cpu" and self.model.dtype != "float32":
             raise ValueError("parallel.device=cpu trains in float32: set model.dtype=float32")
-        eager = self.rollout.engine.enforce_eager
-        if self.model.router_replay and self.parallel.device == "cpu" and not eager:
-            # CPU engines capture routes with a Python callback in each MoE router (molt.rollout.routes),
-            # which a torch.compile'd engine never calls.
-            raise ValueError("model.router_replay=true on parallel.device=cpu needs "
-                             "rollout.engine.enforce_eager=true (routes are captured by an eager-mode hook)")
         return self
 
     @model_validator(mode="after")

@@ -37,6 +37,7 @@ def check_combinations(spec: RunSpec) -> None:
     """Cross-section refusals; on CUDA also the placement plan, so an over-subscribed layout fails
     before Ray starts (CPU devices are time-shared: nothing to total)."""
     _moe_with_expert_parallel(spec)
+    _route_capture(spec)
     _speculative_decoding(spec)
     _group_baseline(spec)
     if spec.parallel.device == "cuda":
@@ -52,6 +53,14 @@ def _moe_with_expert_parallel(spec: RunSpec) -> None:
                          "and freeze act on Hugging Face MoE routers, and AutoModel's expert parallel shards "
                          "only its own MoE classes (it raises on the Hugging Face ones); use ep_size=1 "
                          "(FSDP2 still shards the experts) or turn the switch off")
+
+
+def _route_capture(spec: RunSpec) -> None:
+    # CPU engines capture routes with a Python callback in each MoE router (molt/rollout/routes.py),
+    # which a torch.compile'd engine never calls.
+    if spec.model.router_replay and spec.parallel.device == "cpu" and not spec.rollout.engine.enforce_eager:
+        raise ValueError("model.router_replay=true on parallel.device=cpu needs rollout.engine.enforce_eager="
+                         "true: the engine captures routes with a hook that a compiled engine never calls")
 
 
 def _speculative_decoding(spec: RunSpec) -> None:
