@@ -56,11 +56,18 @@ def _moe_with_expert_parallel(spec: RunSpec) -> None:
 
 
 def _route_capture(spec: RunSpec) -> None:
-    # CPU engines capture routes with a Python callback in each MoE router (molt/rollout/routes.py),
-    # which a torch.compile'd engine never calls.
-    if spec.model.router_replay and spec.parallel.device == "cpu" and not spec.rollout.engine.enforce_eager:
+    # Each engine returns the routes of every request (docs/generator.md): on CPU through a Python
+    # callback in each MoE router (molt/rollout/routes.py), which a torch.compile'd engine never calls;
+    # on GPU through vLLM's own capture, which keeps routes per prefix-cache block.
+    if not spec.model.router_replay:
+        return
+    engine = spec.rollout.engine
+    if spec.parallel.device == "cpu" and not engine.enforce_eager:
         raise ValueError("model.router_replay=true on parallel.device=cpu needs rollout.engine.enforce_eager="
                          "true: the engine captures routes with a hook that a compiled engine never calls")
+    if spec.parallel.device == "cuda" and not engine.enable_prefix_caching:
+        raise ValueError("model.router_replay=true on parallel.device=cuda needs rollout.engine."
+                         "enable_prefix_caching=true: vLLM's routed-experts capture requires it")
 
 
 def _speculative_decoding(spec: RunSpec) -> None:

@@ -76,8 +76,10 @@ def test_async_partial_run_replays_the_engine_routes(tmp_path, ray_session, monk
     assert all(s.routed_experts is not None for batch in later for r in batch for s in r.segments)
 
 
-def test_cpu_router_replay_needs_an_eager_engine():
+def test_router_replay_refuses_engines_that_cannot_return_routes():
     from molt.spec import SpecError
 
     with pytest.raises(SpecError, match="router_replay=true on parallel.device=cpu needs rollout.engine"):
         compose(["model=tiny_moe", "rollout.engine.enforce_eager=false"])
+    with pytest.raises(SpecError, match="vLLM's routed-experts capture requires it"):
+        compose(["+experiment=qwen30b_tools", "rollout.engine.enable_prefix_caching=false"])
