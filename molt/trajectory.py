@@ -27,6 +27,10 @@ class Segment:
     prompt_len: int = 0             # tokens before the first sampled token
     finish_reason: str = "stop"     # of the last sampled turn: stop | length | abort
     routed_experts: np.ndarray | None = None  # MoE: [len, layers, top_k] expert ids (see pad_routes)
+    # What each turn was sampled with, as the engine applied it: [first token index, temperature, top_p,
+    # top_k] per turn, in order; a turn's values hold until the next turn's index. The trainer scores
+    # every token under the same distribution. Empty: the run's rollout.temperature/top_p/top_k.
+    sampling: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -34,6 +38,11 @@ class Segment:
             raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: token_ids ({n}), loss_mask "
                              f"({len(self.loss_mask)}), logprobs ({len(self.logprobs)}) and versions "
                              f"({len(self.versions)}) must have one entry per token")
+        starts = [span[0] for span in self.sampling]
+        if any(len(span) != 4 for span in self.sampling) or starts != sorted(starts) or \
+                any(not 0 <= i < n for i in starts):
+            raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: sampling must be "
+                             "[first token index, temperature, top_p, top_k] spans in token order")
         if self.routed_experts is not None:
             self.routed_experts = pad_routes(np.asarray(self.routed_experts), n)
 

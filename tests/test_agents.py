@@ -26,14 +26,16 @@ END = "<|im_end|>"
 
 class Recorder:
     """The sampler the runners get: the generator's Router over the shared engine, with every call and
-    the engine's result kept for checking."""
+    the engine's result kept for checking. `override` replaces sampling fields of every request (e.g.
+    greedy decoding, which training rollouts refuse)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, **override) -> None:
         from molt.rollout.router import Router
 
-        self.router, self.calls = Router([engine]), []
+        self.router, self.calls, self.override = Router([engine]), [], override
 
     async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
+        sampling = {**sampling, **self.override}
         out = await self.router.generate(list(prompt_ids), sampling, key)
         self.calls.append({"key": key, "prompt_ids": list(prompt_ids), "sampling": dict(sampling),
                            "out": out})

@@ -73,13 +73,14 @@ def test_chat_minimal_carries_sampled_ids_instead_of_retokenizing(tok, sampler, 
     assert retokenized_differs >= 1
 
 
-def test_both_wires_streaming_or_not_give_identical_trajectories(tok, sampler, runners):
+def test_both_wires_streaming_or_not_give_identical_trajectories(tok, engine, runners):
+    sampler = Recorder(engine, temperature=0.0)   # greedy: every wire must give the same tokens
     plain = {"max_turns": 2, "options": {"turns": 2}}
     results = []
     for module in ("chat_minimal.py", "chat_anthropic.py"):
         for stream in (False, True):
             agent = {**plain, "options": {**plain["options"], "stream": stream}}
-            runner = runners(str(EXAMPLES / module), agent, temperature=0.0)
+            runner = runners(str(EXAMPLES / module), agent)
             [r] = run_all(runner, [{"prompt": "c", "label": "c"}], sampler, group=f"{module}{stream}")
             assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
             results.append(r)
@@ -89,7 +90,8 @@ def test_both_wires_streaming_or_not_give_identical_trajectories(tok, sampler, r
         assert r.segments[0].logprobs == pytest.approx(results[0].segments[0].logprobs, abs=1e-4)
 
 
-def test_tool_calls_on_both_wires_streaming_or_not(tok, sampler, runners):
+def test_tool_calls_on_both_wires_streaming_or_not(tok, engine, runners):
+    sampler = Recorder(engine, temperature=0.0)
     forced_openai = {"type": "function", "function": {"name": "add"}}
     agents = [("chat_tools.py", {"tool_choice": forced_openai}),
               ("chat_anthropic.py", {"tools": True, "tool_choice": {"type": "tool", "name": "add"}})]
@@ -97,7 +99,7 @@ def test_tool_calls_on_both_wires_streaming_or_not(tok, sampler, runners):
     for module, options in agents:
         for stream in (False, True):
             agent = {"max_turns": 2, "max_total_tokens": 500, "options": {**options, "stream": stream}}
-            runner = runners(str(EXAMPLES / module), agent, temperature=0.0, max_tokens=64)
+            runner = runners(str(EXAMPLES / module), agent, max_tokens=64)
             [r] = run_all(runner, [TOOLS_ITEM], sampler, group=f"{module}{stream}")
             [calls] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
             assert len(calls) == 2 and r.info == {"tool_calls": 1.0}

@@ -22,6 +22,7 @@ class Trace:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.routes = None          # MoE routed experts of a prefix of `ids`, from the latest sample
+        self.sampling: list[list[float]] = []   # per turn: [first token index, temperature, top_p, top_k]
         self.finish_reason = "stop"
         self.num_sampled_total = 0
 
@@ -33,7 +34,8 @@ class Trace:
         self.versions += [NO_VERSION] * len(ids)
 
     def add_sample(self, out: dict[str, Any]) -> None:
-        """Append one sampler result ({token_ids, logprobs, versions, finish_reason}) with mask 1.
+        """Append one sampler result ({token_ids, logprobs, versions, finish_reason}, and `sampling`: the
+        [temperature, top_p, top_k] the engine applied) with mask 1.
 
         With router replay the result also carries `routed_experts` of its prompt and output (all but
         the last token): the whole segment so far, since the prompt was the segment. They replace the
@@ -48,6 +50,8 @@ class Trace:
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"sampler returned {len(ids)} tokens, {len(logprobs)} logprobs and "
                              f"{len(versions)} versions")
+        if out.get("sampling") is not None and ids:
+            self.sampling.append([len(self.ids), *out["sampling"]])
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
@@ -67,8 +71,10 @@ class Trace:
             self.segments.append(Segment(
                 token_ids=self.ids, loss_mask=self.mask, logprobs=self.logprobs, versions=self.versions,
                 rollout_id=self.rollout_id, group_id=self.group_id, segment_index=len(self.segments),
-                prompt_len=self.mask.index(1), finish_reason=self.finish_reason, routed_experts=self.routes))
+                prompt_len=self.mask.index(1), finish_reason=self.finish_reason, routed_experts=self.routes,
+                sampling=self.sampling))
         self.ids, self.mask, self.logprobs, self.versions, self.routes = [], [], [], [], None
+        self.sampling = []
 
     def rollout(self, reward: Any, score: Any = None, info: dict | None = None, label: Any = None) -> Rollout:
         """Seal and return the rollout; a non-numeric / non-finite reward or no sampled token is an error."""

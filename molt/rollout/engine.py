@@ -99,18 +99,18 @@ class EngineActor:
     async def generate(self, prompt_ids: list[int], sampling: dict, request_id: str | None = None) -> dict:
         """One completion. Keys of `sampling`: temperature, top_p, top_k, max_tokens, and optionally
         stop_token_ids, seed, ignore_eos, structured_outputs. `max_tokens` shrinks to what fits in
-        `max_model_len`."""
+        `max_model_len`. The result's `sampling` is the [temperature, top_p, top_k] vLLM applied."""
         from vllm.inputs import TokensPrompt
 
         prompt = self._fit(prompt_ids)
         max_tokens = min(sampling["max_tokens"], self.max_model_len - len(prompt))
+        params = sampling_params(sampling, max_tokens)
         version_at_start = self.version
         request_id = request_id or uuid.uuid4().hex
         final = None
         self._enter()
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt),
-                                               sampling_params(sampling, max_tokens), request_id):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
                 final = out
         finally:
             self._leave()
@@ -123,6 +123,7 @@ class EngineActor:
             "versions": per_token_versions(comp.weight_versions, len(ids), version_at_start),
             "finish_reason": comp.finish_reason or "abort",
             "prompt_ids": prompt,
+            "sampling": [params.temperature, params.top_p, params.top_k],   # what the logprobs describe
         }
         if self.moe_layers is not None:
             result["routed_experts"] = await self._routes(comp, request_id, len(prompt) + len(ids) - 1)

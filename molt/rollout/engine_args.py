@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
+LOGPROBS_MODE = "processed_logprobs"
 
 
 def on_cpu() -> bool:
@@ -38,6 +39,9 @@ def engine_kwargs(model_path: str, rollout: dict[str, Any], model: dict[str, Any
         speculative_config=eng["speculative_config"],
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
+        # Behaviour logprobs of the distribution each token is sampled from (after temperature, top-k,
+        # top-p), which the trainer recomputes; vLLM's default is the raw model distribution.
+        logprobs_mode=LOGPROBS_MODE,
     )
     if on_cpu():
         # vLLM's CPU backend sizes the KV cache from an explicit byte budget, not a memory fraction.

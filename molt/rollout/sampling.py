@@ -1,8 +1,11 @@
-"""Sampling parameters for `EngineActor.generate`, from the run spec: training rollouts and evaluation."""
+"""Sampling parameters for `EngineActor.generate`: spec defaults, what training accepts, request seeds."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
+
+GREEDY_BELOW = 1e-5   # vLLM decodes greedily below this temperature
 
 
 def train_sampling(rollout: Any) -> dict[str, Any]:
@@ -16,3 +19,24 @@ def eval_sampling(rollout: Any) -> dict[str, Any]:
     e = rollout.eval
     return {"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_tokens": e.max_tokens,
             "n": e.n}
+
+
+def check_trainable(sampling: dict[str, Any]) -> None:
+    """Refuse a training request whose tokens the trainer could not score under the distribution they were
+    sampled from. Temperature, top-p and top-k (per turn too) are recomputed exactly; greedy decoding and
+    constrained decoding are not (evaluation may use both)."""
+    temperature = sampling.get("temperature", 1.0)
+    if temperature < GREEDY_BELOW:
+        raise ValueError(f"a training rollout asked for temperature={temperature}, i.e. greedy decoding: its "
+                         "tokens have no sampling probability to train on (greedy is for evaluation)")
+    if sampling.get("structured_outputs"):
+        raise ValueError("a training rollout asked for constrained decoding (structured_outputs, e.g. a "
+                         "forced tool_choice): the engine samples from a grammar-masked distribution the "
+                         "trainer cannot recompute, so its logprobs would be off-policy (evaluation only)")
+
+
+def request_seed(run_seed: int, version: int, key: str, call: int) -> int:
+    """The sampling seed of a rollout's `call`-th request, from the run seed, the policy version and the
+    rollout id: reruns sample the same tokens, different requests draw independent streams."""
+    digest = hashlib.blake2b(f"{run_seed}/{version}/{key}/{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1   # a non-negative int64

@@ -11,6 +11,11 @@ import torch
 
 from molt.trajectory import Segment
 
+# Per-token sampling parameters a segment records; tokens the engine did not sample get these neutral
+# values (their logprobs are never used), so the trainer only truncates where a sampled token needs it.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+NEUTRAL_SAMPLING = (1.0, 1.0, 0.0)
+
 
 def _pad(rows: list[list], length: int, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
     out = torch.full((len(rows), length), fill, dtype=dtype)
@@ -21,11 +26,14 @@ def _pad(rows: list[list], length: int, dtype: torch.dtype, fill: float = 0) -> 
 
 def make_batch(segments: list[Segment], pad_id: int = 0,
                **per_token: list[list[float]]) -> dict[str, torch.Tensor]:
-    """Pad segments into input_ids / attention_mask / loss_mask / behaviour_logp [B, T] (+ routed_experts).
+    """Pad segments into input_ids / attention_mask / loss_mask / behaviour_logp [B, T] (+ routed_experts,
+    temperature / top_p / top_k).
 
     `per_token` adds float fields with one value per token of each segment, e.g. advantages=...,
     returns=..., old_values=..., ref_logp=... . `routed_experts` [B, T, layers, top_k] is added when
-    every segment carries it (padding rows route to experts 0..k-1; their loss mask is 0).
+    every segment carries it (padding rows route to experts 0..k-1; their loss mask is 0). When the
+    segments record their sampling parameters, `temperature`, `top_p`, `top_k` [B, T] say what each
+    sampled token was drawn with (neutral values elsewhere); segments that do not are scored at the run's.
     """
     if not segments:
         raise ValueError("make_batch needs at least one segment")
@@ -48,7 +56,24 @@ def make_batch(segments: list[Segment], pad_id: int = 0,
         for i, s in enumerate(segments):
             routes[i, : len(s.token_ids)] = torch.tensor(s.routed_experts)
         batch["routed_experts"] = routes
+    if any(s.sampling for s in segments):
+        if not all(s.sampling for s in segments):
+            raise ValueError("make_batch: some segments record their sampling parameters and some do not")
+        batch.update(zip(SAMPLING_KEYS, torch.stack([_sampling_rows(s, length) for s in segments], 1),
+                         strict=True))
     return batch
+
+
+def _sampling_rows(segment: Segment, length: int) -> torch.Tensor:
+    """[3, length]: temperature, top_p, top_k of every sampled token of `segment` (its turns' spans)."""
+    neutral = torch.tensor(NEUTRAL_SAMPLING)[:, None].expand(3, length)
+    out = neutral.clone()
+    ends = [span[0] for span in segment.sampling[1:]] + [len(segment.token_ids)]
+    for (start, *values), end in zip(segment.sampling, ends, strict=True):
+        out[:, int(start):end] = torch.tensor(values, dtype=torch.float32)[:, None]
+    sampled = torch.zeros(length, dtype=torch.bool)
+    sampled[: len(segment.loss_mask)] = torch.tensor(segment.loss_mask) > 0
+    return torch.where(sampled, out, neutral)
 
 
 def pad_rows(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:

@@ -67,13 +67,15 @@ class TrainerGroup:
         return torch.cat(outs[::replicas])[:rows]
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[B, T] log π(token t | tokens < t) at rollout.temperature; 0 at t = 0 and on padding."""
+        """[B, T] log π(token t | tokens < t) under the distribution token t was sampled from (the batch's
+        temperature / top_p / top_k, else the run's); 0 at t = 0 and on padding."""
         if self.role == "critic":
             raise ValueError("the critic has no logprobs; use values()")
         return self._scores(batch)
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[B, T] value of the state after token t (critic only); 0 on padding."""
+        """[B, T] V(tokens < t) at position t, the baseline of the action at t (critic only); 0 at t = 0 and
+        on padding."""
         if self.role != "critic":
             raise ValueError(f"values() needs the critic, this group is the {self.role}")
         return self._scores(batch)

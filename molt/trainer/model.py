@@ -106,19 +106,81 @@ def _prepare(model: nn.Module, spec: RunSpec, role: str) -> None:
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp[b, t] = log π(token t | tokens < t) on logits / temperature (as the engine samples), and the
-    per-token entropy of the same distribution (only if asked); both 0 at t = 0 and on padding.
+                   temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0,
+                   top_k: int | torch.Tensor = 0,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp[b, t] = log π(token t | tokens < t) under the distribution the engine sampled token t from, and
+    the per-token entropy of that distribution (only if asked); both 0 at t = 0 and on padding.
 
-    logsumexp instead of a full log_softmax keeps one [B, T, V] temporary fewer alive.
+    That distribution is vLLM's "processed" one: logits / temperature, then top-k and top-p truncation,
+    renormalized. `temperature`, `top_p`, `top_k` are one number for every token or [B, T] per token
+    (position t: what token t was sampled with; top_k <= 0 is off). logsumexp instead of a full
+    log_softmax keeps one [B, T, V] temporary fewer alive.
     """
-    scaled = logits[:, :-1].float() / temperature
+    targets, mask = input_ids[:, 1:], attention_mask[:, 1:] > 0
+    # padding and the inert rows that even out shards may hold 0: give them a harmless temperature
+    temp = torch.where(mask, _per_token(temperature, targets), 1.0)
+    scaled = _truncate(logits[:, :-1].float() / temp[..., None], targets, mask,
+                       _per_token(top_p, targets), _per_token(top_k, targets).long())
     lse = torch.logsumexp(scaled, dim=-1)
-    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    mask = attention_mask[:, 1:].to(scaled.dtype)
-    logp = torch.nn.functional.pad((picked - lse) * mask, (1, 0))
+    picked = scaled.gather(-1, targets[..., None]).squeeze(-1)
+    weight = mask.to(scaled.dtype)
+    logp = torch.nn.functional.pad((picked - lse) * weight, (1, 0))
     if not entropy:
         return logp, None
     probs = torch.softmax(scaled, dim=-1)
-    entropy = torch.nn.functional.pad((lse - (probs * scaled).sum(-1)) * mask, (1, 0))
+    finite = scaled.masked_fill(scaled == -torch.inf, 0.0)   # 0 * -inf would be NaN
+    entropy = torch.nn.functional.pad((lse - (probs * finite).sum(-1)) * weight, (1, 0))
     return logp, entropy
+
+
+def _per_token(value: float | torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value[:, 1:].to(targets.device)   # [B, T] aligned with tokens -> aligned with targets
+    return torch.full(targets.shape, float(value), device=targets.device)
+
+
+def _truncate(scaled: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, top_p: torch.Tensor,
+              top_k: torch.Tensor) -> torch.Tensor:
+    """`scaled` [B, T-1, V] with the tokens vLLM's top-k / top-p drop set to -inf where they are used."""
+    vocab = scaled.shape[-1]
+    active = mask & ((top_p < 1) | ((top_k > 0) & (top_k < vocab)))
+    if not active.any():
+        return scaled
+    with torch.no_grad():
+        drop = vllm_truncation(scaled[active], top_k[active], top_p[active])
+        # The sampled token was in the engine's kept set; a rounding difference at the boundary must not
+        # make its logprob -inf (it then differs by the boundary token's share, visible in mismatch/*).
+        drop.scatter_(-1, targets[active][:, None], False)
+        full = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
+        full[active] = drop
+    return scaled.masked_fill(full, -torch.inf)
+
+
+def vllm_truncation(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Tokens that vLLM's sampler drops (`apply_top_k_top_p`), as a bool mask [N, V], for rows of
+    temperature-scaled fp32 `logits` [N, V] with per-row `top_k` (<= 0 off) and `top_p` (1 off).
+
+    The same operations in the same order: ascending sort; top-k keeps values >= the k-th largest (ties
+    included); top-p renormalizes the survivors, takes the cumulative sum from the smallest and drops
+    while it stays <= 1 - p, always keeping the most likely token.
+    """
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    ascending, order = logits.sort(dim=-1, descending=False)
+    kth = ascending.gather(1, (vocab - k).unsqueeze(1))
+    ascending = ascending.masked_fill(ascending < kth, -torch.inf)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p.to(logits.dtype).unsqueeze(1)
+    drop[:, -1] = False
+    drop |= ascending == -torch.inf
+    return torch.zeros_like(drop).scatter_(-1, order, drop)
+
+
+def prefix_values(head: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Critic values [B, T] aligned with tokens: at t, V(tokens < t) = the value head's output at t - 1.
+
+    The head's output at t has already read token t; GAE's baseline for the action at t must not, or
+    every action's advantage would partly cancel itself. 0 at t = 0 and on padding.
+    """
+    return torch.nn.functional.pad(head[:, :-1], (1, 0)) * attention_mask

@@ -23,7 +23,14 @@ from molt import refit
 from molt.algo import loss_normalizer, policy_loss, value_loss
 from molt.spec import RunSpec
 from molt.trainer import checkpoint, weights
-from molt.trainer.model import DTYPES, build_model, distributed_setup, model_path, token_logprobs
+from molt.trainer.model import (
+    DTYPES,
+    build_model,
+    distributed_setup,
+    model_path,
+    prefix_values,
+    token_logprobs,
+)
 from molt.trainer.offload import HostStateAdamW
 from molt.trainer.router_replay import replay_routes
 
@@ -106,9 +113,12 @@ class TrainerWorker:
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
-            return logits[..., 0] * mb["attention_mask"], None
-        return token_logprobs(logits, mb["input_ids"], mb["attention_mask"], self.spec.rollout.temperature,
-                              entropy)
+            return prefix_values(logits[..., 0], mb["attention_mask"]), None
+        # the distribution each token was sampled from: recorded per token, else the run's settings
+        r = self.spec.rollout
+        return token_logprobs(logits, mb["input_ids"], mb["attention_mask"],
+                              mb.get("temperature", r.temperature), mb.get("top_p", r.top_p),
+                              mb.get("top_k", r.top_k), entropy)
 
     @torch.no_grad()
     def scores(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
