@@ -122,6 +122,27 @@ class RolloutSpec(Strict):
     eval: SamplingSpec = Field(default_factory=lambda: SamplingSpec(temperature=0.0, n=1),
                                description="sampling of the eval set (train.eval_every)")
 
+    @field_validator("temperature")
+    @classmethod
+    def _samples(cls, value: float) -> float:
+        # vLLM decodes greedily below 1e-5: a greedy token has no sampling logprob to correct against
+        if value < 1e-5:
+            raise ValueError(f"rollout.temperature={value} does not sample (vLLM is greedy below 1e-5); "
+                             "training needs sampled tokens. Greedy decoding is for evaluation: "
+                             "rollout.eval.temperature=0")
+        return value
+
+    @model_validator(mode="after")
+    def _logprobs_mode(self) -> RolloutSpec:
+        from molt.rollout.engine_args import LOGPROBS_MODE
+
+        mode = self.engine.extra_args.get("logprobs_mode", LOGPROBS_MODE)
+        if mode != LOGPROBS_MODE:
+            raise ValueError(f"rollout.engine.extra_args.logprobs_mode={mode}: the trainer recomputes "
+                             f"{LOGPROBS_MODE} (the distribution tokens are sampled from); another mode "
+                             "would make every importance weight and mismatch/* wrong")
+        return self
+
 
 class TrainSpec(Strict):
     steps: int = Field(100, description="optimizer steps (one batch of prompt groups each)")

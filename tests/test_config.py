@@ -97,6 +97,11 @@ def test_bad_type_is_reported_with_key_and_value():
         (["+experiment=qwen30b_tools", "model.critic=true", "parallel.trainer_nodes=null"],
          "needs 24 GPUs"),
         (["+experiment=qwen3_4b_math", "rollout.engine.tp_size=16"], "does not fit on one node"),
+        # greedy tokens have no sampling logprob (used to validate, then train on NaN); eval may be greedy
+        (["rollout.temperature=0"], r"temperature=0.0 does not sample.*rollout.eval.temperature=0"),
+        (["rollout.temperature=-0.5"], "does not sample"),
+        # the trainer recomputes processed logprobs: the engine must report those
+        (["+rollout.engine.extra_args.logprobs_mode=raw_logprobs"], "trainer recomputes processed_logprobs"),
     ],
 )
 def test_cross_field_rules(overrides, fragment):
