@@ -56,3 +56,19 @@ def test_algo_presets_compose(name, estimator, correction):
     c = algo.correction
     assert algo.estimator == estimator and algo.estimator in ESTIMATORS
     assert (c.level, c.mode, c.low, c.high) == correction
+
+
+def test_opo_folds_the_kl_penalty_into_the_reward():
+    """With algo.kl.in_reward the reward each baseline sees is R - coef * sum_t KL_t (k1 here), as for the
+    other group estimators; `adv/kl_in_reward` is then logged for a penalty that was really applied."""
+    spec = compose(["algo=opo", "algo.kl.in_reward=true", "algo.kl.coef=0.5", "algo.kl.estimator=k1",
+                    "model.reference=policy"])
+    rewards, groups, seg = torch.tensor([1.0, 0.0], dtype=torch.float64), torch.zeros(2), torch.arange(2)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float64)
+    logp = torch.tensor([[-1.0, -2.0, -9.0], [-1.0, -9.0, -9.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -1.0, 0.0], [-3.0, 0.0, 0.0]], dtype=torch.float64)
+    # KL sums: rollout 0: 0.5 + (-1.0) = -0.5 -> r = 1 + 0.25 = 1.25; rollout 1: 2.0 -> r = 0 - 1 = -1
+    # baseline = (2 * 1.25 + 1 * -1) / 3 = 0.5 -> A = 0.75, -1.5
+    adv = compute_advantages(rewards, groups, seg, mask, spec.algo, logp=logp, ref_logp=ref)
+    assert torch.allclose(adv.advantages, torch.tensor([[0.75, 0.75, 0], [-1.5, 0, 0]], dtype=torch.float64))
+    assert adv.metrics["kl_in_reward"].item() == pytest.approx((0.5 - 1.0 + 2.0) / 3)

@@ -72,7 +72,7 @@ def kl_penalty(loss_mask: Tensor, algo: AlgoSpec, logp: Tensor | None, ref_logp:
     return torch.where(loss_mask > 0, -algo.kl.coef * kl, torch.zeros_like(kl))
 
 
-def _rollout_rewards(rewards: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
+def rollout_rewards(rewards: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
                      logp: Tensor | None, ref_logp: Tensor | None) -> Tensor:
     """Rewards [R] with the KL penalty of all of a rollout's tokens folded in (group estimators)."""
     penalty = kl_penalty(loss_mask, algo, logp, ref_logp)
@@ -108,7 +108,7 @@ def grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask:
          values: Tensor | None = None, logp: Tensor | None = None,
          ref_logp: Tensor | None = None) -> Advantages:
     """GRPO: A = (r - mean_g) / (std_g + 1e-6), std unbiased; a group of one gets A = 0."""
-    r = _rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
+    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
     n = _group_size(r, group_ids)
     centered = r - group_mean(r, group_ids)
     std = (group_sum(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
@@ -123,7 +123,7 @@ def dr_grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_ma
             values: Tensor | None = None, logp: Tensor | None = None,
             ref_logp: Tensor | None = None) -> Advantages:
     """Dr.GRPO: A = r - mean_g (no std; pair with loss.norm=seq for the constant length normalizer)."""
-    r = _rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
+    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
     return Advantages(to_tokens(r - group_mean(r, group_ids), segment_rollout, loss_mask), None, {})
 
 
@@ -132,7 +132,7 @@ def rloo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask:
          values: Tensor | None = None, logp: Tensor | None = None,
          ref_logp: Tensor | None = None) -> Advantages:
     """RLOO: A_i = r_i - mean_{j != i in group} r_j = n / (n - 1) * (r_i - mean_g); a group of one gets 0."""
-    r = _rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
+    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
     n = _group_size(r, group_ids)
     adv = (r - group_mean(r, group_ids)) * n / (n - 1).clamp(min=1)
     adv = torch.where(n > 1, adv, torch.zeros_like(adv))

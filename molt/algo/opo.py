@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from molt.algo.estimators import Advantages, register_estimator
+from molt.algo.estimators import Advantages, register_estimator, rollout_rewards
 from molt.algo.groups import group_sum, rollout_sum, to_tokens
 
 if TYPE_CHECKING:
@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 def opo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
         values: Tensor | None = None, logp: Tensor | None = None,
         ref_logp: Tensor | None = None) -> Advantages:
-    """A_i = r_i - sum_g(len_j * r_j) / sum_g(len_j); len_j = sampled tokens of rollout j (all segments)."""
-    lengths = rollout_sum(loss_mask.to(rewards.dtype), segment_rollout, loss_mask, rewards.numel())
-    baseline = group_sum(lengths * rewards, group_ids) / group_sum(lengths, group_ids).clamp(min=1)
-    adv = rewards - baseline
+    """A_i = r_i - sum_g(len_j * r_j) / sum_g(len_j); len_j = sampled tokens of rollout j (all segments);
+    r includes the rollout's KL penalty when algo.kl.in_reward."""
+    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
+    lengths = rollout_sum(loss_mask.to(r.dtype), segment_rollout, loss_mask, r.numel())
+    baseline = group_sum(lengths * r, group_ids) / group_sum(lengths, group_ids).clamp(min=1)
+    adv = r - baseline
     return Advantages(to_tokens(adv, segment_rollout, loss_mask), None,
                       {"opo_baseline_mean": baseline.mean() if baseline.numel() else torch.zeros(())})
