@@ -32,6 +32,7 @@ from molt.metrics import RunLogger
 from molt.rollout.engine import start_engines
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import Router
+from molt.rollout.sampling import GREEDY_BELOW, check_trainable, request_seed
 from molt.spec import RunSpec
 from molt.tiny import tiny_model_path
 from molt.trainer.batch import make_batch
@@ -86,8 +87,25 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         await refit(policy, router, version)
         print(f"molt: resumed from {checkpoint} at step {step} (policy version {version})")
 
+    calls: dict[str, int] = {}
+
+    async def generate(prompt_ids: list[int], sampling: dict, key: str) -> dict:
+        # Training requests: only what the trainer can score, seeded from the run seed and rollout id so a
+        # rerun samples the same tokens (a request's own seed wins).
+        check_trainable(sampling)
+        calls[key] = calls.get(key, -1) + 1
+        seed = request_seed(spec.run.seed, pool.version, key, calls[key])
+        return await router.generate(prompt_ids, {"seed": seed, **sampling}, key)
+
+    sampler = SimpleNamespace(generate=generate)
+
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
-        return await runner.run(item, f"{group_id}-{sample_index}", group_id, router)
+        rollout_id = f"{group_id}-{sample_index}"
+        try:
+            return await runner.run(item, rollout_id, group_id, sampler)
+        finally:
+            calls.pop(rollout_id, None)
+            router.release(rollout_id)
 
     sync = spec.rollout.mode == "sync"
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
@@ -190,6 +208,8 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
     current = sampled & (batch["versions"] == version)
     batch["current_mask"] = current.float()
     metrics["mismatch/stale_frac"] = 1 - float(current.sum()) / max(float(sampled.sum()), 1.0)
+    lag = (version - batch["versions"])[sampled]   # policy versions between sampling and this update
+    metrics["policy/lag_mean"], metrics["policy/lag_max"] = float(lag.mean()), float(lag.max())
     # Without a reference nothing before the update needs the policy's logprobs: train_step takes
     # them from its own forward (one update per batch, so old == current), saving a forward pass.
     old_logp = await asyncio.to_thread(policy.logprobs, batch) if reference else None
@@ -252,12 +272,17 @@ def check_token_first(batch: dict[str, torch.Tensor], segments: list[Segment]) -
     """Invariant 1: every trained token was sampled by the engine and carries its logprob and version.
 
     Checked on the padded batch tensors (rows = segments), so it stays cheap at long contexts."""
-    bad = (batch["loss_mask"] > 0) & ((batch["versions"] == NO_VERSION) | ~batch["behaviour_logp"].isfinite())
-    if bad.any():
-        row, t = bad.nonzero()[0].tolist()
-        s = segments[row]
-        raise RuntimeError(f"rollout {s.rollout_id} segment {s.segment_index} token {t} is in the loss but "
-                           "has no engine version/logprob: refusing to train on it")
+    sampled = batch["loss_mask"] > 0
+    checks = [(sampled & ((batch["versions"] == NO_VERSION) | ~batch["behaviour_logp"].isfinite()),
+               "has no engine version/logprob")]
+    if "temperature" in batch:
+        checks.append((sampled & (batch["temperature"] < GREEDY_BELOW), "was decoded greedily"))
+    for bad, why in checks:
+        if bad.any():
+            row, t = bad.nonzero()[0].tolist()
+            s = segments[row]
+            raise RuntimeError(f"rollout {s.rollout_id} segment {s.segment_index} token {t} is in the loss "
+                               f"but {why}: refusing to train on it")
 
 
 async def fill_routes(engines: list | None, segments: list[Segment], version: int) -> None:

@@ -96,3 +96,44 @@ def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path
         assert min(v for r in group for v in r.segments[0].versions if v != -1) >= 2 - 1
     assert 0.0 < stats["engine_idle_frac"] < 1.0
     assert stats["generated_tokens"] > 0
+
+
+def versions_of(group: list[Rollout]) -> set[int]:
+    return {v for r in group for v in r.segments[0].versions if v != NO_VERSION}
+
+
+def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engine, tiny_model_path):
+    """Every batch holds tokens of the current policy (where the trainer measures its gap to the engine),
+    the freshest waiting groups go first, and groups beyond the staleness bound are re-queued at the refit."""
+    from safetensors.torch import load_file
+
+    weights = ray.put(load_file(f"{tiny_model_path}/model.safetensors"))
+
+    async def drain(pool: RolloutPool) -> None:
+        while pool.tasks:
+            await asyncio.sleep(0.05)
+
+    async def refit(pool: RolloutPool, version: int) -> None:
+        await engine.update_weights.remote([weights], version)   # same weights, new version label
+        pool.set_version(version)
+
+    async def main():
+        pool = RolloutPool(items(100), make_rollout_fn(Router([engine]), {}), samples_per_prompt=N,
+                           groups_in_flight=4, max_staleness=1, engines=[engine])
+        try:
+            await pool.next_batch(2)
+            await drain(pool)                      # 4 groups of version 0 wait
+            await refit(pool, 1)
+            second = await pool.next_batch(2)      # one of them, then one sampled after the refit
+            await drain(pool)                      # 3 of version 0 and 1 of version 1 wait
+            third = await pool.next_batch(1)
+            await refit(pool, 2)                   # version 0 is now 2 versions old
+            return second, third, dict(pool.counts), len(pool.pending_items())
+        finally:
+            await engine.update_weights.remote([weights], 0)
+            await pool.close()
+
+    second, third, counts, pending = asyncio.run(main())
+    assert sorted(map(min, map(versions_of, second))) == [0, 1]
+    assert [versions_of(g) for g in third] == [{1}]           # not the older groups that finished first
+    assert counts["stale_requeued"] == 3 and pending == 4     # re-queued items start again at once

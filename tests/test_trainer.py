@@ -90,6 +90,54 @@ def test_token_logprobs_use_temperature() -> None:
     assert logp[:, 0].abs().sum() == 0 and logp[1, 3:].abs().sum() == 0
 
 
+def test_truncation_is_vllms() -> None:
+    """The trainer's top-k / top-p mask equals vLLM's own sampler function on the same logits (ties in
+    top-k included: repeated values), so processed logprobs are recomputed on the same support."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from molt.trainer.model import vllm_truncation
+
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.1, 1.0, 4.0):
+        logits = (torch.randn(64, 320, generator=gen) * scale).round(decimals=1)   # many exact ties
+        top_k = torch.randint(-1, 400, (64,), generator=gen)
+        top_p = torch.rand(64, generator=gen).clamp(min=0.05)
+        top_p[::3] = 1.0
+        vocab_k = torch.where((top_k > 0) & (top_k < 320), top_k, 320)
+        for p in (top_p, None):
+            theirs = apply_top_k_top_p_pytorch(logits.clone(), vocab_k, p, allow_cpu_sync=True) == -torch.inf
+            ours = vllm_truncation(logits, top_k, torch.ones(64) if p is None else p)
+            assert torch.equal(ours, theirs) and 0 < int(ours.sum()) < ours.numel()
+
+
+def test_per_token_sampling_parameters() -> None:
+    """Per-token temperature / top-p / top-k: each position is scored under its own distribution; the
+    sampled token is never truncated away (a boundary rounding difference must not give -inf)."""
+    from molt.trainer.model import token_logprobs
+
+    gen = torch.Generator().manual_seed(1)
+    logits, ids = torch.randn(2, 6, 50, generator=gen), torch.randint(0, 50, (2, 6), generator=gen)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    temp = torch.tensor([[1.0, 0.5, 0.5, 2.0, 1.0, 0.7]] * 2)
+    top_p = torch.tensor([[1.0, 1.0, 0.6, 1.0, 0.3, 1.0]] * 2)
+    top_k = torch.tensor([[0, 0, 0, 10, 0, 3]] * 2)
+    logp, ent = token_logprobs(logits, ids, mask, temp, top_p, top_k, entropy=True)
+    for b in range(2):
+        for t in range(1, 6):
+            row = logits[b, t - 1] / temp[b, t]
+            k = int(top_k[b, t]) or 50
+            probs = torch.where(row >= row.topk(k).values[-1], row, -torch.inf).softmax(-1)
+            order = probs.argsort(descending=True)          # smallest set with mass >= top_p
+            need = int((probs[order].cumsum(0) < top_p[b, t] - 1e-6).sum()) + 1
+            kept = torch.zeros(50, dtype=bool)
+            kept[order[:need]] = True
+            kept[ids[b, t]] = True
+            ref = torch.where(kept, row, -torch.inf).log_softmax(-1)
+            assert abs(float(logp[b, t]) - float(ref[ids[b, t]])) < 1e-5
+            assert abs(float(ent[b, t]) + float((ref.exp() * ref.nan_to_num(neginf=0)).sum())) < 1e-5
+    assert logp.isfinite().all() and logp[:, 0].abs().sum() == 0
+
+
 def reference_run(path: str, batches: list[dict[str, torch.Tensor]], spec: RunSpec):
     """Single process, no FSDP, no micro-batches: the whole batch in one forward, plain AdamW."""
     from transformers import AutoModelForCausalLM
@@ -104,17 +152,18 @@ def reference_run(path: str, batches: list[dict[str, torch.Tensor]], spec: RunSp
         norm = float(b["loss_mask"].sum())  # the global token count, computed independently
         loss, _ = policy_loss(logp, {**b, "old_logp": logp.detach()}, spec.algo, norm)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)
         opt.step()
         opt.zero_grad()
-        losses.append((loss.item(), logp.detach()))
+        losses.append((loss.item(), logp.detach(), float(grad_norm)))
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
 def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp_path) -> None:
     """3 steps at world size 2 (micro-batch 2, FSDP2 CPU offload: offload=full) and world size 1
-    (micro-batch 3, uneven) give the weights and losses of one single-process whole-batch run (fp32, 1e-5).
-    On CPU the offload's moves are no-ops, but its code path runs."""
+    (micro-batch 3, uneven) give the weights, losses and gradient norms of one single-process whole-batch
+    run (fp32, 1e-5). On CPU the offload's moves are no-ops, but its code path runs. AdamW and clipping
+    hide a wrong gradient scale from the weights, so the pre-clipping gradient norm is compared too."""
     batches = [batch_of(s) for s in range(3)]
     # Adam turns round-off in near-zero gradients into lr-sized steps; a small lr keeps that below 1e-5
     ref_losses, ref_weights = reference_run(tiny_model_path, batches, make_spec(tiny_model_path, lr=1e-4))
@@ -136,8 +185,9 @@ def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp
             assert float((hf_logp - group.logprobs(b)).abs().max()) < 1e-5
         group.shutdown()
         assert max_diff(ref_weights, weights) <= 1e-5, (ws, mbs)
-        for m, (loss, _) in zip(metrics, ref_losses, strict=True):
+        for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
             assert abs(m["loss"] - loss) < 1e-5
+            assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), (ws, mbs)
         b, logp = batches[0], ref_losses[0][1]
         gap = (logp - b["behaviour_logp"])[b["loss_mask"] > 0].abs()
         m = metrics[0]
@@ -225,7 +275,7 @@ def _leaves(tree, prefix: str = ""):
 def test_critic_fits_returns_and_reference_is_frozen(ray_session, tiny_model_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    spec = make_spec(tiny_model_path, critic_lr=1e-2)
+    spec = make_spec(tiny_model_path, critic_lr=1e-3)
     spec.parallel.activation_checkpointing = True
     b = batch_of(5)
     critic = TrainerGroup(spec, "critic")
@@ -249,3 +299,42 @@ def test_critic_fits_returns_and_reference_is_frozen(ray_session, tiny_model_pat
     with pytest.raises(ValueError, match="frozen"):
         reference.train_step(b)
     reference.shutdown()
+
+
+def test_gae_with_a_real_critic_learns_the_right_baseline(ray_session, tiny_model_path) -> None:
+    """Reward 1 when the first response token is one of 8 of the 16 it is drawn from. The right baseline
+    of the first action is 0.5 (before it, nothing tells the outcome); after it, the value is the reward,
+    so only the first action carries advantage. A critic read one token late would already have seen
+    the first action and cancel its advantage."""
+    from molt.algo import compute_advantages, token_gae
+
+    spec = make_spec(tiny_model_path, mbs=8, critic_lr=1e-3)
+    spec.model.critic, spec.algo.estimator, spec.algo.lam = True, "gae", 1.0
+    rng = random.Random(0)
+
+    def batch(n: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        segs, rewards = [], []
+        for i in range(n):
+            response = [rng.randrange(100, 116) for _ in range(4)]
+            segs.append(Segment([1, 7, *response], [0, 0, 1, 1, 1, 1], [0.0, 0.0, -1.0, -1.0, -1.0, -1.0],
+                                [-1, -1, 0, 0, 0, 0], str(i), str(i)))
+            rewards.append(float(response[0] < 108))
+        return make_batch(segs), torch.tensor(rewards)
+
+    critic = TrainerGroup(spec, "critic")
+    for _ in range(STEPS_GAE):
+        b, r = batch(32)
+        values = critic.values(b)
+        adv = compute_advantages(r, torch.arange(32), torch.arange(32), b["loss_mask"], spec.algo, values)
+        critic.train_step({**b, "old_values": values, "returns": adv.returns})
+    b, r = batch(64)
+    values = critic.values(b)
+    critic.shutdown()
+    assert (values[:, 2] - 0.5).abs().max() < 0.2               # the baseline of the first action
+    assert (values[:, 3:] - r[:, None]).abs().max() < 0.2        # afterwards the outcome is known
+    assert (values[:, 0] == 0).all()                            # nothing precedes t = 0
+    adv, _ = token_gae(torch.zeros_like(values), values, r, torch.arange(64), b["loss_mask"], 1.0, 1.0)
+    assert (adv[:, 2] - (r - 0.5)).abs().max() < 0.25 and adv[:, 3:].abs().max() < 0.25
+
+
+STEPS_GAE = 100

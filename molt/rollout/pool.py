@@ -2,12 +2,15 @@
 
 A group is `samples_per_prompt` rollouts of one prompt item. At most `groups_in_flight` groups exist
 between "started" and "handed out" (running or finished and waiting), which bounds both memory and
-staleness. `next_batch(k)` returns `k` complete groups as soon as they are ready; each hand-out frees a
-slot that the next prompt item fills at once.
+staleness. Every hand-out frees a slot that the next prompt item fills at once, so in async mode the
+engines sample the next groups while the trainer steps on this batch.
 
-Staleness: a group whose oldest sampled token came from a policy older than
-`version - max_staleness` is not handed out; its prompt item is re-queued (sampled again from the
-current policy) and counted in `stats()["stale_requeued"]`.
+`next_batch(k)` hands out `k` complete groups, freshest first (by oldest, then newest token version, then
+start order), and at least one of them holds tokens of the current policy: that is where the trainer measures
+its gap to the engine (invariant 3) every step. Staleness: a waiting group whose oldest sampled token is
+older than `version - max_staleness` is never handed out; at the next `set_version` or `next_batch` its
+prompt item is re-queued (sampled again from the current policy) and counted in
+`stats()["stale_requeued"]`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from molt.trajectory import Rollout
@@ -22,11 +26,23 @@ from molt.trajectory import Rollout
 RolloutFn = Callable[[dict, str, int], Awaitable[Rollout]]
 
 
+def sampled_versions(group: list[Rollout]) -> list[int]:
+    """The policy version of every sampled token of the group."""
+    return [v for r in group for s in r.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+
+
 def oldest_version(group: list[Rollout]) -> int | None:
     """The smallest policy version of any sampled token in the group (None: nothing sampled)."""
-    versions = [v for r in group for s in r.segments
-                for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
-    return min(versions) if versions else None
+    return min(sampled_versions(group), default=None)
+
+
+@dataclass
+class Finished:
+    order: int                      # start order, for a stable hand-out order
+    item: dict
+    group: list[Rollout]
+    oldest: int | None              # oldest sampled token's version
+    newest: int | None
 
 
 class RolloutPool:
@@ -45,21 +61,30 @@ class RolloutPool:
         self.engines = list(engines)
         self.version = 0
         self.requeued: deque[dict] = deque()
-        self.ready: asyncio.Queue[tuple[dict, list[Rollout]]] = asyncio.Queue()
+        self.done: list[Finished] = []      # finished groups not yet handed out
+        self.finished = asyncio.Event()     # set whenever a group finishes
         self.tasks: set[asyncio.Task] = set()
-        self.waiting = 0                    # finished groups not yet handed out
         self.started = 0
         self.counts = {"stale_requeued": 0, "groups_done": 0, "failed_rollouts": 0}
         self.exhausted = False
 
     def set_version(self, version: int) -> None:
-        """The policy version the engines now run (call after each refit)."""
+        """The policy version the engines now run (call after each refit): groups it makes too stale are
+        re-queued at once and their slots refilled, so the engines sample with the new policy right away."""
         self.version = version
+        self._requeue_stale()
+        if self.refill_during_batch:
+            self._fill()
+
+    @property
+    def waiting(self) -> int:
+        """Finished groups not yet handed out."""
+        return len(self.done)
 
     @property
     def in_flight(self) -> int:
         """Groups started and not yet handed out (running or waiting)."""
-        return len(self.tasks) + self.waiting
+        return len(self.tasks) + len(self.done)
 
     def _next_item(self) -> dict | None:
         if self.requeued:
@@ -77,9 +102,17 @@ class RolloutPool:
                 return
             group_id = f"g{self.started}"
             self.group_items[group_id] = item
-            task = asyncio.create_task(self._group(item, group_id))
+            task = asyncio.create_task(self._group(item, group_id, self.started))
             self.started += 1
             self.tasks.add(task)
+
+    def _requeue_stale(self) -> None:
+        bound = self.version - self.max_staleness
+        for entry in [e for e in self.done if e.oldest is not None and e.oldest < bound]:
+            self.done.remove(entry)
+            self.group_items.pop(entry.group[0].group_id, None)
+            self.requeued.append(entry.item)
+            self.counts["stale_requeued"] += 1
 
     async def _one(self, item: dict, group_id: str, index: int) -> Rollout:
         try:
@@ -88,35 +121,55 @@ class RolloutPool:
             return Rollout(rollout_id=f"{group_id}-{index}", group_id=group_id, segments=[], reward=0.0,
                            error=f"{type(err).__name__}: {err}")
 
-    async def _group(self, item: dict, group_id: str) -> None:
-        group = await asyncio.gather(*[self._one(item, group_id, i) for i in range(self.n)])
+    async def _group(self, item: dict, group_id: str, order: int) -> None:
+        group = list(await asyncio.gather(*[self._one(item, group_id, i) for i in range(self.n)]))
         self.tasks.discard(asyncio.current_task())
-        self.waiting += 1
         self.counts["groups_done"] += 1
         self.counts["failed_rollouts"] += sum(not r.ok for r in group)
-        self.ready.put_nowait((item, list(group)))
+        versions = sampled_versions(group)
+        self.done.append(Finished(order, item, group, min(versions, default=None),
+                                  max(versions, default=None)))
+        self.finished.set()
+
+    def _pick(self, need_current: bool) -> Finished | None:
+        """The freshest waiting group (with current-policy tokens if `need_current`), out of the pool."""
+        candidates = [e for e in self.done if not need_current or e.newest == self.version]
+        if not candidates:
+            return None
+
+        def freshness(e: Finished) -> tuple[int, int, int]:
+            if e.oldest is None:      # nothing sampled (all its rollouts failed): nothing can be stale
+                return (self.version, self.version, -e.order)
+            return (e.oldest, e.newest, -e.order)
+
+        best = max(candidates, key=freshness)
+        self.done.remove(best)
+        self.group_items.pop(best.group[0].group_id, None)
+        return best
 
     async def next_batch(self, k: int) -> list[list[Rollout]]:
-        """`k` complete groups within the staleness bound; fewer only when the items run out."""
+        """`k` complete groups within the staleness bound, freshest first, at least one holding tokens of
+        the current policy (when any can still come); fewer only when the items run out. Returned in start
+        order, so a sync run's batch does not depend on which group finished first."""
         if k > self.depth:
             raise ValueError(f"a batch of {k} groups needs rollout.groups_in_flight >= {k} (is {self.depth})")
-        batch: list[list[Rollout]] = []
-        self._fill()
+        batch: list[Finished] = []
         while len(batch) < k:
-            if self.ready.empty() and not self.tasks:
-                break                       # items exhausted and nothing left running
-            item, group = await self.ready.get()
-            self.waiting -= 1
-            self.group_items.pop(group[0].group_id, None)
-            oldest = oldest_version(group)
-            if oldest is not None and oldest < self.version - self.max_staleness:
-                self.counts["stale_requeued"] += 1
-                self.requeued.append(item)
-            else:
-                batch.append(group)
+            self._requeue_stale()
             if self.refill_during_batch or len(batch) + self.in_flight < k:
                 self._fill()
-        return batch
+            last = len(batch) == k - 1 and not any(e.newest == self.version for e in batch)
+            pick = self._pick(need_current=last and bool(self.tasks))
+            if pick is not None:
+                batch.append(pick)
+                if self.refill_during_batch:
+                    self._fill()            # its slot starts the next group at once
+                continue
+            if not self.tasks:
+                break                       # items exhausted and nothing left running
+            self.finished.clear()
+            await self.finished.wait()
+        return [e.group for e in sorted(batch, key=lambda e: e.order)]
 
     def pending_items(self) -> list[dict]:
         """Prompt items started but not handed out (saved with a checkpoint, re-run first on resume)."""

@@ -1,0 +1,121 @@
+"""`learn` feeds the real trainer exactly what the algorithm prescribes for the rollouts it keeps.
+
+The expected advantages are written out here from the definitions (not through `compute_advantages`),
+per rollout and group, and matched to the batch rows by token ids: a flipped sign, a rollout given
+another group's baseline, a dropped group that still trains or a critic value read one token late fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+
+import pytest
+import torch
+
+from molt.config import compose
+from molt.loop import learn
+from molt.trainer import TrainerGroup
+from molt.trajectory import NO_VERSION, Rollout, Segment
+
+pytestmark = pytest.mark.timeout(300)
+SMALL = ["train.prompts_per_step=3", "rollout.samples_per_prompt=3", "train.micro_batch_size=4",
+         "logging.wandb.mode=disabled"]
+
+
+class Recording:
+    """A real TrainerGroup whose calls (arguments and answers) are kept."""
+
+    def __init__(self, group: TrainerGroup) -> None:
+        self.group, self.calls = group, {}
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            out = getattr(self.group, name)(*args)
+            self.calls.setdefault(name, []).append((args, out))
+            return out
+        return call
+
+
+def rollouts() -> list[Rollout]:
+    """3 groups x 3 rollouts, interleaved across groups; g0-1 has two segments, g1-2 failed (its group is
+    dropped: agent.on_failure=drop_group). Every segment's token ids are unique, to find its batch row."""
+    rng, out, next_id = random.Random(0), [], 10
+    for i in range(3):
+        for g in range(3):
+            rid, segments = f"g{g}-{i}", []
+            for k in range(2 if rid == "g0-1" else 1):
+                prompt, response = rng.randint(1, 3), rng.randint(2, 5)
+                ids = list(range(next_id, next_id + prompt + response))
+                next_id += len(ids)
+                mask = [0] * prompt + [1] * response
+                segments.append(Segment(ids, mask, [-rng.uniform(1, 3) * m for m in mask],
+                                        [0 if m else NO_VERSION for m in mask], rid, f"g{g}", k, prompt))
+            error = "agent failed" if rid == "g1-2" else None
+            out.append(Rollout(rid, f"g{g}", [] if error else segments, round(rng.random(), 3), error=error))
+    return out
+
+
+def rows_by_rollout(batch: dict[str, torch.Tensor], kept: list[Rollout]) -> dict[str, list[int]]:
+    """Batch row indexes of each rollout's segments (in segment order), found by their token ids."""
+    first_ids = {int(batch["input_ids"][row, 0]): row for row in range(batch["input_ids"].shape[0])}
+    return {r.rollout_id: [first_ids[s.token_ids[0]] for s in r.segments] for r in kept}
+
+
+@pytest.fixture(scope="module")
+def trainers(ray_session):
+    """A policy and a critic (one spec: the trainer's loss settings do not change what `learn` feeds it)."""
+    spec = compose([*SMALL, "algo=gae", "model.critic=true"])
+    groups = TrainerGroup(spec), TrainerGroup(spec, "critic")
+    yield groups
+    for group in groups:
+        group.shutdown()
+
+
+def test_learn_trains_exactly_the_estimators_advantages(trainers):
+    spec = compose([*SMALL, "algo=grpo"])
+    policy = Recording(trainers[0])
+    batch_in = rollouts()
+    metrics = asyncio.run(learn(spec, batch_in, policy, None, None, 0, 0))
+    [((batch,), _)] = policy.calls["train_step"]
+    kept = [r for r in batch_in if r.group_id != "g1"]
+    assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == 7
+    rows = rows_by_rollout(batch, kept)
+    for r in kept:
+        group = [x.reward for x in kept if x.group_id == r.group_id]
+        expected = (r.reward - statistics.fmean(group)) / (statistics.stdev(group) + 1e-6)
+        for row in rows[r.rollout_id]:
+            sampled = batch["loss_mask"][row] > 0
+            assert torch.allclose(batch["advantages"][row][sampled], torch.tensor(expected), atol=1e-5)
+            assert (batch["advantages"][row][~sampled] == 0).all()
+    assert metrics["tokens/trained"] == float(batch["loss_mask"].sum())
+
+
+def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainers):
+    """GAE by hand over each rollout's sampled tokens (across its segments) with the values the critic
+    returned; the policy gets them whitened, the critic is trained towards A + V on the same positions."""
+    spec = compose([*SMALL, "algo=gae", "model.critic=true", "algo.lam=0.9"])
+    policy, critic = Recording(trainers[0]), Recording(trainers[1])
+    batch_in = rollouts()
+    asyncio.run(learn(spec, batch_in, policy, None, critic, 0, 0))
+    [((batch,), _)] = policy.calls["train_step"]
+    [(_, values)] = critic.calls["values"]
+    [((critic_batch,), _)] = critic.calls["train_step"]
+    kept = [r for r in batch_in if r.group_id != "g1"]
+    rows = rows_by_rollout(batch, kept)
+    advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
+    for r in kept:
+        cells = [(row, t) for row in rows[r.rollout_id] for t in range(batch["input_ids"].shape[1])
+                 if batch["loss_mask"][row, t] > 0]
+        v = [float(values[c]) for c in cells] + [0.0]
+        running = 0.0
+        for i in reversed(range(len(cells))):
+            reward = r.reward if i == len(cells) - 1 else 0.0
+            running = reward + spec.algo.gamma * v[i + 1] - v[i] + spec.algo.gamma * spec.algo.lam * running
+            advantages[cells[i]], returns[cells[i]] = running, running + v[i]
+    sampled = batch["loss_mask"] > 0
+    mean, std = advantages[sampled].mean(), advantages[sampled].std(correction=0)
+    assert torch.allclose(batch["advantages"][sampled], (advantages[sampled] - mean) / std, atol=1e-4)
+    assert torch.allclose(critic_batch["returns"][sampled], returns[sampled], atol=1e-5)
+    assert torch.equal(critic_batch["old_values"], values)
