@@ -32,7 +32,7 @@ from molt.metrics import RunLogger
 from molt.rollout.engine import start_engines
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import Router
-from molt.rollout.sampling import GREEDY_BELOW, check_trainable, request_seed
+from molt.rollout.sampling import GREEDY_BELOW, TrainingSampler
 from molt.spec import RunSpec
 from molt.tiny import tiny_model_path
 from molt.trainer.batch import make_batch
@@ -87,25 +87,15 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         await refit(policy, router, version)
         print(f"molt: resumed from {checkpoint} at step {step} (policy version {version})")
 
-    calls: dict[str, int] = {}
-
-    async def generate(prompt_ids: list[int], sampling: dict, key: str) -> dict:
-        # Training requests: only what the trainer can score, seeded from the run seed and rollout id so a
-        # rerun samples the same tokens (a request's own seed wins).
-        check_trainable(sampling)
-        calls[key] = calls.get(key, -1) + 1
-        seed = request_seed(spec.run.seed, pool.version, key, calls[key])
-        return await router.generate(prompt_ids, {"seed": seed, **sampling}, key)
-
-    sampler = SimpleNamespace(generate=generate)
+    # only what the trainer can score, seeded so that a rerun samples the same tokens
+    sampler = TrainingSampler(router, spec.run.seed, lambda: pool.version)
 
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         rollout_id = f"{group_id}-{sample_index}"
         try:
             return await runner.run(item, rollout_id, group_id, sampler)
         finally:
-            calls.pop(rollout_id, None)
-            router.release(rollout_id)
+            sampler.release(rollout_id)
 
     sync = spec.rollout.mode == "sync"
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,

@@ -125,11 +125,13 @@ class RolloutSpec(Strict):
     @field_validator("temperature")
     @classmethod
     def _samples(cls, value: float) -> float:
-        # vLLM decodes greedily below 1e-5: a greedy token has no sampling logprob to correct against
-        if value < 1e-5:
-            raise ValueError(f"rollout.temperature={value} does not sample (vLLM is greedy below 1e-5); "
-                             "training needs sampled tokens. Greedy decoding is for evaluation: "
-                             "rollout.eval.temperature=0")
+        from molt.rollout.sampling import GREEDY_BELOW
+
+        # a greedy token has no sampling probability to correct against (and scoring it divides by 0)
+        if value < GREEDY_BELOW:
+            raise ValueError(f"rollout.temperature={value} does not sample (vLLM is greedy below "
+                             f"{GREEDY_BELOW}); training needs sampled tokens. Greedy decoding is for "
+                             "evaluation: rollout.eval.temperature=0")
         return value
 
     @model_validator(mode="after")
@@ -205,7 +207,7 @@ class FilterSpec(Strict):
 
 
 class AlgoSpec(Strict):
-    estimator: str = Field("reinforce_pp", description="advantage estimator, by registered name")
+    estimator: str = Field("grpo", description="advantage estimator, by registered name")
     gamma: float = Field(1.0, description="discount of later rewards (reinforce_pp, gae)")
     lam: float = Field(1.0, description="GAE lambda")
     distill_coef: float = Field(1.0, description="on_policy_distill: weight of the teacher log-ratio")

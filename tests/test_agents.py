@@ -186,6 +186,37 @@ def test_a_failing_env_gives_an_error_rollout(tok, sampler, env_cls, message):
     assert not r.ok and message in r.error and r.segments == [] and r.label == "a"
 
 
+class NextTurnSampling(Env):
+    """Two turns; the first result overrides the second turn's sampling with the row's `next`."""
+
+    async def step(self, state: State) -> Result:
+        if state.turn == 0:
+            return Result(reward=0.0, observation="again", terminated=False,
+                          sampling_params=state.item["next"])
+        return Result(reward=1.0)
+
+
+def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_scored(tok, engine):
+    """Through the loop's TrainingSampler: a per-turn temperature / top-k override is recorded for the
+    trainer to match; greedy decoding and constrained decoding fail the rollout with the reason."""
+    from molt.rollout.router import Router
+    from molt.rollout.sampling import TrainingSampler, check_trainable
+
+    runner = StepEnvRunner(NextTurnSampling)
+    runner.setup(tok, make_spec({"max_turns": 2}, temperature=0.7))
+    sampler = TrainingSampler(Router([engine]), 0, lambda: 0)
+    rows = [{"prompt": "a", "label": "a", "next": n} for n in ({"temperature": 1.3, "top_k": 7},
+                                                               {"temperature": 0.0})]
+    ok, greedy = run_all(runner, rows, sampler)
+    assert ok.ok and [span[1:] for span in ok.segments[0].sampling] == [[0.7, 1.0, -1], [1.3, 1.0, 7]]
+    assert not greedy.ok and "temperature=0.0, i.e. greedy decoding" in greedy.error
+    with pytest.raises(ValueError, match="constrained decoding"):
+        check_trainable({"temperature": 1.0, "structured_outputs": {"regex": "a+"}})
+    # every request got its own seed, and the same rollout id and turn get the same one again
+    again = run_all(runner, rows[:1], TrainingSampler(Router([engine]), 0, lambda: 0))[0]
+    assert again.segments[0].token_ids == ok.segments[0].token_ids
+
+
 def test_loader_finds_every_configured_agent():
     import yaml
 

@@ -308,7 +308,7 @@ def test_gae_with_a_real_critic_learns_the_right_baseline(ray_session, tiny_mode
     the first action and cancel its advantage."""
     from molt.algo import compute_advantages, token_gae
 
-    spec = make_spec(tiny_model_path, mbs=8, critic_lr=1e-3)
+    spec = make_spec(tiny_model_path, mbs=32, critic_lr=1e-3, prompts_per_step=4)   # 32 rows, one forward
     spec.model.critic, spec.algo.estimator, spec.algo.lam = True, "gae", 1.0
     rng = random.Random(0)
 

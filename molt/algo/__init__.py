@@ -21,6 +21,7 @@ from molt.algo.estimators import (
     compute_advantages,
     kl_penalty,
     register_estimator,
+    rollout_rewards,
 )
 from molt.algo.filters import FILTERS, apply_filters
 from molt.algo.groups import group_mean, group_sum, rollout_sum, to_tokens, token_gae
@@ -32,6 +33,6 @@ __all__ = [
     "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
     "LOSS_NORMS", "Advantages", "apply_filters", "compute_advantages", "group_mean", "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",
-    "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_sum",
-    "to_tokens", "token_gae", "value_loss",
+    "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards",
+    "rollout_sum", "to_tokens", "token_gae", "value_loss",
 ]

@@ -26,16 +26,6 @@ from molt.trajectory import Rollout
 RolloutFn = Callable[[dict, str, int], Awaitable[Rollout]]
 
 
-def sampled_versions(group: list[Rollout]) -> list[int]:
-    """The policy version of every sampled token of the group."""
-    return [v for r in group for s in r.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
-
-
-def oldest_version(group: list[Rollout]) -> int | None:
-    """The smallest policy version of any sampled token in the group (None: nothing sampled)."""
-    return min(sampled_versions(group), default=None)
-
-
 @dataclass
 class Finished:
     order: int                      # start order, for a stable hand-out order
@@ -126,7 +116,8 @@ class RolloutPool:
         self.tasks.discard(asyncio.current_task())
         self.counts["groups_done"] += 1
         self.counts["failed_rollouts"] += sum(not r.ok for r in group)
-        versions = sampled_versions(group)
+        versions = [v for r in group for s in r.segments
+                    for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
         self.done.append(Finished(order, item, group, min(versions, default=None),
                                   max(versions, default=None)))
         self.finished.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 GREEDY_BELOW = 1e-5   # vLLM decodes greedily below this temperature
@@ -40,3 +41,23 @@ def request_seed(run_seed: int, version: int, key: str, call: int) -> int:
     rollout id: reruns sample the same tokens, different requests draw independent streams."""
     digest = hashlib.blake2b(f"{run_seed}/{version}/{key}/{call}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1   # a non-negative int64
+
+
+class TrainingSampler:
+    """What training rollouts sample through: `check_trainable` on every request, then the router, with a
+    seed from `request_seed` unless the request brings its own (`version` reads the current policy)."""
+
+    def __init__(self, router: Any, run_seed: int, version: Callable[[], int]) -> None:
+        self.router, self.run_seed, self.version = router, run_seed, version
+        self.calls: dict[str, int] = {}     # requests so far, per rollout
+
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
+        check_trainable(sampling)
+        call = self.calls[key] = self.calls.get(key, -1) + 1
+        seed = request_seed(self.run_seed, self.version(), key, call)
+        return await self.router.generate(prompt_ids, {"seed": seed, **sampling}, key)
+
+    def release(self, key: str) -> None:
+        """Forget rollout `key` (it finished)."""
+        self.calls.pop(key, None)
+        self.router.release(key)
