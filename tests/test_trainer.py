@@ -110,10 +110,13 @@ def test_truncation_is_vllms() -> None:
             assert torch.equal(ours, theirs) and 0 < int(ours.sum()) < ours.numel()
 
 
-def test_per_token_sampling_parameters() -> None:
+def test_per_token_sampling_parameters(monkeypatch) -> None:
     """Per-token temperature / top-p / top-k: each position is scored under its own distribution; the
     sampled token is never truncated away (a boundary rounding difference must not give -inf)."""
+    from molt.trainer import model
     from molt.trainer.model import token_logprobs
+
+    monkeypatch.setattr(model, "TRUNCATION_ROWS", 3)   # several chunks of truncated positions
 
     gen = torch.Generator().manual_seed(1)
     logits, ids = torch.randn(2, 6, 50, generator=gen), torch.randint(0, 50, (2, 6), generator=gen)

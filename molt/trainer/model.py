@@ -18,6 +18,7 @@ from molt.spec import RunSpec
 from molt.trainer.router_replay import freeze_router, install_replay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
 
 
 def model_path(spec: RunSpec, role: str) -> str:
@@ -144,16 +145,17 @@ def _truncate(scaled: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, t
               top_k: torch.Tensor) -> torch.Tensor:
     """`scaled` [B, T-1, V] with the tokens vLLM's top-k / top-p drop set to -inf where they are used."""
     vocab = scaled.shape[-1]
-    active = mask & ((top_p < 1) | ((top_k > 0) & (top_k < vocab)))
-    if not active.any():
+    active = (mask & ((top_p < 1) | ((top_k > 0) & (top_k < vocab)))).nonzero(as_tuple=True)
+    if not len(active[0]):
         return scaled
+    full = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
     with torch.no_grad():
-        drop = vllm_truncation(scaled[active], top_k[active], top_p[active])
-        # The sampled token was in the engine's kept set; a rounding difference at the boundary must not
-        # make its logprob -inf (it then differs by the boundary token's share, visible in mismatch/*).
-        drop.scatter_(-1, targets[active][:, None], False)
-        full = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
-        full[active] = drop
+        for start in range(0, len(active[0]), TRUNCATION_ROWS):   # the sort needs ~12 bytes per logit
+            rows = tuple(a[start:start + TRUNCATION_ROWS] for a in active)
+            drop = vllm_truncation(scaled[rows], top_k[rows], top_p[rows])
+            # The sampled token was in the engine's kept set; a rounding difference at the boundary must
+            # not make its logprob -inf (it then differs by the boundary token's share, seen in mismatch/*).
+            full[rows] = drop.scatter_(-1, targets[rows][:, None], False)
     return scaled.masked_fill(full, -torch.inf)
 
 
