@@ -91,11 +91,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     sampler = TrainingSampler(router, spec.run.seed, lambda: pool.version)
 
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
-        rollout_id = f"{group_id}-{sample_index}"
-        try:
-            return await runner.run(item, rollout_id, group_id, sampler)
-        finally:
-            sampler.release(rollout_id)
+        return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
 
     sync = spec.rollout.mode == "sync"
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,

@@ -58,6 +58,6 @@ class TrainingSampler:
         return await self.router.generate(prompt_ids, {"seed": seed, **sampling}, key)
 
     def release(self, key: str) -> None:
-        """Forget rollout `key` (it finished)."""
+        """Forget rollout `key` (it ended; `Runner.run` calls this)."""
         self.calls.pop(key, None)
         self.router.release(key)
