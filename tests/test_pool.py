@@ -102,19 +102,20 @@ def versions_of(group: list[Rollout]) -> set[int]:
     return {v for r in group for v in r.segments[0].versions if v != NO_VERSION}
 
 
-def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engine, tiny_model_path):
+def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engine, tiny_model_path,
+                                                                            push_weights):
     """Every batch holds tokens of the current policy (where the trainer measures its gap to the engine),
     the freshest waiting groups go first, and groups beyond the staleness bound are re-queued at the refit."""
     from safetensors.torch import load_file
 
-    weights = ray.put(load_file(f"{tiny_model_path}/model.safetensors"))
+    weights = load_file(f"{tiny_model_path}/model.safetensors")
 
     async def drain(pool: RolloutPool) -> None:
         while pool.tasks:
             await asyncio.sleep(0.05)
 
     async def refit(pool: RolloutPool, version: int) -> None:
-        await engine.update_weights.remote([weights], version)   # same weights, new version label
+        await asyncio.to_thread(push_weights, [engine], weights, version)   # same weights, new label
         pool.set_version(version)
 
     async def main():
@@ -130,7 +131,7 @@ def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engin
             await refit(pool, 2)                   # version 0 is now 2 versions old
             return second, third, dict(pool.counts), len(pool.pending_items())
         finally:
-            await engine.update_weights.remote([weights], 0)
+            await asyncio.to_thread(push_weights, [engine], weights, 0)
             await pool.close()
 
     second, third, counts, pending = asyncio.run(main())
