@@ -50,7 +50,7 @@ def test_configuration_reference_is_current(capsys):
     assert main(["--help", "--markdown"]) == 0
     generated = capsys.readouterr().out
     assert "| `train.lr` | `float` | `0.0005` | AdamW learning rate of the policy |" in generated
-    assert "| algo | `reinforce_pp` (default) |" in generated
+    assert "| algo | `grpo` (default) |" in generated
     current = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert current == generated, "docs/configuration.md is stale: python -m molt --help --markdown > " \
                                  "docs/configuration.md"
