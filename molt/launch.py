@@ -33,6 +33,10 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
     if spec.model.reference:
         lines.append(f"reference: {p.world_size} rank(s), frozen ({spec.model.reference})")
     lines += [f"placement: {line}" for line in describe(spec, names)]
+    if spec.train.objective == "sft":
+        lines[2] = "engines: none (train.objective=sft samples nothing)"
+        return "\n".join([*lines, f"sft: {spec.train.steps} steps x {spec.train.prompts_per_step} "
+                                   f"conversations from {spec.data.train_path}"])
     lines += [
         f"agent: {spec.agent.kind} from {spec.agent.module}",
         f"loop: {spec.rollout.mode}, {spec.train.steps} steps x {spec.train.prompts_per_step} prompts x "
@@ -44,10 +48,15 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
 def check_inputs(spec: RunSpec) -> None:
     """Load the data files and import the agent module, so a bad path fails before anything starts."""
     from molt.agents import load_agent_runner
-    from molt.data import PromptDataset, load_eval
+    from molt.data import PromptDataset, load_eval_sets
+    from molt.sft.data import load_conversations
 
+    if spec.train.objective == "sft":   # conversations; no agent runs
+        for path in (spec.data.train_path, *spec.data.eval):
+            load_conversations(path, spec.data)
+        return
     PromptDataset(spec.data.train_path, spec.data)
-    load_eval(spec.data)
+    load_eval_sets(spec.data)
     load_agent_runner(spec.agent)
 
 
@@ -92,13 +101,14 @@ def launch(spec: RunSpec) -> dict[str, float]:
         return {}
     import ray
 
-    from molt.loop import train
+    from molt.loop import train as train_rl
     from molt.placement import bind
+    from molt.sft.loop import train as train_sft
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_ray(spec)
     try:
         print(describe_plan(spec, bind(spec)))   # the cluster holds the plan: now actors may start
-        return train(spec)
+        return (train_sft if spec.train.objective == "sft" else train_rl)(spec)
     finally:
         ray.shutdown()

@@ -12,22 +12,19 @@ on Ray, so they run in a worker thread and the pool's rollouts keep going on the
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import shutil
 import signal
 import time
 from itertools import chain
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import ray
 import torch
 
 from molt.agents import load_agent_runner
 from molt.algo import apply_filters, compute_advantages
-from molt.data import PromptDataset, PromptIterator, load_eval
+from molt.checkpoints import find_checkpoint, new_best, save_checkpoint
+from molt.data import PromptDataset, PromptIterator, load_eval_sets
+from molt.eval import evaluate
 from molt.metrics import RunLogger
 from molt.rollout.engine import start_engines
 from molt.rollout.pool import RolloutPool
@@ -48,6 +45,9 @@ def model_path_of(spec: RunSpec) -> str:
     local = Path(path).expanduser()
     if not local.exists() and (path.startswith(("/", ".", "~")) or path.count("/") != 1):
         raise FileNotFoundError(f"model.path={path}: no such folder (and not a hub id like 'org/name')")
+    if (local / "meta.json").exists() and not (local / "config.json").exists():
+        raise FileNotFoundError(f"model.path={path} is a Molt checkpoint, not a Hugging Face folder: export "
+                                f"it (python -m molt.export {path}) and use {local / 'hf'}")
     return str(local) if local.exists() else path
 
 
@@ -66,7 +66,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     runner.setup(tokenizer, spec)
     data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed,
                           shuffle=spec.data.shuffle)
-    eval_set = load_eval(spec.data) if spec.train.eval_every else None
+    eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
 
     engines = start_engines(spec, model_path)
     router = Router(engines)
@@ -100,7 +100,17 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     pool.set_version(version)
     stop = install_stop_handler()
     metrics: dict[str, float] = {}
+    saved = step
+
+    def checkpoint(best: float | None = None) -> None:
+        nonlocal saved
+        extra = {"step": step, "version": version, "data": data.state_dict(), "pending": pool.pending_items()}
+        save_checkpoint(spec, step, {"policy": policy, "critic": critic}, extra, best)
+        saved = step
+
     try:
+        if eval_sets and step == 0:   # the starting model's scores, logged as step 0
+            logger.log(0, await evaluate(spec, runner, router, eval_sets, 0))
         while step < spec.train.steps and not stop.is_set():
             t_step = time.perf_counter()
             groups = await pool.next_batch(spec.train.prompts_per_step)
@@ -130,13 +140,14 @@ async def _train(spec: RunSpec) -> dict[str, float]:
                 "policy/version": version,
             })
             metrics["tokens/per_s"] = metrics["tokens/sampled"] / metrics["time/step"]
-            if eval_set is not None and (step % spec.train.eval_every == 0 or step == spec.train.steps):
-                metrics.update(await evaluate(spec, runner, router, eval_set, step))
+            if eval_sets and (step % spec.train.eval_every == 0 or step == spec.train.steps):
+                metrics.update(await evaluate(spec, runner, router, eval_sets, step))
             logger.log(step, metrics)
-            if spec.train.save_every and step % spec.train.save_every == 0:
-                save_checkpoint(run_dir, step, version, policy, critic, data, pool)
-        if step and (stop.is_set() or not spec.train.save_every or step % spec.train.save_every):
-            save_checkpoint(run_dir, step, version, policy, critic, data, pool)
+            best = new_best(spec, step, metrics)
+            if best is not None or (spec.train.save_every and step % spec.train.save_every == 0):
+                checkpoint(best)
+        if step != saved:
+            checkpoint()
         if stop.is_set():
             print(f"molt: stopped by signal at step {step}; checkpoint written, resume with "
                   f"run.resume={run_dir}")
@@ -311,58 +322,6 @@ async def refit(policy: TrainerGroup, router: Router, version: int) -> float:
     t0 = time.perf_counter()
     await asyncio.gather(router.update_weights(version), asyncio.to_thread(policy.send_weights))
     return time.perf_counter() - t0
-
-
-async def evaluate(spec: RunSpec, runner: Any, router: Router, eval_set: PromptDataset,
-                   step: int) -> dict[str, float]:
-    """Mean reward and pass@n (any of n samples with reward >= 1) with the eval sampling params."""
-    e = spec.rollout.eval
-    params = dict(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_tokens)
-
-    async def generate(prompt_ids: list[int], sampling: dict, key: str) -> dict:
-        return await router.generate(prompt_ids, {**sampling, **params}, key)
-
-    sampler = SimpleNamespace(generate=generate, release=router.release)
-    items = list(eval_set)
-    results = await asyncio.gather(*[runner.run(item, f"eval{step}-{i}-{k}", f"eval{step}-{i}", sampler)
-                                     for i, item in enumerate(items) for k in range(e.n)])
-    rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(items), e.n)
-    return {"eval/reward_mean": float(rewards.mean()),
-            f"eval/pass@{e.n}": float((rewards >= 1.0).any(dim=1).float().mean())}
-
-
-def find_checkpoint(spec: RunSpec) -> Path | None:
-    """run.resume: a checkpoint folder, a run folder (its latest checkpoint) or "auto" (this run's latest)."""
-    if not spec.run.resume:
-        return None
-    target = Path(spec.run.dir if spec.run.resume == "auto" else spec.run.resume)
-    latest = target / "checkpoints" / "latest"
-    if latest.exists():
-        return target / "checkpoints" / latest.read_text().strip()
-    if (target / "meta.json").exists():
-        return target
-    if spec.run.resume == "auto":
-        return None
-    raise FileNotFoundError(f"run.resume={spec.run.resume}: no checkpoint there (expected a run folder with "
-                            "checkpoints/latest or a checkpoint folder with meta.json)")
-
-
-def save_checkpoint(run_dir: Path, step: int, version: int, policy: TrainerGroup, critic: TrainerGroup | None,
-                    data: PromptIterator, pool: RolloutPool) -> Path:
-    """checkpoints/step_N (written whole, then `latest` is switched atomically to point at it)."""
-    root = run_dir / "checkpoints"
-    path = root / f"step_{step:06d}"
-    extra = {"step": step, "version": version, "data": data.state_dict(), "pending": pool.pending_items()}
-    policy.save(str(path / "policy"), extra)
-    if critic is not None:
-        critic.save(str(path / "critic"), {})
-    (path / "meta.json").write_text(json.dumps(extra))
-    tmp = root / "latest.tmp"
-    tmp.write_text(path.name)
-    os.replace(tmp, root / "latest")
-    for old in sorted(root.glob("step_*"))[:-2]:  # keep the last two
-        shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def install_stop_handler() -> asyncio.Event:

@@ -59,7 +59,7 @@ def plan(spec: RunSpec) -> list[Slot]:
             free[node] -= 1
             slots.append(Slot(role, rank, node, int(cuda)))
     after_trainer = dict(free)
-    for index in range(eng.num_engines):
+    for index in range(eng.num_engines if spec.train.objective == "rl" else 0):   # SFT samples nothing
         node = next((n for n in engine_nodes if free[n] >= per_engine), None)
         if node is None:
             left = ", ".join(f"node {n}: {after_trainer[n]:g}" for n in engine_nodes)
@@ -75,9 +75,10 @@ def _check_totals(spec: RunSpec, words: str, trainer: int, per_engine: int) -> N
     if per_engine > par.gpus_per_node:
         raise ValueError(f"an engine of tp_size*dp_size = {per_engine} GPUs does not fit on one node of "
                          f"parallel.gpus_per_node={par.gpus_per_node} (an engine never spans nodes)")
-    need, have = trainer + eng.num_engines * per_engine, par.nodes * par.gpus_per_node
+    engines = eng.num_engines if spec.train.objective == "rl" else 0
+    need, have = trainer + engines * per_engine, par.nodes * par.gpus_per_node
     if need > have:
-        raise ValueError(f"the plan needs {need} GPUs ({words} + {eng.num_engines} engines x {per_engine}) "
+        raise ValueError(f"the plan needs {need} GPUs ({words} + {engines} engines x {per_engine}) "
                          f"but parallel.nodes x gpus_per_node = {par.nodes} x {par.gpus_per_node} = {have}")
 
 

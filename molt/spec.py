@@ -9,6 +9,7 @@ valid key.
 from __future__ import annotations
 
 import difflib
+from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -159,7 +160,15 @@ class TrainSpec(Strict):
     grad_clip: float = Field(1.0, description="clip the global gradient norm to this")
     critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
     save_every: int = Field(0, description="checkpoint every N steps (0 = only at the end)")
-    eval_every: int = Field(0, description="evaluate on data.eval_path every N steps (0 = never)")
+    eval_every: int = Field(0, description="evaluate on the data.eval sets every N steps (0 = never)")
+    objective: Literal["rl", "sft"] = Field(
+        "rl", description="rl: the agent loop; sft: NLL on assistant tokens (set by python -m molt.sft)")
+    export_hf: bool = Field(
+        False, description="every checkpoint also writes a Hugging Face folder, <checkpoint>/hf")
+    best_metric: str | None = Field(
+        None, description="eval metric that picks the best checkpoint (kept), e.g. eval/NAME/pass@1")
+    best_mode: Literal["max", "min"] = Field(
+        "max", description="train.best_metric is better when larger (max) or smaller (min)")
 
 
 class LossSpec(Strict):
@@ -246,11 +255,28 @@ class AgentSpec(Strict):
 
 class DataSpec(Strict):
     train_path: str = Field("examples/data/repeat_train.jsonl", description="training prompts, jsonl/parquet")
-    eval_path: str | None = Field("examples/data/repeat_eval.jsonl", description="eval prompts (null = none)")
+    eval: list[str] = Field(
+        default_factory=lambda: ["examples/data/repeat_eval.jsonl"],
+        description="eval set files, each named by its file stem (metrics eval/STEM/...); [] for none")
     prompt_key: str = Field("prompt", description="column holding a prompt string")
     messages_key: str = Field("messages", description="column holding chat messages (wins over prompt_key)")
     label_key: str = Field("label", description="column handed to the agent as the label")
     shuffle: bool = Field(True, description="shuffle the prompts each epoch (seeded by run.seed)")
+
+    @field_validator("eval")
+    @classmethod
+    def _unique_names(cls, value: list[str]) -> list[str]:
+        names = eval_names(value)
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a name is a metric prefix: two sets under one name would overwrite each other's metrics
+            raise ValueError(f"eval sets named {twice} more than once (a set is named by its file stem): "
+                             "rename a file")
+        return value
+
+
+def eval_names(paths: list[str]) -> list[str]:
+    """The name of each eval set: its file's stem (metrics are eval/NAME/...)."""
+    return [PurePath(p).stem for p in paths]
 
 
 class WandbSpec(Strict):
@@ -305,6 +331,7 @@ class RunSpec(Strict):
                              "need model.reference (a path, or 'policy')")
         if self.parallel.device == "cpu" and self.model.dtype != "float32":
             raise ValueError("parallel.device=cpu trains in float32: set model.dtype=float32")
+        _check_eval_keys(self)
         return self
 
     @model_validator(mode="after")
@@ -313,13 +340,30 @@ class RunSpec(Strict):
         return self
 
 
+def _check_eval_keys(spec: RunSpec) -> None:
+    """train.objective=sft trains the policy alone; train.best_metric names an eval set of data.eval."""
+    if spec.train.objective == "sft" and (spec.model.critic or spec.model.reference):
+        raise ValueError("train.objective=sft trains the policy alone: set model.critic=false and "
+                         "model.reference=null")
+    metric = spec.train.best_metric
+    if metric is None:
+        return
+    parts, names = metric.split("/"), eval_names(spec.data.eval)
+    if len(parts) != 3 or parts[0] != "eval" or parts[1] not in names:
+        raise ValueError(f"train.best_metric={metric!r} must be eval/NAME/METRIC with NAME the stem of a "
+                         f"data.eval file ({', '.join(names) or 'none configured'}), e.g. eval/NAME/pass@1")
+    if not spec.train.eval_every:
+        raise ValueError("train.best_metric needs evaluations: set train.eval_every > 0")
+
+
 class SpecError(ValueError):
     """A config that does not validate; the message lists every problem at once."""
 
 
 # Keys that were renamed: an old key is an error that names its replacement.
 RENAMED = {"parallel.offload_optimizer": "parallel.offload: none | optimizer | full "
-                                         "(offload_optimizer=true used to mean full)"}
+                                         "(offload_optimizer=true used to mean full)",
+           "data.eval_path": "data.eval: [PATH, ...] (eval sets named by file stem; metrics eval/STEM/...)"}
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:

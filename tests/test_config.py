@@ -203,7 +203,7 @@ def test_dry_run_checks_data_and_agent_module():
     with pytest.raises(FileNotFoundError, match="dataset file not found: 'nope.jsonl'"):
         check_inputs(compose(["data.train_path=nope.jsonl"]))
     with pytest.raises(FileNotFoundError, match="dataset file not found: 'nope_eval.jsonl'"):
-        check_inputs(compose(["data.eval_path=nope_eval.jsonl"]))
+        check_inputs(compose(["data.eval=[nope_eval.jsonl]"]))
     with pytest.raises(ImportError, match="agent.module='nope.py' could not be loaded"):
         check_inputs(compose(["agent.module=nope.py"]))
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from molt.data import REPO_ROOT, PromptDataset, PromptIterator, load_eval, resolve_path
+from molt.data import REPO_ROOT, PromptDataset, PromptIterator, load_eval_sets, resolve_path
 from molt.spec import DataSpec
 
 DATA = DataSpec()
@@ -96,10 +96,14 @@ def test_relative_paths_resolve_cwd_then_repo_root(tmp_path: Path, monkeypatch: 
     assert (REPO_ROOT / "molt" / "data.py").is_file()
 
 
-def test_load_eval(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "eval.jsonl", ROWS)
-    assert load_eval(DataSpec(eval_path=None)) is None
-    assert [p["label"] for p in load_eval(DataSpec(eval_path=str(path)))] == ["a", 4, None]
+def test_load_eval_sets_are_named_by_file_stem(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "gsm.jsonl", ROWS)
+    other = write_jsonl(tmp_path / "other.jsonl", ROWS[:1])
+    assert load_eval_sets(DataSpec(eval=[])) == {}
+    sets = load_eval_sets(DataSpec(eval=[str(path), str(other)]))
+    assert list(sets) == ["gsm", "other"] and [p["label"] for p in sets["gsm"]] == ["a", 4, None]
+    with pytest.raises(ValueError, match=r"eval sets named \['gsm'\] more than once"):
+        DataSpec(eval=[str(path), str(tmp_path / "sub" / "gsm.jsonl")])
 
 
 def make_dataset(tmp_path: Path, n: int) -> PromptDataset:

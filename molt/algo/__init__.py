@@ -26,7 +26,7 @@ from molt.algo.estimators import (
 from molt.algo.filters import FILTERS, apply_filters
 from molt.algo.groups import group_mean, group_sum, rollout_sum, to_tokens, token_gae
 from molt.algo.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
-from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, value_loss
+from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss
 from molt.algo.masked import masked_max, masked_mean, masked_sum, masked_whiten
 
 __all__ = [
@@ -34,5 +34,5 @@ __all__ = [
     "LOSS_NORMS", "Advantages", "apply_filters", "compute_advantages", "group_mean", "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",
     "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards",
-    "rollout_sum", "to_tokens", "token_gae", "value_loss",
+    "rollout_sum", "sft_loss", "to_tokens", "token_gae", "value_loss",
 ]

@@ -132,3 +132,16 @@ def value_loss(values: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
             "value_error": masked_mean((values - returns).abs(), mask),
         }
     return masked_sum(per_token, mask) / (norm or 1.0), metrics
+
+
+def sft_loss(logp: Tensor, batch: dict[str, Tensor], norm: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Supervised fine-tuning: negative log-likelihood of the target tokens (loss_mask 1: the assistant's).
+
+        loss = -sum_t mask_t * logp_t / norm      (norm: the global number of target tokens)
+    Metrics: nll (mean over this micro-batch's target tokens).
+    """
+    mask = batch["loss_mask"] > 0
+    nll = -torch.where(mask, logp, torch.zeros_like(logp))
+    with torch.no_grad():
+        metrics = {"nll": masked_mean(nll, mask)}
+    return masked_sum(nll, mask) / (norm or 1.0), metrics

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from molt import refit
-from molt.algo import loss_normalizer, policy_loss, value_loss
+from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss
 from molt.spec import RunSpec
 from molt.trainer import checkpoint, weights
 from molt.trainer.model import (
@@ -62,6 +62,9 @@ class TrainerWorker:
         self.spec = RunSpec.model_validate(spec)
         self.role, self.rank = role, rank
         self.cuda = self.spec.parallel.device == "cuda"
+        self.sft = self.spec.train.objective == "sft"
+        if self.sft:   # SFT scores the model's own distribution: the rollout's sampling does not apply
+            self.spec.rollout.temperature, self.spec.rollout.top_p, self.spec.rollout.top_k = 1.0, 1.0, -1
         if not self.cuda:
             torch.set_num_threads(1)  # ranks share the cores; more threads per rank thrash (measured)
         self.step = 0
@@ -146,7 +149,8 @@ class TrainerWorker:
         spec, algo = self.spec, self.spec.algo
         mbs = _micro_batches(shard, spec.train.micro_batch_size, self.device)
         budget = spec.rollout.max_tokens * spec.agent.max_turns  # the response budget of seq norm
-        norm = self._all_sum([sum(loss_normalizer(mb["loss_mask"], algo, budget) for mb in mbs)])[0]
+        normalizer = LOSS_NORMS["token"] if self.sft else lambda m, b: loss_normalizer(m, algo, b)
+        norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
         if norm == 0:  # the same on every rank: all of them raise
             raise ValueError("train_step got a batch without sampled tokens (loss_mask is all 0)")
         self.model.train()
@@ -161,6 +165,8 @@ class TrainerWorker:
             if self.role == "critic":
                 values, _ = self._scores(mb)
                 loss, metrics = value_loss(values, mb, algo, norm)
+            elif self.sft:
+                loss, metrics = sft_loss(self._scores(mb)[0], mb, norm)
             else:
                 logp, ent = self._scores(mb, entropy=algo.loss.entropy_coef != 0)
                 lb = dict(mb)
@@ -238,7 +244,10 @@ class TrainerWorker:
         checkpoint.save(path, self.model, self.optimizer, self.scheduler,
                         {"step": self.step, "role": self.role, "extra": extra})
 
-    def load(self, path: str) -> dict[str, Any]:
+    def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
+        """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer)."""
+        if weights_only:
+            return checkpoint.load(path, self.model, None, None)["extra"]
         meta = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
         self.step = meta["step"]
         return meta["extra"]

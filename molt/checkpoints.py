@@ -1,0 +1,97 @@
+"""The run's checkpoints folder, shared by the RL loop and SFT.
+
+    checkpoints/step_000050/   policy/ (+ critic/): torch DCP; meta.json: the loop's position;
+                               hf/: a Hugging Face folder when train.export_hf is on
+    checkpoints/latest         name of the newest complete checkpoint (switched atomically)
+    checkpoints/best.json      the checkpoint with the best train.best_metric so far, and its value
+
+A checkpoint is written whole before `latest` names it. The last two are kept, and the best one too:
+a step whose eval improves `train.best_metric` is saved even between `train.save_every` steps, so the
+best model always exists on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from molt.spec import RunSpec
+
+log = logging.getLogger("molt")
+KEEP_LAST = 2
+
+
+def checkpoints_dir(spec: RunSpec) -> Path:
+    return Path(spec.run.dir) / "checkpoints"
+
+
+def find_checkpoint(spec: RunSpec) -> Path | None:
+    """run.resume: a checkpoint folder, a run folder (its latest checkpoint) or "auto" (this run's latest)."""
+    if not spec.run.resume:
+        return None
+    target = Path(spec.run.dir if spec.run.resume == "auto" else spec.run.resume)
+    latest = target / "checkpoints" / "latest"
+    if latest.exists():
+        return target / "checkpoints" / latest.read_text().strip()
+    if (target / "meta.json").exists():
+        return target
+    if spec.run.resume == "auto":
+        return None
+    raise FileNotFoundError(f"run.resume={spec.run.resume}: no checkpoint there (expected a run folder with "
+                            "checkpoints/latest or a checkpoint folder with meta.json)")
+
+
+def read_best(root: Path) -> dict[str, Any] | None:
+    """best.json of a checkpoints folder: {"checkpoint", "step", "metric", "value"}, or None."""
+    path = root / "best.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def new_best(spec: RunSpec, step: int, metrics: dict[str, float]) -> float | None:
+    """The value of train.best_metric at this step when it beats best.json's (or there is none yet); None
+    when it does not, when this step did not evaluate, or at step 0 (there is no trained checkpoint)."""
+    metric = spec.train.best_metric
+    if metric is None or step == 0 or not any(k.startswith("eval/") for k in metrics):
+        return None
+    if metric not in metrics:
+        names = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
+        raise KeyError(f"train.best_metric={metric!r} is not an eval metric of this run; it has: {names}")
+    value, best = metrics[metric], read_best(checkpoints_dir(spec))
+    if best is None:
+        return value
+    better = value > best["value"] if spec.train.best_mode == "max" else value < best["value"]
+    return value if better else None
+
+
+def save_checkpoint(spec: RunSpec, step: int, groups: dict[str, Any], extra: dict[str, Any],
+                    best: float | None = None) -> Path:
+    """checkpoints/step_N with each trainer group's state (`extra` is the policy's and meta.json's), the HF
+    export when train.export_hf, then best.json (when `best` is a new best value) and `latest`."""
+    root = checkpoints_dir(spec)
+    path = root / f"step_{step:06d}"
+    for name, group in groups.items():
+        if group is not None:
+            group.save(str(path / name), extra if name == "policy" else {})
+    (path / "meta.json").write_text(json.dumps(extra))
+    if spec.train.export_hf:
+        groups["policy"].export_hf(str(path / "hf"))
+        log.info("molt: step %d exported as a Hugging Face model to %s", step, path / "hf")
+    pointers = {"latest": path.name}
+    if best is not None:
+        pointers["best.json"] = json.dumps({"checkpoint": path.name, "step": step,
+                                            "metric": spec.train.best_metric, "value": best})
+        log.info("molt: new best %s = %.4g at step %d (%s)", spec.train.best_metric, best, step, path)
+    for name, text in pointers.items():   # each switched atomically
+        tmp = root / f"{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, root / name)
+    kept = (read_best(root) or {}).get("checkpoint")
+    for old in sorted(root.glob("step_*"))[:-KEEP_LAST]:
+        if old.name != kept:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+

@@ -1,0 +1,117 @@
+"""Evaluation on the eval sets of `data.eval` with `rollout.eval` sampling, in the loop and on its own.
+
+Each prompt gets `rollout.eval.n` samples through the run's agent. Per set NAME (a file's stem):
+`eval/NAME/mean@n` is the mean reward over all samples, and `eval/NAME/pass@k` (k = 1, 2, 4, ... and n)
+the unbiased estimate of the chance that k samples hold a correct one (reward >= 1), from the c correct
+of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0.
+
+    python -m molt.eval [+experiment=NAME] [key=value ...] model.path=PATH
+
+evaluates a Hugging Face folder, or a checkpoint folder (RUN/checkpoints/step_N, exported to its hf/
+first), on the composed spec's eval sets and prints the metrics as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from molt.spec import RunSpec
+
+CORRECT = 1.0   # a sample with at least this reward counts as correct for pass@k
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def set_metrics(name: str, rewards: torch.Tensor) -> dict[str, float]:
+    """mean@n and pass@k (k = powers of two up to n, and n) of one set's rewards [prompts, n]."""
+    n = rewards.shape[1]
+    correct = (rewards >= CORRECT).sum(dim=1).tolist()
+    out = {f"eval/{name}/mean@{n}": float(rewards.mean())}
+    for k in sorted({1 << i for i in range(n.bit_length())} | {n}):
+        out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
+    return out
+
+
+async def evaluate(spec: RunSpec, runner: Any, router: Any, eval_sets: dict[str, Any],
+                   step: int) -> dict[str, float]:
+    """Every set's metrics; all prompts of all sets are in flight at once."""
+    e = spec.rollout.eval
+    params = dict(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_tokens)
+
+    async def generate(prompt_ids: list[int], sampling: dict, key: str) -> dict:
+        return await router.generate(prompt_ids, {**sampling, **params}, key)
+
+    sampler = SimpleNamespace(generate=generate, release=router.release)
+    jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
+    results = await asyncio.gather(*[
+        runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", sampler)
+        for name, i, item in jobs for k in range(e.n)])
+    rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
+    metrics, start = {}, 0
+    for name, items in eval_sets.items():
+        metrics.update(set_metrics(name, rewards[start:start + len(items)]))
+        start += len(items)
+    return metrics
+
+
+def evaluate_model(spec: RunSpec) -> dict[str, float]:
+    """Start engines on model.path (a checkpoint folder is exported first) and evaluate every set."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from molt.agents import load_agent_runner
+    from molt.data import load_eval_sets
+    from molt.export import as_hf_folder
+    from molt.launch import init_ray
+    from molt.loop import model_path_of
+    from molt.rollout.engine import start_engines
+    from molt.rollout.router import Router
+
+    if spec.model.path is not None:
+        spec.model.path = as_hf_folder(spec.model.path)
+    path = model_path_of(spec)
+    eval_sets = load_eval_sets(spec.data)
+    if not eval_sets:
+        raise ValueError("data.eval is empty: nothing to evaluate")
+    runner = load_agent_runner(spec.agent)
+    runner.setup(AutoTokenizer.from_pretrained(path), spec)
+    init_ray(spec)
+    try:
+        engines = start_engines(spec, path)
+        try:
+            return asyncio.run(evaluate(spec, runner, Router(engines), eval_sets, 0))
+        finally:
+            runner.close()
+            for engine in engines:
+                ray.get(engine.shutdown.remote())
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from molt.config import compose
+    from molt.spec import SpecError
+
+    overrides = sys.argv[1:] if argv is None else argv
+    try:
+        spec = compose(overrides)
+        metrics = evaluate_model(spec)
+    except (SpecError, OSError, ImportError, KeyError, ValueError) as err:
+        sys.exit(f"molt.eval: {err}")
+    print(json.dumps(metrics, indent=1))
+
+
+if __name__ == "__main__":
+    main()
