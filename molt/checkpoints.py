@@ -1,7 +1,8 @@
 """The run's checkpoints folder, shared by the RL loop and SFT.
 
     checkpoints/step_000050/   policy/ (+ critic/): torch DCP; meta.json: the loop's position;
-                               hf/: a Hugging Face folder when train.export_hf is on
+                               spec.yaml: the spec that wrote it; hf/: a Hugging Face folder
+                               when train.export_hf is on
     checkpoints/latest         name of the newest complete checkpoint (switched atomically)
     checkpoints/best.json      the checkpoint with the best train.best_metric so far, and its value
 
@@ -19,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from molt.config import spec_yaml
 from molt.spec import RunSpec
 
 log = logging.getLogger("molt")
@@ -77,6 +79,7 @@ def save_checkpoint(spec: RunSpec, step: int, groups: dict[str, Any], extra: dic
         if group is not None:
             group.save(str(path / name), extra if name == "policy" else {})
     (path / "meta.json").write_text(json.dumps(extra))
+    (path / "spec.yaml").write_text(spec_yaml(spec))   # molt.export rebuilds the trainer from it
     if spec.train.export_hf:
         groups["policy"].export_hf(str(path / "hf"))
         log.info("molt: step %d exported as a Hugging Face model to %s", step, path / "hf")

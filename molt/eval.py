@@ -87,7 +87,9 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
         raise ValueError("data.eval is empty: nothing to evaluate")
     runner = load_agent_runner(spec.agent)
     runner.setup(AutoTokenizer.from_pretrained(path), spec)
-    init_ray(spec)
+    own_ray = not ray.is_initialized()   # a caller's Ray (a notebook, a test session) is left running
+    if own_ray:
+        init_ray(spec)
     try:
         engines = start_engines(spec, path)
         try:
@@ -96,8 +98,10 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
             runner.close()
             for engine in engines:
                 ray.get(engine.shutdown.remote())
+                ray.kill(engine)
     finally:
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,14 +4,15 @@
     python -m molt.export RUN_DIR/checkpoints/step_000050
 
 The checkpoint's policy is loaded from its DCP shards (written at any world size and layout) into one
-trainer rank inside this process (world size 1, the run's device and model classes, from the run's
-spec.yaml), then written by the trainer's own exporter to <checkpoint>/hf, exactly what
+trainer rank inside this process (world size 1, the run's device and model classes, from the spec.yaml
+the checkpoint carries), then written by the trainer's own exporter to <checkpoint>/hf, exactly what
 `train.export_hf=true` writes during a run. The folder loads in vLLM and transformers and is a valid
 `model.path`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -40,10 +41,11 @@ def checkpoint_dir(target: str, which: str = "latest") -> Path:
 
 
 def run_spec_of(checkpoint: Path) -> RunSpec:
-    """The spec.yaml of the run that wrote `checkpoint` (RUN/checkpoints/step_N)."""
-    path = checkpoint.parent.parent / "spec.yaml"
+    """The spec that wrote `checkpoint` (its spec.yaml)."""
+    path = checkpoint / "spec.yaml"
     if not path.is_file():
-        raise FileNotFoundError(f"{checkpoint}: no spec.yaml in its run folder {path.parent}")
+        raise FileNotFoundError(f"{checkpoint}: no spec.yaml (a checkpoint of an older Molt: copy the run's "
+                                "spec.yaml there)")
     return validate_spec(yaml.safe_load(path.read_text()))
 
 
@@ -55,13 +57,16 @@ def export_checkpoint(checkpoint: Path) -> Path:
     par = spec.parallel   # one rank holds the whole model; DCP reshards whatever layout was saved
     par.world_size = par.dp_size = par.tp_size = par.cp_size = par.ep_size = par.nodes = 1
     par.offload, par.trainer_nodes = "none", None
+    environ = dict(os.environ)   # the rank sets torch.distributed's variables; the caller keeps its own
     worker = TrainerWorker(spec.model_dump(), "policy", 0)
-    worker.setup(*worker.address())
     try:
+        worker.setup(*worker.address())
         worker.load(str(checkpoint / "policy"), weights_only=True)
         worker.export_hf(str(checkpoint / "hf"))
     finally:
         worker.shutdown()
+        os.environ.clear()
+        os.environ.update(environ)
     return checkpoint / "hf"
 
 

@@ -143,14 +143,16 @@ def test_async_chat_agent_run(tmp_path, ray_session):
     spec.run.dir = str(tmp_path)
     last = train(spec)
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]   # step 0: the starting model's eval, alone
+    assert set(rows[0]) == {"step", "time", "eval/repeat_eval/mean@1", "eval/repeat_eval/pass@1"}
+    rows = rows[1:]
     assert all(r["time/refit"] > 0 and "reward/mean" in r for r in rows)
     # Invariant 3 every step: each batch holds tokens of the current policy, where the gap is measured;
     # older tokens are reported as policy lag, within max_staleness.
     assert all(r["mismatch/max_abs"] <= 1e-5 for r in rows), [r["mismatch/max_abs"] for r in rows]
     assert all(r["policy/lag_max"] <= spec.rollout.max_staleness for r in rows)
     assert rows[-1]["pool/stale_requeued"] >= 1   # groups left behind two versions ago were re-sampled
-    assert "eval/reward_mean" in last and "pass@1" in " ".join(last)
+    assert "eval/repeat_eval/mean@1" in last and "eval/repeat_eval/pass@1" in last
     # Trained tokens were sampled by a policy at most max_staleness versions old.
     for r in rows[1:]:
         batch = load_rollouts(tmp_path / "rollouts" / f"step_{r['step']:06d}.jsonl")

@@ -13,8 +13,8 @@ import time
 
 from faultlib import REPO
 
+from molt.checkpoints import find_checkpoint
 from molt.config import compose
-from molt.loop import find_checkpoint
 
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
          "logging.plots=false", "logging.progress=false", "logging.wandb.mode=disabled",
@@ -42,7 +42,8 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     meta = json.loads((root / f"step_{steps[-1]:06d}" / "meta.json").read_text())
     assert meta["step"] == meta["version"] == steps[-1]
     assert meta["data"]["index"] + 256 * meta["data"]["epoch"] == 4 * steps[-1]   # 256 rows per epoch
-    assert sorted(p.name for p in (root / f"step_{steps[-1]:06d}").iterdir()) == ["meta.json", "policy"]
+    saved = sorted(p.name for p in (root / f"step_{steps[-1]:06d}").iterdir())
+    assert saved == ["meta.json", "policy", "spec.yaml"]
     assert not list(root.rglob("*.tmp"))
     assert run.stat().st_mode & 0o777 == 0o700   # tools in the sandbox (another uid) cannot enter it
 

@@ -17,8 +17,8 @@ import torch
 from faultlib import small_spec
 from safetensors.torch import load_file
 
+from molt.checkpoints import find_checkpoint, save_checkpoint
 from molt.data import PromptDataset, PromptIterator
-from molt.loop import find_checkpoint, save_checkpoint
 from molt.rollout.pool import RolloutPool
 from molt.trainer.batch import make_batch
 from molt.trainer.group import TrainerGroup
@@ -50,7 +50,10 @@ def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_sessi
     policy = TrainerGroup(spec, "policy")
     train_once(policy)
     saved = weights(policy)
-    first = save_checkpoint(tmp_path, 1, 1, policy, None, data, pool)
+    def extra(step: int) -> dict:
+        return {"step": step, "version": step, "data": data.state_dict(), "pending": pool.pending_items()}
+
+    first = save_checkpoint(spec, 1, {"policy": policy}, extra(1))
     train_once(policy)
     assert any(not torch.equal(saved[k], v) for k, v in weights(policy).items())
 
@@ -60,7 +63,7 @@ def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_sessi
 
     def save_second() -> None:
         try:
-            save_checkpoint(tmp_path, 2, 2, policy, None, data, pool)
+            save_checkpoint(spec, 2, {"policy": policy}, extra(2))
         except BaseException as err:   # noqa: BLE001 - recorded for the assertion below
             failure.append(err)
 
