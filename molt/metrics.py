@@ -20,7 +20,7 @@ from molt.spec import RunSpec
 from molt.trajectory import Rollout, Segment
 
 # Shown on the progress bar, in this order: (metric name, short label, format).
-BAR_FIELDS = (("reward/mean", "reward", ".3f"), ("time/step", "step_s", ".3g"),
+BAR_FIELDS = (("reward/mean", "reward", ".3f"), ("train/nll", "nll", ".3f"), ("time/step", "step_s", ".3g"),
               ("tokens/per_s", "tok/s", ".0f"))
 
 

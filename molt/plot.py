@@ -114,7 +114,7 @@ def _timings(rows: Rows, out: Path) -> Path | None:
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write reward / eval / mismatch / timing PNGs into <run_dir>/plots/; returns the files written."""
+    """Write reward / eval / loss / mismatch / timing PNGs into <run_dir>/plots/; returns the files."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -124,6 +124,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out.mkdir(exist_ok=True)
     written = [_reward(rows, out),
                _lines(rows, "eval/", "eval", out / "eval.png", marker="o"),
+               _lines(rows, "train/loss", "train loss", out / "loss.png"),
                _lines(rows, "mismatch/", "trainer vs engine logprob gap", out / "mismatch.png", log=True),
                _timings(rows, out)]
     return [p for p in written if p is not None]

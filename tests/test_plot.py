@@ -24,7 +24,7 @@ def write_metrics(run_dir: Path, steps: int = 30) -> None:
                "time/generate": 0.5, "time/logprobs": 0.1, "time/train": 0.2, "time/refit": 0.01,
                "time/step": 0.9}
         if s % 10 == 9:
-            row |= {"eval/reward_mean": s / steps, "eval/pass@4": min(1.0, 2 * s / steps)}
+            row |= {"eval/x/mean@4": s / steps, "eval/x/pass@4": min(1.0, 2 * s / steps)}
         lines.append(json.dumps(row))
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -47,7 +47,9 @@ def test_missing_metrics_are_skipped(tmp_path: Path) -> None:
     assert [p.name for p in plot_run(tmp_path)] == ["reward.png"]
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "time/generate": 1.0}\n')
     assert [p.name for p in plot_run(tmp_path)] == ["timings.png"]
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n')   # e.g. an SFT run
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png"]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train/lr": 1.0}\n')
     assert plot_run(tmp_path) == []
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         plot_run(tmp_path / "nowhere")

@@ -135,3 +135,23 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
     assert metrics["tokens"] == float(mask.sum())
     ref = dict(model.named_parameters())
     assert max(float((weights[k] - ref[k].detach()).abs().max()) for k in weights) <= 1e-5
+
+
+def test_sft_spec_plan_inputs_and_refusals() -> None:
+    from molt.config import compose
+    from molt.launch import check_inputs, describe_plan
+    from molt.spec import SpecError
+
+    spec = compose(["+experiment=rg_sft"])
+    plan = describe_plan(spec)
+    assert "engines: none" in plan and "sft: 300 steps x 32 conversations" in plan and "engine 0" not in plan
+    check_inputs(spec)   # conversations, not prompts: no agent is imported
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        check_inputs(compose(["+experiment=rg_sft", "data.eval=[nope.jsonl]"]))
+    for bad, why in ((["model.critic=true"], "trains the policy alone"),
+                     (["train.best_metric=eval/nope/loss"], "NAME the stem of a data.eval file"),
+                     (["train.best_metric=eval/rg_arith_sft_eval/loss", "train.eval_every=0"],
+                      "eval_every > 0"),
+                     (["data.eval_path=x.jsonl"], "renamed: use data.eval")):
+        with pytest.raises(SpecError, match=why):
+            compose(["+experiment=rg_sft", *bad])
