@@ -239,12 +239,23 @@ class AlgoSpec(Strict):
         return value
 
 
+class JudgeSpec(Strict):
+    path: str | None = Field(
+        None, description="judge model: a Hugging Face folder, or 'policy' (the starting policy); null: none")
+    temperature: float = Field(
+        1.0, gt=0, description="verdict sharpness: sigmoid((logp(yes) - logp(no)) / temperature)")
+    engine: EngineSpec = Field(default_factory=lambda: EngineSpec(kv_cache_gib=0.25),
+                               description="the judge's own engine(s)")
+
+
 class AgentSpec(Strict):
     module: str = Field("examples/agents/repeat.py",
                         description="dotted module or .py file that exports AgentRunner")
     kind: Literal["env", "chat"] = Field(
         "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
+    tool_parser: str = Field("hermes", description="vLLM tool parser that reads the policy's tool calls (chat)")
+    judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (molt.agents.judge)")
     max_turns: int = Field(1, description="most LLM calls per rollout")
     max_total_tokens: int = Field(512, description="most tokens per rollout: prompt, turns and observations")
     timeout_s: float = Field(60.0, description="seconds before a rollout fails as timed out")
@@ -332,6 +343,9 @@ class RunSpec(Strict):
         if self.parallel.device == "cpu" and self.model.dtype != "float32":
             raise ValueError("parallel.device=cpu trains in float32: set model.dtype=float32")
         _check_eval_keys(self)
+        if self.agent.judge.path and self.parallel.device == "cuda":
+            raise ValueError("agent.judge on parallel.device=cuda: the placement plan does not reserve GPUs "
+                             "for judge engines yet; run the judge on CPU or leave agent.judge.path unset")
         return self
 
     @model_validator(mode="after")

@@ -116,3 +116,20 @@ def push_weights(ray_session):
         return ray_session.get(receiving)
 
     return push
+
+
+@pytest.fixture(scope="session")
+def trainer(ray_session, tiny_model_path, tmp_path_factory):
+    """One policy TrainerGroup on the tiny model (one rank) for tests that train a step on their rollouts.
+
+    `trainer.initial` is a checkpoint of its starting weights (those of the shared engine): a test loads
+    it before its step, so the trainer/engine gap of the step measures its own rollouts.
+    """
+    from molt.spec import RunSpec
+    from molt.trainer.group import TrainerGroup
+
+    group = TrainerGroup(RunSpec.model_validate({"train": {"micro_batch_size": 8}}), "policy")
+    group.initial = str(tmp_path_factory.mktemp("trainer") / "initial")
+    group.save(group.initial, {})
+    yield group
+    group.shutdown()

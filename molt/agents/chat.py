@@ -54,7 +54,7 @@ class ChatAgentRunner(Runner):
     def setup(self, tokenizer: Any, spec: Any) -> None:
         super().setup(tokenizer, spec)
         model_name = spec.model.path or "molt-tiny"
-        self.server = LoopbackServer(tokenizer, model_name, self.sampling)
+        self.server = LoopbackServer(tokenizer, model_name, self.sampling, spec.agent.tool_parser)
         self.server.start()
 
     async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:

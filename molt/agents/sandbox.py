@@ -110,13 +110,30 @@ def sandbox_command() -> tuple[str, ...]:
     return command
 
 
+def _python(code: str, cpu_s: int, memory_mb: int, file_mb: int, max_processes: int) -> list[str]:
+    """The interpreter's argv in the sandbox: limits (and, as root, a fresh uid) first, then `code`."""
+    uid = _UID_FIRST + next(_UIDS) % _UID_COUNT if os.geteuid() == 0 else 0
+    limits = (uid, memory_mb << 20, cpu_s, file_mb << 20, max_processes)
+    return [sys.executable, "-I", "-c", _PRELUDE, *map(str, limits), code]
+
+
+def server_command(script: str | os.PathLike, memory_mb: int = 1024, cpu_s: int = 3600, file_mb: int = 1,
+                   max_processes: int = 16) -> list[str]:
+    """argv that runs the Python file `script` as a long-lived process in the sandbox (e.g. an MCP server on
+    stdio): the same namespaces, view and limits as `run_python` (`cpu_s` CPU seconds over its lifetime);
+    the script is bound read-only into the private /tmp. The caller owns the process and its pipes."""
+    inside = "/tmp/" + Path(script).name
+    code = f"import runpy; runpy.run_path({inside!r}, run_name='__main__')"
+    return [*sandbox_command(), "--ro-bind", str(Path(script).resolve()), inside, "--",
+            *_python(code, cpu_s, memory_mb, file_mb, max_processes)]
+
+
 def run_python(code: str, stdin: str = "", timeout_s: float = 2.0, memory_mb: int = 256, file_mb: int = 1,
                max_processes: int = 16) -> SandboxResult:
     """Run `code` with `stdin` in the sandbox: at most `timeout_s` wall seconds, `memory_mb` of address
     space, files (stdout and stderr included) of `file_mb`, `max_processes` processes."""
-    uid = _UID_FIRST + next(_UIDS) % _UID_COUNT if os.geteuid() == 0 else 0
-    limits = (uid, memory_mb << 20, math.ceil(timeout_s) + 1, file_mb << 20, max_processes)
-    command = [*sandbox_command(), "--", sys.executable, "-I", "-c", _PRELUDE, *map(str, limits), code]
+    command = [*sandbox_command(), "--",
+               *_python(code, math.ceil(timeout_s) + 1, memory_mb, file_mb, max_processes)]
     # Output goes to files, not pipes: the file-size limit then bounds what a chatty tool can make the
     # trainer hold in memory.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:

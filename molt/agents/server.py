@@ -1,4 +1,5 @@
-"""The loopback chat server: OpenAI `/v1/chat/completions` and Anthropic `/v1/messages` on 127.0.0.1.
+"""The loopback chat server: OpenAI `/v1/chat/completions` and `/v1/responses`, Anthropic `/v1/messages`,
+on 127.0.0.1.
 
 Every rollout of a chat agent gets a session with its own URL prefix and random key, so stock SDK
 clients need nothing but `base_url` and `api_key`. Requests are validated with vLLM's own wire schemas;
@@ -28,18 +29,21 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.exceptions import VLLMClientError
 
-from molt.agents import wire
+from molt.agents import responses, wire
 from molt.agents.render import text_of
 from molt.agents.session import ChatSession
-from molt.agents.tools import forced_call_regex, make_parser, parse_reply
+from molt.agents.tools import FORCEABLE_PARSERS, forced_call_regex, make_parser, parse_reply
 from molt.agents.trace import Trace
+from molt.spec import AgentSpec
 
 MAX_BODY_BYTES = 4 << 20
 READ_TIMEOUT_S = 30.0   # for a request's head (request line + headers) and, separately, its body
 # Accepted by the wire schemas but not honoured by the sampler: refused rather than silently ignored.
 OPENAI_UNSUPPORTED = ("logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                      "stop", "response_format", "best_of", "echo")
+                      "stop", "best_of", "echo")
 ANTHROPIC_UNSUPPORTED = ("stop_sequences",)
 
 
@@ -88,12 +92,14 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 class LoopbackServer:
-    def __init__(self, tokenizer: Any, model_name: str, sampling: dict[str, Any]) -> None:
+    def __init__(self, tokenizer: Any, model_name: str, sampling: dict[str, Any],
+                 tool_parser: str = AgentSpec().tool_parser) -> None:
         self.tokenizer, self.model_name, self.sampling = tokenizer, model_name, sampling
-        self.parser = make_parser(tokenizer)
+        self.tool_parser, self.parser = tool_parser, make_parser(tokenizer, tool_parser)
         self.sessions: dict[str, ChatSession] = {}
         self.app = FastAPI()
         self.app.post("/s/{sid}/v1/chat/completions")(self._openai)
+        self.app.post("/s/{sid}/v1/responses")(self._responses)
         self.app.post("/s/{sid}/v1/messages")(self._anthropic)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -139,13 +145,29 @@ class LoopbackServer:
             outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
             return err.response(anthropic=False)
-        except ValueError as err:   # pydantic's ValidationError is a ValueError
+        except (ValueError, VLLMClientError) as err:   # pydantic's ValidationError; vLLM's request checks
             return ApiError(400, f"invalid request: {err}").response(anthropic=False)
         if chat.stream:
             usage = bool(chat.stream_options and chat.stream_options.include_usage)
             return StreamingResponse(wire.openai_stream(self.model_name, replies, outs, prompt_len, usage),
                                      media_type="text/event-stream")
         return JSONResponse(wire.openai_response(self.model_name, replies, outs, prompt_len))
+
+    async def _responses(self, sid: str, request: Request) -> Any:
+        try:
+            session, body = await self._admit(sid, request)
+            req = ResponsesRequest.model_validate(body)
+            self._check(req.model, body, responses.UNSUPPORTED)
+            chat = responses.chat_request(req)
+            outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
+        except ApiError as err:
+            return err.response(anthropic=False)
+        except (ValueError, VLLMClientError) as err:   # pydantic's; vLLM's input-item converter
+            return ApiError(400, f"invalid request: {err}").response(anthropic=False)
+        final = responses.response(req, self.model_name, replies[0], outs[0], prompt_len)
+        if req.stream:
+            return StreamingResponse(responses.stream(final), media_type="text/event-stream")
+        return JSONResponse(final.model_dump(mode="json", exclude_none=True))
 
     async def _anthropic(self, sid: str, request: Request) -> Any:
         try:
@@ -157,7 +179,7 @@ class LoopbackServer:
             outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
             return err.response(anthropic=True)
-        except ValueError as err:   # pydantic's ValidationError; vLLM's converter on bad tool changes
+        except (ValueError, VLLMClientError) as err:   # pydantic's; vLLM's converter on bad tool changes
             return ApiError(400, f"invalid request: {err}").response(anthropic=True)
         if msg.stream:
             return StreamingResponse(wire.anthropic_stream(self.model_name, replies[0], outs[0], prompt_len),
@@ -224,7 +246,10 @@ class LoopbackServer:
         """Accumulate the request into the session's trajectory, sample, and parse the replies.
 
         A turn that fails or is cancelled leaves the session as it was before the request."""
-        messages = [{**m, "content": text_of(m.get("content"))} for m in map(dict, chat.messages)]
+        # OpenAI's `developer` role is the system prompt under another name; templates know `system`.
+        messages = [{**m, "content": text_of(m.get("content")),
+                     "role": "system" if m.get("role") == "developer" else m.get("role")}
+                    for m in map(dict, chat.messages)]
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
         sampling = self._sampling(chat, tools)
         async with session.lock:
@@ -264,11 +289,19 @@ class LoopbackServer:
                      if choice == "required" or t["function"]["name"] == choice.function.name]
             if not named:
                 raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not in tools")
+            if self.tool_parser not in FORCEABLE_PARSERS:
+                raise ApiError(400, f"a forced tool call is decoded as Hermes markup, which "
+                                    f"agent.tool_parser={self.tool_parser!r} does not read")
             try:
                 regex = "|".join(f"({forced_call_regex(t)})" for t in named)
             except ValueError as err:
                 raise ApiError(400, str(err)) from None
             sampling["structured_outputs"] = {"regex": regex}
+        elif (constraint := chat.extract_structured_outputs()) is not None:
+            # response_format (json_schema / json_object) or vLLM's own `structured_outputs`; the schema
+            # refuses them beside tools, as vLLM's server does.
+            sampling["structured_outputs"] = {k: v for k, v in vars(constraint).items()
+                                              if not k.startswith("_") and v not in (None, False)}
         return sampling
 
     async def _sample(self, session: ChatSession, ids: list[int], sampling: dict, choice: int) -> dict:

@@ -2,7 +2,8 @@
 
 Each request's messages are compared with what the session already holds. If they extend it (the
 earlier prompt unchanged, followed by one of the replies this session returned), only the new tail is
-tokenized and appended after the reply's exact sampled ids. Anything else — a compacted history, a
+tokenized and appended after the reply's exact sampled ids (a reply is recognised by its rendering, with
+tool-call arguments compared as JSON). Anything else — a compacted history, a
 template that drops old `<think>` blocks, an edited reply — seals the segment and opens a new one from
 the re-rendered conversation. All segments belong to the same rollout and share its reward.
 """
@@ -10,6 +11,7 @@ the re-rendered conversation. All segments belong to the same rollout and share 
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +71,7 @@ class ChatSession:
             return None
         if render(tok, messages[:n], tools) != render(tok, self.history, tools):
             return None
-        rendered = render(tok, messages[:n + 1], tools, generation_prompt=False)
+        rendered = render(tok, messages[:n] + [_canonical(messages[n])], tools, generation_prompt=False)
         chosen = next((c for c in self.candidates if c.rendered == rendered), None)
         if chosen is None:
             return None
@@ -79,7 +81,8 @@ class ChatSession:
         return None if glue is None else (chosen, glue)
 
     def offer(self, out: dict[str, Any], message: dict) -> None:
-        rendered = render(self.tokenizer, self.history + [message], self.tools, generation_prompt=False)
+        rendered = render(self.tokenizer, self.history + [_canonical(message)], self.tools,
+                          generation_prompt=False)
         self.candidates.append(Candidate(out, message, rendered))
 
     def finish(self) -> None:
@@ -87,3 +90,17 @@ class ChatSession:
         if self.candidates:
             self.trace.add_sample(self.candidates[0].out)
             self.candidates = []
+
+
+def _canonical(message: dict) -> dict:
+    """`message` with its tool calls' arguments in one JSON spelling, for recognising an echoed reply:
+    some agents (pydantic-ai) send a call back re-serialised, which is still the call the model sampled."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = dict(call.get("function") or {})
+        try:
+            fn["arguments"] = json.dumps(json.loads(fn["arguments"]), sort_keys=True)
+        except (KeyError, TypeError, ValueError):
+            pass
+        calls.append({**call, "function": fn})
+    return {**message, "tool_calls": calls} if calls else message

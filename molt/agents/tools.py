@@ -1,10 +1,10 @@
 """Tool calls: parse what the model wrote with vLLM's own parser; constrain a forced call.
 
 The sampled ids are decoded with special tokens kept (`<tool_call>` is a special token in many
-tokenizers) and handed to vLLM's stock tool parser (`hermes`: the `<tool_call>{json}</tool_call>`
-format of the tiny model's template and of Qwen/Hermes models). A forced call (OpenAI `tool_choice`
-naming a function, Anthropic `tool_choice: {type: tool}`) is honoured the way vLLM honours it: by
-constraining decoding, here with a regex of exactly the markup the parser reads back.
+tokenizers) and handed to one of vLLM's stock tool parsers, `agent.tool_parser` (default `hermes`: the
+`<tool_call>{json}</tool_call>` format of the tiny model's template and of Qwen/Hermes models). A
+forced call (OpenAI `tool_choice` naming a function, Anthropic `tool_choice: {type: tool}`) is honoured
+the way vLLM honours it: by constraining decoding, here with a regex of exactly the Hermes markup.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-TOOL_PARSER = "hermes"
+FORCEABLE_PARSERS = ("hermes",)   # parsers that read the markup `forced_call_regex` writes
 
 _VALUE = {"integer": r"-?[0-9]{1,6}", "number": r"-?[0-9]{1,6}(\.[0-9]{1,4})?", "boolean": r"(true|false)",
           "string": r'"[ !#-\[\]-~]{0,32}"'}   # printable ASCII without `"` and `\`: always valid JSON
@@ -45,10 +45,16 @@ def forced_call_regex(tool: dict[str, Any]) -> str:
     return head + ", ".join(fields) + _lit("}}</tool_call>")
 
 
-def make_parser(tokenizer: Any) -> Any:
+def make_parser(tokenizer: Any, name: str) -> Any:
+    """vLLM's tool parser `name` (agent.tool_parser) for this tokenizer; a clear error for an unknown name."""
     from vllm.tool_parsers import ToolParserManager
 
-    return ToolParserManager.get_tool_parser(TOOL_PARSER)(tokenizer)
+    try:
+        parser_cls = ToolParserManager.get_tool_parser(name)
+    except KeyError:
+        known = ", ".join(sorted(ToolParserManager.list_registered()))
+        raise ValueError(f"agent.tool_parser={name!r} is not a vLLM tool parser; known: {known}") from None
+    return parser_cls(tokenizer)
 
 
 def parse_reply(parser: Any, tokenizer: Any, ids: list[int], request: Any) -> tuple[str | None, list[dict]]:

@@ -1,0 +1,67 @@
+"""Helpers of the agent-integration tests: start chat/env runners from example modules and train one step."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import torch
+from test_agents import EXAMPLES, make_spec
+
+from molt.agents import load_agent_runner
+
+
+class Runners:
+    """Starts runners of example agents (each chat runner with its own loopback server); `close` ends all."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.started = tok, []
+
+    def __call__(self, module: str, agent: dict | None = None, kind: str = "chat", **rollout):
+        agent = {"module": str(EXAMPLES / module), "kind": kind, **(agent or {})}
+        spec = make_spec(agent, **rollout)
+        runner = load_agent_runner(spec.agent)
+        runner.setup(self.tok, spec)
+        self.started.append(runner)
+        return runner
+
+    def close(self) -> None:
+        for runner in self.started:
+            runner.close()
+
+
+def train_one_step(trainer, rollouts: list, tok, calls: list[dict]) -> dict:
+    """One optimizer step of the loop's own `learn` on these rollouts, from the engine's weights.
+
+    Checks that exactly their sampled tokens were trained with a finite loss, and the trainer's logprob of
+    every sampled token against the engine's (`calls`: the Recorder's): equal on a free turn; on a turn
+    the server constrained (a forced tool call, an output format) the engine reports the logprob under
+    the constraint, renormalised over the allowed tokens, so never below the trainer's. A token or logprob
+    the server misplaced would break either.
+    """
+    from molt.loop import learn
+    from molt.spec import RunSpec
+    from molt.trainer.batch import make_batch
+
+    trainer.load(trainer.initial)
+    segments = [s for r in rollouts for s in r.segments]
+    trained = trainer.logprobs(make_batch(segments, tok.pad_token_id))
+    for row, seg in enumerate(segments):
+        for c in calls:
+            start, out = len(c["prompt_ids"]), c["out"]
+            if c["key"] != seg.rollout_id or seg.token_ids[:start + len(out["token_ids"])] != \
+                    c["prompt_ids"] + out["token_ids"]:
+                continue
+            mine = trained[row, start:start + len(out["token_ids"])]
+            engine = torch.tensor(out["logprobs"])
+            if "structured_outputs" in c["sampling"]:
+                assert bool((engine >= mine - 1e-3).all()), (engine - mine).min()
+            else:
+                assert float((engine - mine).abs().max()) < 1e-3, (engine - mine).abs().max()
+
+    spec = RunSpec.model_validate({"train": {"micro_batch_size": 8}})
+    metrics = asyncio.run(learn(spec, rollouts, trainer, None, None, tok.pad_token_id, 0))
+    assert "train/skipped" not in metrics and metrics["rollout/failed"] == 0
+    assert metrics["tokens/trained"] == sum(sum(s.loss_mask) for s in segments)
+    assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])
+    return metrics
