@@ -1,4 +1,4 @@
-"""A small MCP server (stdio) with two calculator tools, written with the `mcp` SDK's MCPServer.
+"""A small MCP server (stdio) with a calculator tool, written with the `mcp` SDK's MCPServer.
 
 Molt launches it inside the tool sandbox (examples/agents/mcp_agent.py); run it by hand with
 `python examples/mcp/calc_server.py` and speak MCP on its stdin/stdout.
@@ -7,12 +7,6 @@ Molt launches it inside the tool sandbox (examples/agents/mcp_agent.py); run it 
 from mcp.server.mcpserver import MCPServer
 
 server = MCPServer("calculator")
-
-
-@server.tool()
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
 
 
 @server.tool()

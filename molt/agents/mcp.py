@@ -44,8 +44,14 @@ class MCPTools:
 
     async def __aexit__(self, *exc: Any) -> None:
         client, self.client = self.client, None
-        if client is not None:
+        if client is None:
+            return
+        try:
             await client.__aexit__(*exc)
+        except BaseExceptionGroup as group:
+            # The SDK's task group wraps an exception raised inside `async with`; the caller gets its own.
+            if not (exc[1] is not None and len(group.exceptions) == 1 and group.exceptions[0] is exc[1]):
+                raise
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
         """The tool's text output; an unknown tool or a tool error comes back as `error: ...`."""
