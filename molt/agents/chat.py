@@ -31,6 +31,7 @@ class ChatContext:
     options: dict[str, Any] = field(default_factory=dict)   # agent.options
     max_turns: int = 1
     item: dict = field(default_factory=dict)
+    judge: Any = None                # the LLM judge (agent.judge), for rewards: `await judge.p_yes(messages)`
 
 
 class ChatAgent:
@@ -66,7 +67,7 @@ class ChatAgentRunner(Runner):
             api_key=session.key, model_name=self.server.model_name, messages=self.messages_of(item),
             prompt=None if prompt is None else str(prompt), label=self.label_of(item),
             sampling_params=dict(self.sampling), options=dict(agent.options), max_turns=agent.max_turns,
-            item=item)
+            item=item, judge=self.judge)
         try:
             result = await self.agent_cls(agent.options).run(ctx)
         finally:
@@ -80,3 +81,4 @@ class ChatAgentRunner(Runner):
         if self.server is not None:
             self.server.stop()
             self.server = None
+        super().close()

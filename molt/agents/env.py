@@ -2,7 +2,9 @@
 
 Gymnasium-style: the chat template is rendered once for the prompt; each turn the engine samples, the
 user's `step()` sees the decoded action and returns a `Result`; a further observation is appended as
-tokens with loss mask 0 until the episode terminates, is truncated, or a turn/token budget runs out.
+tokens with loss mask 0 until the episode terminates, is truncated, or a turn/token budget runs out. A
+template that renders earlier turns differently once the observation follows (Qwen3 drops old `<think>`
+blocks) seals the segment and the next one starts from the re-rendered conversation.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ class State:
 class Env:
     """Subclass and implement `step`; one instance per rollout, built with the agent's options.
 
-    `self.tokenizer` is the policy's tokenizer (set by the runner), for rewards over token ids.
+    `self.tokenizer` is the policy's tokenizer (set by the runner), for rewards over token ids;
+    `self.judge` the LLM judge of agent.judge (None without one), for `await self.judge.p_yes(messages)`.
     """
 
     tokenizer: Any = None
+    judge: Any = None
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})
@@ -67,7 +71,7 @@ class StepEnvRunner(Runner):
         messages = self.messages_of(item)
         trace.extend_prompt(encode(tok, render(tok, messages)))
         env = self.env_cls(self.spec.agent.options)
-        env.tokenizer = tok
+        env.tokenizer, env.judge = tok, self.judge
         sampling, observation = dict(self.sampling), messages[-1].get("content") or ""
         reward, score, info = 0.0, None, {}
         for turn in range(agent.max_turns):
@@ -93,11 +97,11 @@ class StepEnvRunner(Runner):
                 {"role": "user", "content": result.observation}
             glue = continuation(tok, messages[:-1], messages[-1], [message], None,
                                 eos_sampled=bool(ids) and ids[-1] == tok.eos_token_id)
-            if glue is None:
-                raise ValueError("the chat template re-renders earlier turns; an Env needs an append-only "
-                                 "template")
-            trace.extend_prompt(encode(tok, glue))
             messages.append(message)
+            if glue is None:   # the template re-renders earlier turns (Qwen3 drops old <think> blocks)
+                trace.restart(encode(tok, render(tok, messages)))
+            else:
+                trace.extend_prompt(encode(tok, glue))
             observation = message.get("content") or ""
             sampling = {**sampling, **(result.sampling_params or {})}
         return trace.rollout(reward, score, info, self.label_of(item))

@@ -24,9 +24,14 @@ class Runner:
     def __init__(self) -> None:
         self.tokenizer: Any = None
         self.spec: RunSpec | None = None
+        self.judge: Any = None
 
     def setup(self, tokenizer: Any, spec: RunSpec) -> None:
         self.tokenizer, self.spec = tokenizer, spec
+        if spec.agent.judge.path:   # an LLM judge for rewards (molt.agents.judge), stopped by close()
+            from molt.agents.judge import Judge
+
+            self.judge = Judge.start(spec)
         r = spec.rollout
         # The run's sampling defaults; a turn may override them (Result.sampling_params, request fields).
         self.sampling = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
@@ -50,7 +55,9 @@ class Runner:
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        if self.judge is not None:
+            self.judge.shutdown()
+            self.judge = None
 
     def messages_of(self, item: dict) -> list[dict]:
         data = self.spec.data

@@ -54,7 +54,10 @@ def make_parser(tokenizer: Any, name: str) -> Any:
     except KeyError:
         known = ", ".join(sorted(ToolParserManager.list_registered()))
         raise ValueError(f"agent.tool_parser={name!r} is not a vLLM tool parser; known: {known}") from None
-    return parser_cls(tokenizer)
+    try:
+        return parser_cls(tokenizer)
+    except Exception as err:   # e.g. the model's tokenizer lacks the parser's special tokens
+        raise ValueError(f"agent.tool_parser={name!r} does not fit this tokenizer: {err}") from err
 
 
 def parse_reply(parser: Any, tokenizer: Any, ids: list[int], request: Any) -> tuple[str | None, list[dict]]:

@@ -33,7 +33,8 @@ def sampling_params(sampling: dict[str, Any], max_tokens: int):
         stop_token_ids=sampling.get("stop_token_ids"), seed=sampling.get("seed"),
         ignore_eos=sampling.get("ignore_eos", False),
         structured_outputs=StructuredOutputsParams(**constrained) if constrained else None,
-        logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        logprobs=0, prompt_logprobs=sampling.get("prompt_logprobs"), detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -98,8 +99,9 @@ class EngineActor:
 
     async def generate(self, prompt_ids: list[int], sampling: dict, request_id: str | None = None) -> dict:
         """One completion. Keys of `sampling`: temperature, top_p, top_k, max_tokens, and optionally
-        stop_token_ids, seed, ignore_eos, structured_outputs. `max_tokens` shrinks to what fits in
-        `max_model_len`. The result's `sampling` is the [temperature, top_p, top_k] vLLM applied."""
+        stop_token_ids, seed, ignore_eos, structured_outputs, prompt_logprobs (0: also return the logprob
+        of each prompt token, None for the first). `max_tokens` shrinks to what fits in `max_model_len`.
+        The result's `sampling` is the [temperature, top_p, top_k] vLLM applied."""
         from vllm.inputs import TokensPrompt
 
         prompt = self._fit(prompt_ids)
@@ -125,6 +127,9 @@ class EngineActor:
             "prompt_ids": prompt,
             "sampling": [params.temperature, params.top_p, params.top_k],   # what the logprobs describe
         }
+        if final.prompt_logprobs is not None:   # asked for (an LLM judge scores its verdict words so)
+            result["prompt_logprobs"] = [None if lp is None else lp[t].logprob
+                                         for t, lp in zip(prompt, final.prompt_logprobs, strict=True)]
         if self.moe_layers is not None:
             result["routed_experts"] = await self._routes(comp, request_id, len(prompt) + len(ids) - 1)
         return result
