@@ -254,8 +254,8 @@ class AgentSpec(Strict):
     kind: Literal["env", "chat"] = Field(
         "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
-    tool_parser: str = Field("hermes", description="vLLM tool parser that reads the policy's tool calls (chat)")
-    judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (molt.agents.judge)")
+    tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat)")
+    judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (agents.judge)")
     max_turns: int = Field(1, description="most LLM calls per rollout")
     max_total_tokens: int = Field(512, description="most tokens per rollout: prompt, turns and observations")
     timeout_s: float = Field(60.0, description="seconds before a rollout fails as timed out")
