@@ -101,6 +101,7 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
     """One SFT step of 2 FSDP2 ranks with micro-batches of 2 = the token-mean NLL of the assistant tokens
     and one AdamW step of a plain single-process model (fp32, 1e-5). rollout.temperature=0.5 and a seq
     loss norm in the spec must not change SFT (the model's own distribution, a token mean)."""
+    from test_trainer import full_weights
     from transformers import AutoModelForCausalLM
 
     from molt.trainer import TrainerGroup
@@ -118,7 +119,7 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
     group = TrainerGroup(spec)
     try:
         metrics = group.train_step(batch)
-        weights = {k: v for ref in group.weight_chunks(64 << 10) for k, v in ray_session.get(ref).items()}
+        weights = full_weights(group)
     finally:
         group.shutdown()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
