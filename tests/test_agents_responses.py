@@ -46,12 +46,12 @@ class ResponsesTools(ChatAgent):
 
 
 def test_responses_wire_is_token_exact_and_equals_chat_completions(tok, engine):
-    sampler = Recorder(engine)
+    sampler = Recorder(engine, temperature=0.0)   # greedy: every wire must give the same tokens
     results = []
     for stream in (False, True):
         runner = ChatAgentRunner(ResponsesTools)
         agent = {"module": "x.py", "kind": "chat", **AGENT, "options": {"stream": stream}}
-        runner.setup(tok, make_spec(agent, temperature=0.0, max_tokens=64))
+        runner.setup(tok, make_spec(agent, max_tokens=64))
         try:
             [r] = run_all(runner, [TOOLS_ITEM], sampler, group=f"resp{stream}")
         finally:
@@ -73,7 +73,7 @@ def test_responses_wire_is_token_exact_and_equals_chat_completions(tok, engine):
 def make_spec_chat_tools():
     options = {"tool_choice": {"type": "function", "function": {"name": "add"}}}
     return make_spec({"module": str(EXAMPLES / "chat_tools.py"), "kind": "chat", **AGENT, "options": options},
-                     temperature=0.0, max_tokens=64)
+                     max_tokens=64)
 
 
 @pytest.mark.parametrize("extra, status, message", [
