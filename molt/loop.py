@@ -21,7 +21,7 @@ import ray
 import torch
 
 from molt.agents import load_agent_runner
-from molt.algo import apply_filters, compute_advantages
+from molt.algo import adaptive_kl_coef, compute_advantages, with_kl_coef
 from molt.checkpoints import find_checkpoint, new_best, save_checkpoint
 from molt.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.eval import evaluate
@@ -30,6 +30,7 @@ from molt.rollout.engine import start_engines
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import Router
 from molt.rollout.sampling import GREEDY_BELOW, TrainingSampler
+from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
 from molt.spec import RunSpec
 from molt.tiny import tiny_model_path
 from molt.trainer.batch import make_batch
@@ -76,13 +77,14 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     await connect_refit(policy, router)
     logger = RunLogger(spec)
 
-    step, version, pending = 0, 0, []
+    step, version, pending, kl_coef = 0, 0, [], spec.algo.kl.coef
     checkpoint = find_checkpoint(spec)
     if checkpoint:
         extra = policy.load(str(checkpoint / "policy"))
         if critic:
             critic.load(str(checkpoint / "critic"))
         step, version, pending = extra["step"], extra["version"], extra["pending"]
+        kl_coef = extra.get("kl_coef", kl_coef)
         data.load_state_dict(extra["data"])
         await refit(policy, router, version)
         print(f"molt: resumed from {checkpoint} at step {step} (policy version {version})")
@@ -104,7 +106,8 @@ async def _train(spec: RunSpec) -> dict[str, float]:
 
     def checkpoint(best: float | None = None) -> None:
         nonlocal saved
-        extra = {"step": step, "version": version, "data": data.state_dict(), "pending": pool.pending_items()}
+        extra = {"step": step, "version": version, "data": data.state_dict(), "pending": pool.pending_items(),
+                 "kl_coef": kl_coef}
         save_checkpoint(spec, step, {"policy": policy, "critic": critic}, extra, best)
         saved = step
 
@@ -113,18 +116,25 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             logger.log(0, await evaluate(spec, runner, router, eval_sets, 0))
         while step < spec.train.steps and not stop.is_set():
             t_step = time.perf_counter()
-            groups = await pool.next_batch(spec.train.prompts_per_step)
+            groups, batch_metrics = await take_batch(pool, spec)
             router.check()   # a killed engine fails its rollouts at once; stop with a clear error
             t_batch = time.perf_counter()
             rollouts = [r for g in groups for r in g]
+            warmup = step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
             try:
                 metrics = await learn(spec, rollouts, policy, reference, critic, tokenizer.pad_token_id,
-                                      version, engines)
+                                      version, engines, kl_coef, train_policy=not warmup)
             finally:   # after learn, so the dump carries the routes it captured; also when it fails
                 logger.dump_rollouts(step + 1, rollouts)
-            version += 1
-            metrics["time/refit"] = await refit(policy, router, version)
-            pool.set_version(version)
+            metrics.update(batch_metrics)
+            if spec.algo.kl.coef:
+                metrics["kl/coef"] = kl_coef
+            kl_coef = next_kl_coef(spec, kl_coef, metrics)
+            metrics["time/refit"] = 0.0
+            if not warmup:
+                version += 1
+                metrics["time/refit"] = await refit(policy, router, version)
+                pool.set_version(version)
             step += 1
 
             pool_stats = await pool.stats()
@@ -168,23 +178,21 @@ async def _train(spec: RunSpec) -> dict[str, float]:
 
 
 async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, reference: TrainerGroup | None,
-                critic: TrainerGroup | None, pad_id: int, version: int,
-                engines: list | None = None) -> dict[str, float]:
-    """One optimizer step on finished rollouts (also how a dumped batch is replayed).
+                critic: TrainerGroup | None, pad_id: int, version: int, engines: list | None = None,
+                kl_coef: float | None = None, train_policy: bool = True) -> dict[str, float]:
+    """One training step on finished rollouts (also how a dumped batch is replayed).
 
     With `model.router_replay`, segments without routed experts get them from `engines` (`fill_routes`).
+    `kl_coef` replaces algo.kl.coef (the adaptive controller's value); `train_policy=False` trains only
+    the critic (train.critic_warmup_steps).
     """
     metrics = rollout_metrics(spec, rollouts)
-    kept = drop_failed(spec, rollouts)
-    rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
-    scores = torch.tensor([r.reward if r.score is None else r.score for r in kept], dtype=torch.float32)
+    kept, filter_metrics = filter_rollouts(spec, rollouts)
+    metrics.update(filter_metrics)
+    rewards, reward_metrics = shaped_rewards(spec, kept)
+    metrics.update(reward_metrics)
     group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in kept))}
     group_ids = torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long)
-    truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length" for r in kept])
-    keep, filter_metrics = apply_filters(rewards, scores, group_ids, truncated, spec.algo)
-    metrics.update({f"filter/{k.removeprefix('filter_')}": float(v) for k, v in filter_metrics.items()})
-    rewards, group_ids = rewards[keep], group_ids[keep]
-    kept = [kept[i] for i in keep.tolist()]
     segments = [s for r in kept for s in r.segments if sum(s.loss_mask)]
     if not segments:
         metrics["train/skipped"] = 1.0
@@ -208,7 +216,8 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
     lag = (version - batch["versions"])[sampled]   # policy versions between sampling and this update
     metrics["policy/lag_mean"], metrics["policy/lag_max"] = float(lag.mean()), float(lag.max())
     # Without a reference nothing before the update needs the policy's logprobs: train_step takes
-    # them from its own forward (one update per batch, so old == current), saving a forward pass.
+    # them from its own forward (one update per batch, so old == current), saving a forward pass, or
+    # computes them itself before its first update (train.minibatches / train.epochs > 1).
     old_logp = await asyncio.to_thread(policy.logprobs, batch) if reference else None
     ref_logp = await asyncio.to_thread(reference.logprobs, batch) if reference else None
     values = await asyncio.to_thread(critic.values, batch) if critic else None
@@ -217,14 +226,14 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
     rollout_of = {r.rollout_id: i for i, r in enumerate(kept)}
     adv = compute_advantages(
         rewards, group_ids, torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
-        batch["loss_mask"], spec.algo, values=values, logp=old_logp, ref_logp=ref_logp)
+        batch["loss_mask"], with_kl_coef(spec.algo, kl_coef), values=values, logp=old_logp, ref_logp=ref_logp)
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
     batch["advantages"] = adv.advantages
     if reference is not None:
         batch.update(old_logp=old_logp, ref_logp=ref_logp)
 
     t0 = time.perf_counter()
-    train_metrics = await asyncio.to_thread(policy.train_step, batch)
+    train_metrics = await asyncio.to_thread(policy.train_step, batch, kl_coef) if train_policy else {}
     if critic is not None:
         critic_batch = dict(batch, old_values=values, returns=adv.returns)
         critic_metrics = await asyncio.to_thread(critic.train_step, critic_batch)
@@ -234,35 +243,19 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
         if f"mismatch/{theirs}" in train_metrics:  # the trainer/engine gap, under top-level names
             metrics[f"mismatch/{ours}"] = train_metrics.pop(f"mismatch/{theirs}")
     metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+    if not train_policy:
+        metrics["train/critic_warmup"] = 1.0
     metrics["tokens/trained"] = float(batch["loss_mask"].sum())
     return metrics
 
 
-def rollout_metrics(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, float]:
-    """Reward and failure statistics of the whole batch; stops the run on too many failures."""
-    ok = [r for r in rollouts if r.ok]
-    failed = len(rollouts) - len(ok)
-    if rollouts and failed / len(rollouts) > spec.agent.max_failure_rate:
-        errors = sorted({r.error for r in rollouts if r.error})[:3]
-        raise RuntimeError(f"{failed}/{len(rollouts)} rollouts failed, above agent.max_failure_rate="
-                           f"{spec.agent.max_failure_rate}; first errors: {errors}")
-    rewards = torch.tensor([r.reward for r in ok] or [0.0])
-    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(ok) > 1 else 0.0,
-           "rollout/failed": float(failed), "rollout/count": float(len(rollouts)),
-           "tokens/sampled": float(sum(r.num_sampled for r in rollouts)),
-           "rollout/segments_per": sum(len(r.segments) for r in ok) / max(len(ok), 1)}
-    for key in sorted({k for r in ok for k in r.info}):
-        values = [float(r.info[key]) for r in ok if key in r.info]
-        out[f"info/{key}"] = sum(values) / len(values)
-    return out
-
-
-def drop_failed(spec: RunSpec, rollouts: list[Rollout]) -> list[Rollout]:
-    """agent.on_failure: drop the whole group of a failed rollout, or only the failed rollout."""
-    if spec.agent.on_failure == "drop_group":
-        bad_groups = {r.group_id for r in rollouts if not r.ok}
-        return [r for r in rollouts if r.group_id not in bad_groups]
-    return [r for r in rollouts if r.ok]
+def next_kl_coef(spec: RunSpec, kl_coef: float, metrics: dict[str, float]) -> float:
+    """The adaptive KL controller's next weight (algo.kl.target) from this step's mean token KL: the
+    reward's when folded in, else the loss's; unchanged when the step measured none."""
+    measured = metrics.get("adv/kl_in_reward", metrics.get("train/kl"))
+    if measured is None:
+        return kl_coef
+    return adaptive_kl_coef(kl_coef, measured, int(metrics["rollout/count"]), spec.algo.kl)
 
 
 def check_token_first(batch: dict[str, torch.Tensor], segments: list[Segment]) -> None:

@@ -12,13 +12,19 @@ import difflib
 from pathlib import PurePath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from molt.spec_algo import (  # noqa: F401  (re-exported: the spec's public types live in molt.spec)
+    AlgoSpec,
+    CorrectionSpec,
+    FilterSpec,
+    KLSpec,
+    LossSpec,
+    RewardSpec,
+    Strict,
+    TrainSpec,
+)
 from molt.spec_checks import check_combinations, check_parallel
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 def _power_of_two(name: str, value: int) -> None:
@@ -145,98 +151,6 @@ class RolloutSpec(Strict):
                              f"{LOGPROBS_MODE} (the distribution tokens are sampled from); another mode "
                              "would make every importance weight and mismatch/* wrong")
         return self
-
-
-class TrainSpec(Strict):
-    steps: int = Field(100, description="optimizer steps (one batch of prompt groups each)")
-    prompts_per_step: int = Field(8, description="prompt groups per optimizer step")
-    micro_batch_size: int = Field(16, description="most sequences per forward/backward, per rank")
-    lr: float = Field(5e-4, description="AdamW learning rate of the policy")
-    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="after warm-up: constant, or cosine / linear decay to 0 at train.steps")
-    warmup_steps: int = Field(0, description="steps of linear learning-rate warm-up")
-    weight_decay: float = Field(0.0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    grad_clip: float = Field(1.0, description="clip the global gradient norm to this")
-    critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
-    save_every: int = Field(0, description="checkpoint every N steps (0 = only at the end)")
-    eval_every: int = Field(0, description="evaluate on the data.eval sets every N steps (0 = never)")
-    objective: Literal["rl", "sft"] = Field(
-        "rl", description="rl: the agent loop; sft: NLL on assistant tokens (set by python -m molt.sft)")
-    export_hf: bool = Field(
-        False, description="every checkpoint also writes a Hugging Face folder, <checkpoint>/hf")
-    best_metric: str | None = Field(
-        None, description="eval metric that picks the best checkpoint (kept), e.g. eval/NAME/pass@1")
-    best_mode: Literal["max", "min"] = Field(
-        "max", description="train.best_metric is better when larger (max) or smaller (min)")
-
-
-class LossSpec(Strict):
-    eps_low: float = Field(0.2, description="PPO clip: the ratio's lower bound is 1-eps_low")
-    eps_high: float = Field(0.2, description="PPO clip: the ratio's upper bound is 1+eps_high")
-    dual_clip: float | None = Field(None, description="c > 1 bounds the loss of negative-advantage tokens")
-    norm: Literal["token", "seq"] = Field(
-        "token", description="token: global token mean; seq: per-sequence constant (Dr.GRPO)")
-    value_clip: float = Field(0.2, description="critic: largest value change from the old values")
-    entropy_coef: float = Field(0.0, description="entropy bonus weight (0 = off)")
-
-
-class CorrectionSpec(Strict):
-    level: Literal["off", "token", "seq", "geo"] = Field(
-        "off", description="importance ratio gated: per token, sequence product or its geometric mean")
-
-    @field_validator("level", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
-    mode: Literal["mask", "clip", "trunc"] = Field(
-        "trunc", description="outside [low, high]: mask drops, clip clamps, trunc caps at high (TIS)")
-    low: float = Field(0.0, description="lower end of the accepted ratio band")
-    high: float = Field(2.0, description="upper end of the accepted ratio band")
-
-    @model_validator(mode="after")
-    def _band(self) -> CorrectionSpec:
-        if not self.low < self.high:
-            raise ValueError(f"correction band low={self.low} must be below high={self.high}")
-        return self
-
-
-class KLSpec(Strict):
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL(policy || reference) estimator")
-    coef: float = Field(0.0, description="KL penalty weight (0 = off; > 0 needs model.reference)")
-    in_reward: bool = Field(False, description="fold the KL penalty into the reward instead of the loss")
-
-
-class FilterSpec(Strict):
-    drop_equal_rewards: bool = Field(
-        False, description="dynamic sampling: drop groups whose rewards are all equal")
-    score_range: tuple[float, float] | None = Field(
-        None, description="keep only groups whose mean score lies inside [low, high]")
-    drop_truncated: bool = Field(False, description="drop responses cut off at max_tokens")
-
-
-class AlgoSpec(Strict):
-    estimator: str = Field("grpo", description="advantage estimator, by registered name")
-    gamma: float = Field(1.0, description="discount of later rewards (reinforce_pp, gae)")
-    lam: float = Field(1.0, description="GAE lambda")
-    distill_coef: float = Field(1.0, description="on_policy_distill: weight of the teacher log-ratio")
-    loss: LossSpec = Field(default_factory=LossSpec, description="the clipped policy loss")
-    correction: CorrectionSpec = Field(default_factory=CorrectionSpec,
-                                       description="importance correction of trainer vs engine logprobs")
-    kl: KLSpec = Field(default_factory=KLSpec, description="KL regularization to model.reference")
-    filters: FilterSpec = Field(default_factory=FilterSpec, description="batch filters before the update")
-
-    @field_validator("estimator")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        from molt.algo import ESTIMATORS  # lazy: molt.algo imports this module's types
-
-        if value not in ESTIMATORS:
-            near = difflib.get_close_matches(value, list(ESTIMATORS), n=1, cutoff=0.5)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
-            names = ", ".join(sorted(ESTIMATORS))
-            raise ValueError(f"unknown estimator '{value}'{hint}; registered: {names}")
-        return value
 
 
 class JudgeSpec(Strict):

@@ -40,6 +40,7 @@ def check_combinations(spec: RunSpec) -> None:
     _route_capture(spec)
     _speculative_decoding(spec)
     _group_baseline(spec)
+    _updates(spec)
     if spec.parallel.device == "cuda":
         from molt.placement import plan
 
@@ -91,6 +92,18 @@ def _group_baseline(spec: RunSpec) -> None:
         raise ValueError(f"algo.estimator={spec.algo.estimator} compares samples of one prompt, and "
                          "rollout.samples_per_prompt=1 makes every advantage 0; use >= 2 samples, or a "
                          "batch-baseline estimator (reinforce_pp)")
+
+
+def _updates(spec: RunSpec) -> None:
+    train = spec.train
+    rows = train.prompts_per_step * spec.rollout.samples_per_prompt // spec.parallel.dp_size
+    if train.minibatches > rows:
+        raise ValueError(f"train.minibatches={train.minibatches} is more than the {rows} rows each data-"
+                         "parallel rank gets per batch (train.prompts_per_step * rollout.samples_per_prompt"
+                         " / parallel.dp_size): some optimizer steps would see no rows")
+    if train.critic_warmup_steps and not spec.model.critic:
+        raise ValueError("train.critic_warmup_steps trains the critic alone: it needs model.critic=true "
+                         "(algo=gae)")
 
 
 def spec_warnings(spec: RunSpec) -> list[str]:

@@ -160,12 +160,14 @@ def _random_batch(g, b, t):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 8), st.integers(1, 7), st.sampled_from(["token", "seq"]),
-       st.sampled_from(["off", "token", "geo"]), st.integers(0, 2**31 - 1), st.data())
-def test_loss_invariant_to_microbatch_split(b, t, norm_kind, level, seed, data):
+@given(st.integers(1, 8), st.integers(1, 7), st.sampled_from(["token", "seq", "seq-mean-token-mean"]),
+       st.sampled_from(["off", "token", "geo"]), st.sampled_from(["ppo", "gspo", "cispo"]),
+       st.integers(0, 2**31 - 1), st.data())
+def test_loss_invariant_to_microbatch_split(b, t, norm_kind, level, policy, seed, data):
     g = torch.Generator().manual_seed(seed)
     logp, batch = _random_batch(g, b, t)
-    spec = algo(loss={"norm": norm_kind, "dual_clip": 3.0, "entropy_coef": 0.01}, kl={"coef": 0.05},
+    spec = algo(loss={"norm": norm_kind, "policy": policy, "dual_clip": 3.0 if policy == "ppo" else None,
+                      "entropy_coef": 0.01}, kl={"coef": 0.05},
                 correction={"level": level, "mode": "mask", "low": 0.8, "high": 1.25})
     cuts = sorted(data.draw(st.lists(st.integers(1, b), max_size=3, unique=True)))
     bounds = [0] + [c for c in cuts if c < b] + [b]
@@ -179,3 +181,61 @@ def test_loss_invariant_to_microbatch_split(b, t, norm_kind, level, seed, data):
     (split_grad,) = torch.autograd.grad(total, logp)
     assert total.item() == pytest.approx(full.item(), abs=1e-12)
     assert torch.allclose(split_grad, full_grad, atol=1e-12)
+
+
+def test_gspo_clips_whole_sequences_by_hand():
+    # row 0: token ratios 1.5, 0.5, 1.1 -> s = (1.5 * 0.5 * 1.1)^(1/3) = 0.9378, inside [0.8, 1.2]: no token
+    # is clipped although PPO would clip 1.5 and 0.5. row 1: ratios 2, 2 -> s = 2 > 1.2 with A > 0:
+    # the whole sequence is clipped (no gradient). seq-mean-token-mean: mean over the 2 rows of row means.
+    spec = algo(loss={"policy": "gspo", "norm": "seq-mean-token-mean"})
+    logp, b = batch_of([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]], [[1.5, 0.5, 1.1], [2.0, 2.0, 1.0]],
+                       [[1.0, 1.0, 1.0], [1.0, 1.0, 9.0]], [[1, 1, 1], [1, 1, 0]])
+    s = 0.825 ** (1 / 3)
+    norm = loss_normalizer(b["loss_mask"], spec, max_tokens=3)
+    assert norm == 2
+    loss, m = policy_loss(logp, b, spec, norm)
+    assert loss.item() == pytest.approx((-s + -1.2) / 2)
+    assert m["clip_frac_high"].item() == pytest.approx(2 / 5) and m["clip_frac_low"].item() == 0.0
+    assert m["ratio_mean"].item() == pytest.approx((3 * s + 2 * 2.0) / 5)
+    loss.backward()
+    # d/dlogp_t of -A * s: -s (the sequence ratio's value, grad through the token), times 1/3 (row mean)
+    # and 1/2 (two rows); the clipped row gets none.
+    assert logp.grad.tolist() == [pytest.approx([-s / 6] * 3), pytest.approx([0.0, 0.0, 0.0])]
+
+
+def test_cispo_keeps_every_token_by_hand():
+    # ratios 1.5, 0.5, 1.1; eps_low 1 (no lower bound, as the paper), eps_high 0.2: w = 1.2, 0.5, 1.1.
+    # pg_t = -w_t * A_t * logp_t; its gradient -w_t * A_t reaches every token, also the one PPO clips.
+    spec = algo(loss={"policy": "cispo", "eps_low": 1.0, "eps_high": 0.2})
+    logp, b = batch_of([[-1.0, -2.0, -0.5]], [[1.5, 0.5, 1.1]], [[1.0, -1.0, 2.0]], [[1, 1, 1]])
+    lp = [-1.0 + LN(1.5), -2.0 + LN(0.5), -0.5 + LN(1.1)]
+    loss, m = policy_loss(logp, b, spec, 3.0)
+    assert loss.item() == pytest.approx((-1.2 * 1.0 * lp[0] + 0.5 * lp[1] - 1.1 * 2.0 * lp[2]) / 3)
+    assert m["clip_frac_high"].item() == pytest.approx(1 / 3) and m["clip_frac_low"].item() == 0.0
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-1.2 / 3, 0.5 / 3, -2.2 / 3])
+
+
+def test_seq_mean_token_mean_by_hand():
+    # ratio 1: pg_t = -A_t. Rows of 3 and 1 sampled tokens: (mean(-1, -2, -3) + -4) / 2 = -3, where the
+    # token mean would give -10 / 4. The value loss aggregates the same way.
+    spec = algo(loss={"norm": "seq-mean-token-mean"})
+    logp, b = batch_of([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], [[1.0] * 3] * 2,
+                       [[1.0, 2.0, 3.0], [4.0, 7.0, 7.0]], [[1, 1, 1], [1, 0, 0]])
+    norm = loss_normalizer(b["loss_mask"], spec, max_tokens=3)
+    loss, _ = policy_loss(logp, b, spec, norm)
+    assert norm == 2 and loss.item() == pytest.approx(-3.0)
+    loss.backward()
+    assert logp.grad.tolist() == [pytest.approx([-1 / 6, -2 / 6, -3 / 6]), pytest.approx([-2.0, 0.0, 0.0])]
+    values = torch.zeros(2, 3, requires_grad=True)
+    vb = {"old_values": torch.zeros(2, 3), "returns": torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0]]),
+          "loss_mask": b["loss_mask"]}
+    vloss, _ = value_loss(values, vb, spec, norm)
+    assert vloss.item() == pytest.approx((0.5 * (0.01 + 0.04 + 0.09) / 3 + 0.5 * 0.16) / 2)
+
+
+def test_policy_loss_names_are_checked():
+    with pytest.raises(ValueError, match="did you mean 'gspo'"):
+        algo(loss={"policy": "gpso"})
+    with pytest.raises(ValueError, match="dual_clip"):
+        algo(loss={"policy": "cispo", "dual_clip": 3.0})

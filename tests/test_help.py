@@ -22,7 +22,8 @@ def test_help_prints_type_value_and_meaning(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m molt")
-    assert "  algo        dr_grpo, gae, grpo*, " in out and "reinforce_pp," in out   # * marks the default
+    # * marks the default
+    assert "  algo        cispo, dapo, dr_grpo, gae, grpo*, " in out and "reinforce_pp," in out
     assert "  train.lr: float = 0.0005\n      AdamW learning rate of the policy\n" in out
     assert "  rollout.mode: sync|async = sync\n" in out
     assert "  model.tiny: dict[str, int] = {hidden_size: 128," in out   # a free-form dict: one value

@@ -328,3 +328,60 @@ def test_gae_with_a_real_critic_learns_the_right_baseline(ray_session, tiny_mode
 
 
 STEPS_GAE = 100
+
+
+def reference_updates(path: str, b: dict[str, torch.Tensor], spec: RunSpec) -> tuple[list[dict], dict]:
+    """Single process: old logprobs from one forward before any update, then train.epochs passes over
+    train.minibatches contiguous row chunks, one AdamW step per chunk normalized by its own tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, betas=spec.train.betas)
+
+    def logp_of(rows: slice) -> torch.Tensor:
+        logits = model(input_ids=b["input_ids"][rows], attention_mask=b["attention_mask"][rows]).logits
+        return token_logprobs(logits, b["input_ids"][rows], b["attention_mask"][rows],
+                              spec.rollout.temperature)[0]
+
+    with torch.no_grad():
+        old = logp_of(slice(None))
+    rows, k = b["input_ids"].shape[0], spec.train.minibatches
+    chunks = [slice(rows * i // k, rows * (i + 1) // k) for i in range(k)]
+    updates = []
+    for _ in range(spec.train.epochs):
+        for c in chunks:
+            part = {key: v[c] for key, v in b.items()}
+            loss, m = policy_loss(logp_of(c), {**part, "old_logp": old[c]}, spec.algo,
+                                  float(part["loss_mask"].sum()))
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)
+            opt.step()
+            opt.zero_grad()
+            updates.append({"loss": loss.item(), "grad_norm": float(grad_norm),
+                            **{key: float(v) for key, v in m.items()}})
+    return updates, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_minibatches_and_epochs_match_a_single_process_reference(ray_session, tiny_model_path) -> None:
+    """train.minibatches=2, train.epochs=2: four AdamW steps on one batch with the old logprobs fixed
+    before the first, as a single-process reference does (weights, mean loss and gradient norm, the last
+    update's ratio and approx KL; fp32, 1e-5). The reference's first update has ratio exactly 1 and the
+    later ones move, so a trainer that took old == current in every update would show ratio_mean_last
+    = 1. (minibatches=1, epochs=1 is test_sharding_and_normalization_invariance.)"""
+    spec = make_spec(tiny_model_path, mbs=3, lr=1e-4, minibatches=2, epochs=2)
+    b = batch_of(7)
+    ref, ref_weights = reference_updates(tiny_model_path, b, spec)
+    assert ref[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-7) and ref[0]["approx_kl"] < 1e-12
+    assert abs(ref[-1]["ratio_mean"] - 1) > 1e-4 and ref[-1]["approx_kl"] > 1e-9
+    group = TrainerGroup(spec)
+    m = group.train_step(b)
+    weights = full_weights(group)
+    group.shutdown()
+    assert m["updates"] == 4 and m["tokens"] == float(b["loss_mask"].sum())
+    assert max_diff(ref_weights, weights) <= 1e-5
+    assert m["loss"] == pytest.approx(sum(u["loss"] for u in ref) / 4, abs=1e-5)
+    assert m["grad_norm"] == pytest.approx(sum(u["grad_norm"] for u in ref) / 4, rel=1e-5)
+    assert m["ratio_mean_last"] == pytest.approx(ref[-1]["ratio_mean"], abs=1e-6)
+    assert m["approx_kl_last"] == pytest.approx(ref[-1]["approx_kl"], rel=1e-3, abs=1e-9)
+    with pytest.raises(ValueError, match="train.minibatches=9"):
+        make_spec(tiny_model_path, minibatches=9)   # 8 rows per rank

@@ -5,11 +5,13 @@ looks functions up by name and never branches on the algorithm:
 
     ESTIMATORS        algo.estimator          -> advantage estimator (compute_advantages calls it)
     GROUP_BASELINE    the estimators that need several samples per prompt
-    LOSS_NORMS        algo.loss.norm          -> additive loss normalizer (loss_normalizer)
+    POLICY_LOSSES     algo.loss.policy        -> per-token policy surrogate (policy_loss calls it)
+    LOSS_NORMS        algo.loss.norm          -> aggregation: normalizer and per-token scale
     CORRECTIONS       algo.correction.level   -> gated importance statistic (importance_weights)
     CORRECTION_MODES  algo.correction.mode    -> weight from the statistic
     KL_ESTIMATORS     algo.kl.estimator       -> per-token KL
     FILTERS           algo.filters.<name>     -> rollout filter (apply_filters)
+    REWARD_TRANSFORMS algo.reward.<key>       -> reward transform after the filters (shape_rewards)
 """
 
 from molt.algo import opo  # noqa: F401  (registers the worked-example estimator)
@@ -25,14 +27,18 @@ from molt.algo.estimators import (
 )
 from molt.algo.filters import FILTERS, apply_filters
 from molt.algo.groups import group_mean, group_sum, rollout_sum, to_tokens, token_gae
-from molt.algo.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
-from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss
+from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_k1, kl_k2, kl_k3, with_kl_coef
+from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, token_scale, value_loss
 from molt.algo.masked import masked_max, masked_mean, masked_sum, masked_whiten
+from molt.algo.rewards import REWARD_TRANSFORMS, shape_rewards
+from molt.algo.surrogates import POLICY_LOSSES
 
 __all__ = [
     "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
-    "LOSS_NORMS", "Advantages", "apply_filters", "compute_advantages", "group_mean", "group_sum",
+    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "Advantages",
+    "adaptive_kl_coef", "apply_filters", "compute_advantages", "group_mean", "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",
     "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards",
-    "rollout_sum", "sft_loss", "to_tokens", "token_gae", "value_loss",
+    "rollout_sum", "sft_loss", "shape_rewards", "to_tokens", "token_gae", "token_scale", "value_loss",
+    "with_kl_coef",
 ]

@@ -8,9 +8,16 @@ variance), k3 = exp(-log r) - 1 + log r (unbiased and always >= 0). `algo.kl.est
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from molt.spec import AlgoSpec, KLSpec
+
+# Ziegler et al.'s bound on the proportional error: coef changes by at most this share per horizon.
+ADAPTIVE_KL_MAX_ERROR = 0.2
 
 
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -30,3 +37,20 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def adaptive_kl_coef(coef: float, kl: float, rollouts: int, spec: KLSpec) -> float:
+    """Next KL weight of the adaptive controller (Ziegler et al. 2019, arXiv 1909.08593, sec. 2.2; TRL's
+    AdaptiveKLController): e = clip(kl / target - 1, -0.2, 0.2), coef <- coef * (1 + e * rollouts / horizon).
+    `kl` is the batch's mean KL per sampled token; `coef` is returned unchanged when spec.target is null."""
+    if spec.target is None:
+        return coef
+    error = min(max(kl / spec.target - 1, -ADAPTIVE_KL_MAX_ERROR), ADAPTIVE_KL_MAX_ERROR)
+    return coef * (1 + error * rollouts / spec.horizon)
+
+
+def with_kl_coef(algo: AlgoSpec, coef: float | None) -> AlgoSpec:
+    """`algo` with algo.kl.coef replaced by `coef` (the controller's value); `algo` itself when None."""
+    if coef is None:
+        return algo
+    return algo.model_copy(update={"kl": algo.kl.model_copy(update={"coef": coef})})

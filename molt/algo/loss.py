@@ -9,7 +9,7 @@ mean would weight a short micro-batch's tokens more than a long one's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -17,6 +17,7 @@ from torch import Tensor
 from molt.algo.correction import importance_weights
 from molt.algo.kl import KL_ESTIMATORS
 from molt.algo.masked import masked_mean, masked_sum
+from molt.algo.surrogates import POLICY_LOSSES
 
 if TYPE_CHECKING:
     from molt.spec import AlgoSpec
@@ -30,8 +31,26 @@ def _seq_norm(loss_mask: Tensor, max_tokens: int) -> float:
     return float(((loss_mask > 0).sum(-1) > 0).sum()) * max_tokens
 
 
-# algo.loss.norm -> additive normalizer contribution of one micro-batch.
-LOSS_NORMS: dict[str, Callable[[Tensor, int], float]] = {"token": _token_norm, "seq": _seq_norm}
+def _rows_norm(loss_mask: Tensor, max_tokens: int) -> float:
+    return float(((loss_mask > 0).sum(-1) > 0).sum())
+
+
+def _row_mean_scale(loss_mask: Tensor) -> Tensor:
+    return 1.0 / (loss_mask > 0).sum(-1, keepdim=True).clamp(min=1)
+
+
+class Aggregation(NamedTuple):
+    normalizer: Callable[[Tensor, int], float]      # additive share of one micro-batch
+    token_scale: Callable[[Tensor], Tensor] | None  # [B, T] or [B, 1] per-token factor (None: 1)
+
+
+# algo.loss.norm -> how per-token losses become one number. A row is one segment, always whole inside
+# a micro-batch, so a per-row factor is local and the sum over micro-batches stays exact.
+LOSS_NORMS: dict[str, Aggregation] = {
+    "token": Aggregation(_token_norm, None),
+    "seq": Aggregation(_seq_norm, None),
+    "seq-mean-token-mean": Aggregation(_rows_norm, _row_mean_scale),
+}
 
 
 def loss_normalizer(loss_mask: Tensor, algo: AlgoSpec, max_tokens: int) -> float:
@@ -39,9 +58,18 @@ def loss_normalizer(loss_mask: Tensor, algo: AlgoSpec, max_tokens: int) -> float
 
     `loss_mask` [B, T]. token norm: number of unmasked tokens. seq norm (Dr.GRPO): number of sequences
     with at least one unmasked token times the constant `max_tokens` (the response budget), so a long
-    response does not dilute its tokens' gradient. Sum over micro-batches and all-reduce over ranks.
+    response does not dilute its tokens' gradient. seq-mean-token-mean (the original GRPO, Shao et al.
+    2024 eq. 3; verl's loss_agg_mode of that name): number of sequences with an unmasked token, each
+    token's loss scaled by 1/(its sequence's unmasked tokens) (`token_scale`). Sum over micro-batches
+    and all-reduce over ranks.
     """
-    return LOSS_NORMS[algo.loss.norm](loss_mask, max_tokens)
+    return LOSS_NORMS[algo.loss.norm].normalizer(loss_mask, max_tokens)
+
+
+def token_scale(per_token: Tensor, loss_mask: Tensor, algo: AlgoSpec) -> Tensor:
+    """`per_token` [B, T] times the aggregation's per-token factor (seq-mean-token-mean: 1/row length)."""
+    scale = LOSS_NORMS[algo.loss.norm].token_scale
+    return per_token if scale is None else per_token * scale(loss_mask).to(per_token.dtype)
 
 
 def _frac(x: Tensor, mask: Tensor) -> Tensor:
@@ -50,47 +78,36 @@ def _frac(x: Tensor, mask: Tensor) -> Tensor:
 
 def policy_loss(logp: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
                 norm: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate with importance correction, optional KL loss and entropy bonus.
+    """The surrogate `POLICY_LOSSES[algo.loss.policy]` with importance correction, optional KL loss and
+    entropy bonus, aggregated by `algo.loss.norm`.
 
     `logp` [B, T]: log pi(token t | tokens < t) from the current forward (with grad). `batch` [B, T]:
     old_logp (trainer logprobs before the update), behaviour_logp (engine), advantages, loss_mask;
     optional ref_logp (needed when algo.kl.coef > 0 and not in_reward) and entropy (needed when
     algo.loss.entropy_coef > 0; always logged when given).
 
-        ratio_t = exp(logp_t - old_logp_t)
-        pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
-        pg_t    = min(pg_t, -dual_clip * A_t)               where A_t < 0 and dual_clip is set
+        pg_t    = surrogate (ppo: max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high)))
         loss_t  = w_t * pg_t + kl.coef * KL_t - entropy_coef * H_t   (w_t: importance weight)
-        loss    = sum_t mask_t * loss_t / norm
+        loss    = sum_t mask_t * scale_t * loss_t / norm              (scale_t: 1, or 1/row length)
 
     Returns the 0-dim loss and 0-dim detached metrics, means over this micro-batch's sampled tokens:
-    pg_loss, ratio_mean, approx_kl (k3 of old vs current), clip_frac_low / clip_frac_high (tokens where
-    the lower / upper clip is active), dual_clip_frac, the is_* metrics of `importance_weights`, and
-    kl / entropy when their inputs are given.
+    pg_loss, approx_kl (k3 of old vs current), the surrogate's ratio_mean / clip_frac_low /
+    clip_frac_high (/ dual_clip_frac), the is_* metrics of `importance_weights`, and kl / entropy when
+    their inputs are given.
     """
     spec = algo.loss
     mask = batch["loss_mask"] > 0
     # Zero every input off the mask first: padding may hold -inf, and inf * 0 would turn grads into NaN.
     logp, adv, old_logp = (torch.where(mask, x, torch.zeros_like(x))
                            for x in (logp, batch["advantages"], batch["old_logp"]))
-    ratio = (logp - old_logp).exp()
-    clipped = ratio.clamp(1 - spec.eps_low, 1 + spec.eps_high)
-    pg = torch.maximum(-adv * ratio, -adv * clipped)
-    dual = torch.zeros_like(mask)
-    if spec.dual_clip is not None:
-        bound = -spec.dual_clip * adv
-        dual = (adv < 0) & (pg > bound)
-        pg = torch.where(dual, bound, pg)
+    pg, surrogate_metrics = POLICY_LOSSES[spec.policy](logp, old_logp, adv, mask, spec)
     weights, metrics = importance_weights(old_logp, batch["behaviour_logp"], batch["loss_mask"],
                                           algo.correction)
+    metrics.update(surrogate_metrics)
     per_token = weights * pg
     with torch.no_grad():
         metrics["pg_loss"] = masked_mean(per_token, mask)
-        metrics["ratio_mean"] = masked_mean(ratio, mask)
         metrics["approx_kl"] = masked_mean(KL_ESTIMATORS["k3"](logp, old_logp), mask)
-        metrics["clip_frac_low"] = _frac((ratio < 1 - spec.eps_low) & (adv < 0), mask)
-        metrics["clip_frac_high"] = _frac((ratio > 1 + spec.eps_high) & (adv > 0), mask)
-        metrics["dual_clip_frac"] = _frac(dual, mask)
     if "ref_logp" in batch:
         ref_logp = torch.where(mask, batch["ref_logp"], torch.zeros_like(logp))
         kl = KL_ESTIMATORS[algo.kl.estimator](logp, ref_logp)
@@ -106,7 +123,8 @@ def policy_loss(logp: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
             per_token = per_token - spec.entropy_coef * entropy
     elif spec.entropy_coef:
         raise ValueError("algo.loss.entropy_coef != 0 needs batch['entropy']")
-    return masked_sum(per_token, mask) / (norm or 1.0), metrics  # norm 0: nothing in the batch is sampled
+    # norm 0: nothing in the batch is sampled
+    return masked_sum(token_scale(per_token, mask, algo), mask) / (norm or 1.0), metrics
 
 
 def value_loss(values: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
@@ -115,7 +133,7 @@ def value_loss(values: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
 
     `values` [B, T] (with grad); `batch` [B, T]: old_values, returns, loss_mask.
         v_clip_t = old_t + clip(v_t - old_t, -value_clip, value_clip)
-        loss     = sum_t mask_t * 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2) / norm
+        loss     = sum_t mask_t * scale_t * 0.5 * max((v_t - R_t)^2, (v_clip_t - R_t)^2) / norm
     Metrics: value_loss (token mean), value_clip_frac, value_mean, value_error (mean |v - R|).
     """
     mask = batch["loss_mask"] > 0
@@ -131,7 +149,7 @@ def value_loss(values: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
             "value_mean": masked_mean(values, mask),
             "value_error": masked_mean((values - returns).abs(), mask),
         }
-    return masked_sum(per_token, mask) / (norm or 1.0), metrics
+    return masked_sum(token_scale(per_token, mask, algo), mask) / (norm or 1.0), metrics
 
 
 def sft_loss(logp: Tensor, batch: dict[str, Tensor], norm: float) -> tuple[Tensor, dict[str, Tensor]]:

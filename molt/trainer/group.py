@@ -80,12 +80,14 @@ class TrainerGroup:
             raise ValueError(f"values() needs the critic, this group is the {self.role}")
         return self._scores(batch)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step over the whole batch (policy: policy_loss; critic: value_loss)."""
+    def train_step(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+        """train.minibatches x train.epochs optimizer steps over the batch (policy: policy_loss; critic:
+        value_loss); `kl_coef` replaces algo.kl.coef for this batch."""
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
         shards, _ = self._shards(batch)
-        return ray.get([w.train_step.remote(s) for w, s in zip(self.workers, shards, strict=True)])[0]
+        return ray.get([w.train_step.remote(s, kl_coef)
+                        for w, s in zip(self.workers, shards, strict=True)])[0]
 
     def _all(self, method: str, *args: Any) -> Any:
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])[0]

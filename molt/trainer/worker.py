@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from molt import refit
-from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss
+from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss, with_kl_coef
 from molt.spec import RunSpec
 from molt.trainer import checkpoint, weights
 from molt.trainer.model import (
@@ -44,6 +44,10 @@ def lr_factor(spec: RunSpec, step: int) -> float:
         return 1.0
     progress = min(1.0, (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps))
     return 0.5 * (1 + math.cos(math.pi * progress)) if train.lr_schedule == "cosine" else 1 - progress
+
+
+# With several updates per batch these are also logged for the last update alone (`<name>_last`).
+LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
 
 
 def _micro_batches(shard: dict[str, torch.Tensor], size: int,
@@ -144,17 +148,48 @@ class TrainerWorker:
         dist.all_reduce(t)
         return (t / self._replicas()).tolist()
 
-    def train_step(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step over this rank's shard; returns globally reduced metrics (same on all ranks)."""
-        spec, algo = self.spec, self.spec.algo
-        mbs = _micro_batches(shard, spec.train.micro_batch_size, self.device)
-        budget = spec.rollout.max_tokens * spec.agent.max_turns  # the response budget of seq norm
-        normalizer = LOSS_NORMS["token"] if self.sft else lambda m, b: loss_normalizer(m, algo, b)
-        norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
-        if norm == 0:  # the same on every rank: all of them raise
-            raise ValueError("train_step got a batch without sampled tokens (loss_mask is all 0)")
+    def train_step(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+        """train.epochs passes over this rank's shard split into train.minibatches row chunks, one
+        optimizer step per chunk; returns globally reduced metrics (same on all ranks). `kl_coef` replaces
+        algo.kl.coef for this batch (the adaptive KL controller's current value).
+
+        With more than one update the policy's old logprobs are computed once here, before the first
+        update, unless the batch brings them; with one update they are the update's own forward."""
+        spec, algo = self.spec, with_kl_coef(self.spec.algo, kl_coef)
+        updates = spec.train.minibatches * spec.train.epochs
+        if updates > 1 and self.role == "policy" and not self.sft and "old_logp" not in shard:
+            shard = dict(shard, old_logp=self.scores(shard))
+        rows = shard["input_ids"].shape[0]
+        # equal row shards on every rank give equal chunks, so every rank steps (or skips) together
+        bounds = [rows * i // spec.train.minibatches for i in range(spec.train.minibatches + 1)]
         self.model.train()
         sums: dict[str, float] = {}
+        grad_norms = []
+        for epoch in range(spec.train.epochs):
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                last = epoch == spec.train.epochs - 1 and hi == rows
+                part = {k: v[lo:hi] for k, v in shard.items()}
+                grad_norm = self._update(part, algo, sums, first_pass=epoch == 0, last=last and updates > 1)
+                if grad_norm is not None:
+                    grad_norms.append(grad_norm)
+        if not grad_norms:  # the same on every rank: all of them raise
+            raise ValueError("train_step got a batch without sampled tokens (loss_mask is all 0)")
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()  # the schedule counts generated batches (train.steps), not updates
+        self.step += 1
+        return self._reduce_metrics(sums, grad_norms, lr)
+
+    def _update(self, part: dict[str, torch.Tensor], algo: Any, sums: dict[str, float], first_pass: bool,
+                last: bool) -> float | None:
+        """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `sums`.
+        Returns the gradient norm, or None when no rank's `part` holds a sampled token (no step)."""
+        spec = self.spec
+        mbs = _micro_batches(part, spec.train.micro_batch_size, self.device)
+        budget = spec.rollout.max_tokens * spec.agent.max_turns  # the response budget of seq norm
+        normalizer = LOSS_NORMS["token"].normalizer if self.sft else lambda m, b: loss_normalizer(m, algo, b)
+        norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
+        if norm == 0:
+            return None
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + float(value)
@@ -174,33 +209,38 @@ class TrainerWorker:
                 if ent is not None:
                     lb["entropy"] = ent
                 loss, metrics = policy_loss(logp, lb, algo, norm)
-                # The gap to the engine, on the tokens sampled by the weights held now (all of them
-                # unless the loop marks older-policy tokens out with `current_mask`).
+                # The gap to the engine, on the tokens sampled by the weights held before the update (all
+                # of them unless the loop marks older-policy tokens out with `current_mask`).
                 current = mask & (mb["current_mask"] > 0) if "current_mask" in mb else mask
-                if "behaviour_logp" in mb and current.any():
-                    gap = (logp.detach() - mb["behaviour_logp"])[current]
+                if first_pass and "behaviour_logp" in mb and current.any():
+                    gap = (lb["old_logp"] - mb["behaviour_logp"])[current]
                     add("mismatch/tokens", gap.numel())
                     add("mismatch/abs_sum", gap.abs().sum())
                     add("mismatch/k3_sum", (gap.exp() - 1 - gap).sum())  # k3 of KL(engine || trainer)
                     sums["mismatch/abs_max"] = max(sums.get("mismatch/abs_max", 0.0), float(gap.abs().max()))
             loss.backward()
             add("loss", loss.detach())
-            add("tokens", n_tok)
+            add("weight", n_tok)
+            if first_pass:
+                add("tokens", n_tok)
             for key, value in metrics.items():
                 add(f"w/{key}", float(value) * n_tok)  # token-weighted means across micro-batches/ranks
+                if last and key in LAST_UPDATE_METRICS:
+                    add(f"l/{key}", float(value) * n_tok)
+            if last:
+                add("l/weight", n_tok)
         # Parameters replicated over tensor-parallel ranks (norms) got each rank's part of the gradient:
         # reduce them once; then clip with AutoModel, which groups gradients by mesh (TP and FSDP
         # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix).
         synchronize_tp_replica_gradients([self.model], self.mesh)
         grad_norm = clip_grad_norm(spec.train.grad_clip, [self.model])
-        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return self._reduce_metrics(sums, float(grad_norm), lr)
+        return float(grad_norm)
 
-    def _reduce_metrics(self, sums: dict[str, float], grad_norm: float, lr: float) -> dict[str, float]:
+    def _reduce_metrics(self, sums: dict[str, float], grad_norms: list[float], lr: float) -> dict[str, float]:
+        """Means over the batch's updates: loss and grad_norm per update, the rest token-weighted; `tokens`
+        counts the batch once; `<metric>_last` (several updates) is the last update's alone."""
         keys = sorted(k for k in sums if k != "mismatch/abs_max")
         # every rank must join the same all-reduce even when its shard held no sampled tokens
         objs: list[Any] = [None] * dist.get_world_size()
@@ -209,11 +249,17 @@ class TrainerWorker:
         total = dict(zip(keys, self._all_sum([sums.get(k, 0.0) for k in keys]), strict=True))
         peak = torch.tensor([sums.get("mismatch/abs_max", 0.0)], device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        tokens = max(total.pop("tokens"), 1.0)
-        out = {"loss": total.pop("loss"), "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
+        updates = len(grad_norms)
+        out = {"loss": total.pop("loss") / updates, "grad_norm": sum(grad_norms) / updates, "lr": lr,
+               "tokens": max(total.pop("tokens", 0.0), 1.0)}
+        if self.spec.train.minibatches * self.spec.train.epochs > 1:
+            out["updates"] = float(updates)
+        weight, last_weight = max(total.pop("weight"), 1.0), max(total.pop("l/weight", 0.0), 1.0)
         for key, value in total.items():
             if key.startswith("w/"):
-                out[key[2:]] = value / tokens
+                out[key[2:]] = value / weight
+            elif key.startswith("l/"):
+                out[f"{key[2:]}_last"] = value / last_weight
         if "mismatch/abs_sum" in total:
             out["mismatch/abs_mean"] = total["mismatch/abs_sum"] / total["mismatch/tokens"]
             out["mismatch/kl_k3"] = total["mismatch/k3_sum"] / total["mismatch/tokens"]

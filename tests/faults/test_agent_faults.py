@@ -14,9 +14,10 @@ import pytest
 from faultlib import FAULTY, small_spec
 
 from molt.agents import load_agent_runner
-from molt.loop import drop_failed, learn, rollout_metrics
+from molt.loop import learn
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import Router
+from molt.select import drop_failed, rollout_metrics
 
 ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 15.0s",
           "nan": "reward must be a finite number, got nan",

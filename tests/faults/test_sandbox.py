@@ -24,8 +24,8 @@ from faultlib import REPO, small_spec
 from molt.agents import StepEnvRunner, load_agent_runner
 from molt.agents import sandbox as sandbox_module
 from molt.agents.sandbox import SandboxUnavailable, run_python
-from molt.loop import drop_failed, rollout_metrics
 from molt.rollout.router import Router
+from molt.select import drop_failed, rollout_metrics
 from molt.spec import AgentSpec
 
 TOOL_ENV = str(REPO / "examples" / "agents" / "tool_env.py")

@@ -1,0 +1,91 @@
+"""Which rollouts a step trains on, and with which rewards.
+
+    take a batch from the pool (dynamic sampling: refill it while the filters drop groups)
+    → statistics of everything generated → drop failed rollouts → filters → reward transforms
+
+All of it reads config (`agent.on_failure`, `algo.filters`, `algo.reward`); the loop calls it without
+knowing which algorithm runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from molt.algo import apply_filters, shape_rewards
+from molt.rollout.pool import RolloutPool
+from molt.spec import RunSpec
+from molt.trajectory import Rollout
+
+
+def rollout_metrics(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, float]:
+    """Reward and failure statistics of the whole batch; stops the run on too many failures."""
+    ok = [r for r in rollouts if r.ok]
+    failed = len(rollouts) - len(ok)
+    if rollouts and failed / len(rollouts) > spec.agent.max_failure_rate:
+        errors = sorted({r.error for r in rollouts if r.error})[:3]
+        raise RuntimeError(f"{failed}/{len(rollouts)} rollouts failed, above agent.max_failure_rate="
+                           f"{spec.agent.max_failure_rate}; first errors: {errors}")
+    rewards = torch.tensor([r.reward for r in ok] or [0.0])
+    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(ok) > 1 else 0.0,
+           "rollout/failed": float(failed), "rollout/count": float(len(rollouts)),
+           "tokens/sampled": float(sum(r.num_sampled for r in rollouts)),
+           "rollout/segments_per": sum(len(r.segments) for r in ok) / max(len(ok), 1)}
+    for key in sorted({k for r in ok for k in r.info}):
+        values = [float(r.info[key]) for r in ok if key in r.info]
+        out[f"info/{key}"] = sum(values) / len(values)
+    return out
+
+
+def drop_failed(spec: RunSpec, rollouts: list[Rollout]) -> list[Rollout]:
+    """agent.on_failure: drop the whole group of a failed rollout, or only the failed rollout."""
+    if spec.agent.on_failure == "drop_group":
+        bad_groups = {r.group_id for r in rollouts if not r.ok}
+        return [r for r in rollouts if r.group_id not in bad_groups]
+    return [r for r in rollouts if r.ok]
+
+
+def filter_rollouts(spec: RunSpec, rollouts: list[Rollout]) -> tuple[list[Rollout], dict[str, float]]:
+    """The rollouts left after `drop_failed` and `algo.filters`, in order, and `filter/*` metrics."""
+    kept = drop_failed(spec, rollouts)
+    rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
+    scores = torch.tensor([r.reward if r.score is None else r.score for r in kept], dtype=torch.float32)
+    group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in kept))}
+    group_ids = torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long)
+    truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length" for r in kept])
+    keep, filter_metrics = apply_filters(rewards, scores, group_ids, truncated, spec.algo)
+    metrics = {f"filter/{k.removeprefix('filter_')}": float(v) for k, v in filter_metrics.items()}
+    return [kept[i] for i in keep.tolist()], metrics
+
+
+def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, dict[str, float]]:
+    """[R] rewards of the kept rollouts after `algo.reward`'s transforms, and `reward/*` metrics."""
+    rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
+    lengths = torch.tensor([r.num_sampled for r in kept], dtype=torch.float32)
+    budget = spec.rollout.max_tokens * spec.agent.max_turns
+    rewards, metrics = shape_rewards(rewards, lengths, spec.algo, budget)
+    return rewards, {f"reward/{k.removeprefix('reward_')}": float(v) for k, v in metrics.items()}
+
+
+async def take_batch(pool: RolloutPool, spec: RunSpec) -> tuple[list[list[Rollout]], dict[str, float]]:
+    """train.prompts_per_step groups from the pool; with algo.filters.refill_max_groups > 0, more groups
+    while fewer than that survive the filters (dynamic sampling, DAPO), at most that many extra.
+
+    Returns every group generated (the filters run again in `learn`, so statistics and dumps cover
+    all of them and the update sees exactly the survivors) and `filter/refill_groups` (extra groups
+    generated), `filter/informative_groups` (groups that survive) and `filter/short_groups` (how many the
+    batch still lacks when the bound or the prompts ran out)."""
+    want, bound = spec.train.prompts_per_step, spec.algo.filters.refill_max_groups
+    groups = await pool.next_batch(want)
+    if not bound:
+        return groups, {}
+    informative = sum(bool(filter_rollouts(spec, g)[0]) for g in groups)
+    extra = 0
+    while informative < want and extra < bound:
+        more = await pool.next_batch(min(want - informative, bound - extra))
+        if not more:
+            break                               # the prompts ran out
+        extra += len(more)
+        informative += sum(bool(filter_rollouts(spec, g)[0]) for g in more)
+        groups += more
+    return groups, {"filter/refill_groups": float(extra), "filter/informative_groups": float(informative),
+                    "filter/short_groups": float(max(want - informative, 0))}

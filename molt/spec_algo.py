@@ -1,0 +1,166 @@
+"""The `algo` and `train` sections of the run spec (molt/spec.py composes them into RunSpec).
+
+`Strict` lives here, below molt/spec.py, so both modules share one base without an import cycle.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainSpec(Strict):
+    steps: int = Field(100, description="optimizer steps (one batch of prompt groups each)")
+    prompts_per_step: int = Field(8, description="prompt groups per optimizer step")
+    micro_batch_size: int = Field(16, description="most sequences per forward/backward, per rank")
+    lr: float = Field(5e-4, description="AdamW learning rate of the policy")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="after warm-up: constant, or cosine / linear decay to 0 at train.steps")
+    warmup_steps: int = Field(0, description="steps of linear learning-rate warm-up")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, description="clip the global gradient norm to this")
+    critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
+    save_every: int = Field(0, description="checkpoint every N steps (0 = only at the end)")
+    eval_every: int = Field(0, description="evaluate on the data.eval sets every N steps (0 = never)")
+    objective: Literal["rl", "sft"] = Field(
+        "rl", description="rl: the agent loop; sft: NLL on assistant tokens (set by python -m molt.sft)")
+    export_hf: bool = Field(
+        False, description="every checkpoint also writes a Hugging Face folder, <checkpoint>/hf")
+    best_metric: str | None = Field(
+        None, description="eval metric that picks the best checkpoint (kept), e.g. eval/NAME/pass@1")
+    best_mode: Literal["max", "min"] = Field(
+        "max", description="train.best_metric is better when larger (max) or smaller (min)")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per generated batch: its rows split "
+                             "into this many chunks (old logprobs computed once before the first)")
+    epochs: int = Field(1, ge=1, description="passes over each generated batch (train.minibatches steps "
+                        "each)")
+    critic_warmup_steps: int = Field(0, ge=0, description="first N batches train only the critic (gae); "
+                                     "the policy and the engines stay unchanged")
+
+
+def _registered_name(what: str, value: str, registry: dict[str, Any]) -> str:
+    """`value` if it names an entry of `registry`, else an error with the nearest name and the list."""
+    if value not in registry:
+        near = difflib.get_close_matches(value, list(registry), n=1, cutoff=0.5)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise ValueError(f"unknown {what} '{value}'{hint}; registered: {', '.join(sorted(registry))}")
+    return value
+
+
+class LossSpec(Strict):
+    policy: str = Field("ppo", description="policy surrogate, by registered name: ppo (clip), gspo "
+                        "(sequence ratio and clip), cispo (clipped, stop-gradient IS weight)")
+    eps_low: float = Field(0.2, description="clip: the ratio's (gspo: sequence ratio's; cispo: IS weight's) "
+                           "lower bound is 1-eps_low")
+    eps_high: float = Field(0.2, description="clip: the upper bound is 1+eps_high")
+    dual_clip: float | None = Field(None, description="c > 1 bounds the loss of negative-advantage tokens "
+                                    "(policy=ppo)")
+    norm: Literal["token", "seq", "seq-mean-token-mean"] = Field(
+        "token", description="token: global token mean; seq: per-sequence constant (Dr.GRPO); "
+        "seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO)")
+    value_clip: float = Field(0.2, description="critic: largest value change from the old values")
+    entropy_coef: float = Field(0.0, description="entropy bonus weight (0 = off)")
+
+    @field_validator("policy")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from molt.algo import POLICY_LOSSES  # lazy: molt.algo imports this module's types
+
+        return _registered_name("algo.loss.policy", value, POLICY_LOSSES)
+
+    @model_validator(mode="after")
+    def _dual_clip(self) -> LossSpec:
+        if self.dual_clip is not None and self.policy != "ppo":
+            raise ValueError(f"algo.loss.dual_clip bounds PPO's clipped objective; policy={self.policy} has "
+                             "no such term: set dual_clip=null")
+        return self
+
+
+class CorrectionSpec(Strict):
+    level: Literal["off", "token", "seq", "geo"] = Field(
+        "off", description="importance ratio gated: per token, sequence product or its geometric mean")
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+    mode: Literal["mask", "clip", "trunc"] = Field(
+        "trunc", description="outside [low, high]: mask drops, clip clamps, trunc caps at high (TIS)")
+    low: float = Field(0.0, description="lower end of the accepted ratio band")
+    high: float = Field(2.0, description="upper end of the accepted ratio band")
+
+    @model_validator(mode="after")
+    def _band(self) -> CorrectionSpec:
+        if not self.low < self.high:
+            raise ValueError(f"correction band low={self.low} must be below high={self.high}")
+        return self
+
+
+class KLSpec(Strict):
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL(policy || reference) estimator")
+    coef: float = Field(0.0, description="KL penalty weight (0 = off; > 0 needs model.reference); with "
+                        "target: the initial weight")
+    in_reward: bool = Field(False, description="fold the KL penalty into the reward instead of the loss")
+    target: float | None = Field(None, gt=0, description="adaptive KL (Ziegler et al.): steer coef so the "
+                                 "mean KL per sampled token approaches this (null = fixed coef)")
+    horizon: int = Field(10000, ge=1, description="adaptive KL: rollouts over which coef may change by "
+                         "a factor e^0.2")
+
+    @model_validator(mode="after")
+    def _adaptive(self) -> KLSpec:
+        if self.target is not None and self.coef <= 0:
+            raise ValueError("algo.kl.target needs an initial algo.kl.coef > 0 (the controller scales it)")
+        return self
+
+
+class RewardSpec(Strict):
+    overlong_buffer_frac: float = Field(0.0, ge=0, lt=1, description="DAPO soft overlong penalty: this "
+                                        "share of the response budget, at its end, costs up to "
+                                        "overlong_penalty, linearly (DAPO: 0.2; 0 = off)")
+    overlong_penalty: float = Field(1.0, ge=0, description="the overlong penalty at the full budget")
+    clip: float | None = Field(None, gt=0, description="clip each rollout's reward to [-clip, clip]")
+    normalize: Literal["off", "batch"] = Field(
+        "off", description="batch: (r - mean) / (std + 1e-6) over the batch's rollouts")
+
+    @field_validator("normalize", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+
+class FilterSpec(Strict):
+    drop_equal_rewards: bool = Field(
+        False, description="dynamic sampling: drop groups whose rewards are all equal")
+    score_range: tuple[float, float] | None = Field(
+        None, description="keep only groups whose mean score lies inside [low, high]")
+    drop_truncated: bool = Field(False, description="drop responses cut off at max_tokens")
+    refill_max_groups: int = Field(0, ge=0, description="dynamic sampling: generate up to this many extra "
+                                   "groups per step to replace groups the filters drop (0 = train on fewer)")
+
+
+class AlgoSpec(Strict):
+    estimator: str = Field("grpo", description="advantage estimator, by registered name")
+    gamma: float = Field(1.0, description="discount of later rewards (reinforce_pp, gae)")
+    lam: float = Field(1.0, description="GAE lambda")
+    distill_coef: float = Field(1.0, description="on_policy_distill: weight of the teacher log-ratio")
+    loss: LossSpec = Field(default_factory=LossSpec, description="the clipped policy loss")
+    correction: CorrectionSpec = Field(default_factory=CorrectionSpec,
+                                       description="importance correction of trainer vs engine logprobs")
+    kl: KLSpec = Field(default_factory=KLSpec, description="KL regularization to model.reference")
+    filters: FilterSpec = Field(default_factory=FilterSpec, description="batch filters before the update")
+    reward: RewardSpec = Field(default_factory=RewardSpec,
+                               description="reward shaping, clipping, normalization (after the filters)")
+
+    @field_validator("estimator")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from molt.algo import ESTIMATORS  # lazy: molt.algo imports this module's types
+
+        return _registered_name("estimator", value, ESTIMATORS)
