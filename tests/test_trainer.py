@@ -385,3 +385,28 @@ def test_minibatches_and_epochs_match_a_single_process_reference(ray_session, ti
     assert m["approx_kl_last"] == pytest.approx(ref[-1]["approx_kl"], rel=1e-3, abs=1e-9)
     with pytest.raises(ValueError, match="train.minibatches=9"):
         make_spec(tiny_model_path, minibatches=9)   # 8 rows per rank
+
+
+def test_critic_warmup_trains_the_critic_alone(ray_session, tiny_model_path) -> None:
+    """A warm-up step (train.critic_warmup_steps) runs learn() with train_policy=False: the critic takes
+    its step and the policy is never called (None here would raise), the step is marked."""
+    import asyncio
+
+    from molt.loop import learn
+    from molt.trajectory import Rollout
+
+    spec = make_spec(tiny_model_path, critic_lr=1e-3)
+    spec.model.critic, spec.algo.estimator = True, "gae"
+    segs = segments(11)
+    rollouts = [Rollout(s.rollout_id, s.group_id, [s], reward=float(i % 2)) for i, s in enumerate(segs)]
+    critic = TrainerGroup(spec, "critic")
+    b = make_batch(segs)
+    before = critic.values(b)
+    metrics = asyncio.run(learn(spec, rollouts, None, None, critic, 0, 0, train_policy=False))
+    after = critic.values(b)
+    critic.shutdown()
+    assert metrics["train/critic_warmup"] == 1.0 and "critic/value_loss" in metrics
+    assert "train/loss" not in metrics and "mismatch/mean_abs" not in metrics   # no policy step
+    assert float((after - before)[b["loss_mask"] > 0].abs().max()) > 1e-4
+    with pytest.raises(ValueError, match="critic_warmup_steps"):
+        make_spec(tiny_model_path, critic_warmup_steps=1)   # no critic

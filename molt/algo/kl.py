@@ -40,7 +40,7 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2
 
 
 def adaptive_kl_coef(coef: float, kl: float, rollouts: int, spec: KLSpec) -> float:
-    """Next KL weight of the adaptive controller (Ziegler et al. 2019, arXiv 1909.08593, sec. 2.2; TRL's
+    """Next KL weight of the adaptive controller (Ziegler et al. 2019, arXiv 1909.08593; TRL's
     AdaptiveKLController): e = clip(kl / target - 1, -0.2, 0.2), coef <- coef * (1 + e * rollouts / horizon).
     `kl` is the batch's mean KL per sampled token; `coef` is returned unchanged when spec.target is null."""
     if spec.target is None:

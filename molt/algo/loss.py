@@ -58,9 +58,9 @@ def loss_normalizer(loss_mask: Tensor, algo: AlgoSpec, max_tokens: int) -> float
 
     `loss_mask` [B, T]. token norm: number of unmasked tokens. seq norm (Dr.GRPO): number of sequences
     with at least one unmasked token times the constant `max_tokens` (the response budget), so a long
-    response does not dilute its tokens' gradient. seq-mean-token-mean (the original GRPO, Shao et al.
-    2024 eq. 3; verl's loss_agg_mode of that name): number of sequences with an unmasked token, each
-    token's loss scaled by 1/(its sequence's unmasked tokens) (`token_scale`). Sum over micro-batches
+    response does not dilute its tokens' gradient. seq-mean-token-mean (the original GRPO: Shao et al.
+    2024, DeepSeekMath; verl's loss_agg_mode of that name): number of sequences with an unmasked token,
+    each token's loss scaled by 1/(its sequence's unmasked tokens) (`token_scale`). Sum over micro-batches
     and all-reduce over ranks.
     """
     return LOSS_NORMS[algo.loss.norm].normalizer(loss_mask, max_tokens)

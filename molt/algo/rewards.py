@@ -20,7 +20,7 @@ EPS = 1e-6
 
 
 def overlong_penalty(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: int) -> Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to the reward;
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476), added to the reward;
     with L_max = budget, L_cache = overlong_buffer_frac * budget, p = overlong_penalty:
 
         0                                   |y| <= L_max - L_cache

@@ -29,7 +29,7 @@ def _frac(x: Tensor, mask: Tensor) -> Tensor:
 
 def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
         spec: LossSpec) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip per token (Schulman et al. 2017, eq. 7), with optional dual clip (Ye et al. 2020):
+    """PPO-clip per token (Schulman et al. 2017, L^CLIP), with optional dual clip (Ye et al. 2020):
 
         ratio_t = exp(logp_t - old_logp_t)
         pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
@@ -53,8 +53,9 @@ def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
 
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
          spec: LossSpec) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO-token (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071, eq. 13-14;
-    verl's compute_policy_loss_gspo): the ratio is the sequence's length-normalized likelihood ratio,
+    """GSPO-token, the token-level form of GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization",
+    arXiv 2507.18071; verl's compute_policy_loss_gspo): the ratio is the sequence's length-normalized
+    likelihood ratio,
 
         s_i     = exp( (1/|y_i|) * sum_t (logp_t - old_logp_t) )            (one per row, detached)
         s_i,t   = sg[s_i] * exp(logp_t - sg[logp_t])                         (value s_i, grad per token)
@@ -77,8 +78,8 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
 
 def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
           spec: LossSpec) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): clip the importance weight, not the update, so no
-    token loses its gradient:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update, so no token
+    loses its gradient:
 
         r_t  = exp(logp_t - old_logp_t),   w_t = sg[clip(r_t, 1 - eps_low, 1 + eps_high)]
         pg_t = -w_t * A_t * logp_t                                   (grad: -w_t * A_t * d logp_t)

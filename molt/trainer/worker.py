@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from molt import refit
 from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss, with_kl_coef
-from molt.spec import RunSpec
+from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import checkpoint, weights
 from molt.trainer.model import (
     DTYPES,
@@ -179,7 +179,7 @@ class TrainerWorker:
         self.step += 1
         return self._reduce_metrics(sums, grad_norms, lr)
 
-    def _update(self, part: dict[str, torch.Tensor], algo: Any, sums: dict[str, float], first_pass: bool,
+    def _update(self, part: dict[str, torch.Tensor], algo: AlgoSpec, sums: dict[str, float], first_pass: bool,
                 last: bool) -> float | None:
         """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `sums`.
         Returns the gradient norm, or None when no rank's `part` holds a sampled token (no step)."""

@@ -1,0 +1,101 @@
+"""Reward transforms, the adaptive KL controller and dynamic sampling against hand computations."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from molt.algo import adaptive_kl_coef, shape_rewards, with_kl_coef
+from molt.rollout.pool import RolloutPool
+from molt.select import filter_rollouts, take_batch
+from molt.spec import AlgoSpec, KLSpec, RunSpec
+from molt.trajectory import Rollout, Segment
+
+
+def algo(**kw) -> AlgoSpec:
+    return AlgoSpec.model_validate(kw)
+
+
+def test_overlong_penalty_clip_and_normalize_by_hand():
+    # budget 10, band 0.2 -> the last 2 tokens: length 8 is free, 9 is half-way (-0.5 * p), 10 is -p.
+    spec = algo(reward={"overlong_buffer_frac": 0.2, "overlong_penalty": 0.6})
+    rewards, lengths = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([3.0, 8.0, 9.0, 10.0])
+    out, m = shape_rewards(rewards, lengths, spec, budget=10)
+    assert out.tolist() == pytest.approx([1.0, 1.0, -0.3, -0.6])
+    assert m["reward_overlong_frac"].item() == 0.5 and m["reward_shaped_mean"].item() == pytest.approx(0.275)
+    # then clip to [-0.5, 0.5] and normalize over the batch: [0.5, 0.5, -0.3, -0.5] has mean 0.05
+    spec = algo(reward={"overlong_buffer_frac": 0.2, "overlong_penalty": 0.6, "clip": 0.5,
+                        "normalize": "batch"})
+    out, _ = shape_rewards(rewards, lengths, spec, budget=10)
+    clipped = torch.tensor([0.5, 0.5, -0.3, -0.5])
+    expected = (clipped - 0.05) / (clipped.std(correction=0) + 1e-6)
+    assert out.tolist() == pytest.approx(expected.tolist())
+    # defaults: nothing changes, no metric
+    same, m = shape_rewards(rewards, lengths, algo(), budget=10)
+    assert same is rewards and m == {}
+
+
+def test_adaptive_kl_controller_by_hand():
+    spec = KLSpec(coef=0.1, target=0.02, horizon=1000)
+    # kl 0.03: error 0.5 clipped to 0.2; 64 rollouts: coef * (1 + 0.2 * 64 / 1000)
+    assert adaptive_kl_coef(0.1, 0.03, 64, spec) == pytest.approx(0.1 * 1.0128)
+    # kl 0.019: error -0.05
+    assert adaptive_kl_coef(0.1, 0.019, 100, spec) == pytest.approx(0.1 * (1 - 0.05 * 0.1))
+    assert adaptive_kl_coef(0.1, 5.0, 100, KLSpec(coef=0.1)) == 0.1   # no target: fixed
+    assert with_kl_coef(algo(kl={"coef": 0.1}), 0.3).kl.coef == 0.3
+    with pytest.raises(ValueError, match="initial algo.kl.coef"):
+        KLSpec(target=0.1)
+
+
+# Dynamic sampling on the loop's own pool, with an agent whose reward is fixed by the prompt item:
+# "mixed" groups have rewards 0 and 1 (informative), "flat" groups all 1 (dropped by drop_equal_rewards).
+KINDS = ["flat", "mixed", "flat", "flat", "mixed", "flat", "mixed", "mixed", "flat", "flat"]
+
+
+async def _rollout(item: dict, group_id: str, index: int) -> Rollout:
+    rid = f"{group_id}-{index}"
+    seg = Segment(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0],
+                  rollout_id=rid, group_id=group_id)
+    reward = float(index % 2) if item["kind"] == "mixed" else 1.0
+    return Rollout(rollout_id=rid, group_id=group_id, segments=[seg], reward=reward)
+
+
+def _take(refill: int) -> tuple[list[list[Rollout]], dict[str, float], RunSpec]:
+    spec = RunSpec.model_validate({
+        "train": {"prompts_per_step": 4},
+        "rollout": {"samples_per_prompt": 2},
+        "algo": {"filters": {"drop_equal_rewards": True, "refill_max_groups": refill}},
+    })
+
+    async def run():
+        pool = RolloutPool(iter([{"kind": k} for k in KINDS]), _rollout, 2, 4, 1, refill_during_batch=False)
+        try:
+            return await take_batch(pool, spec)
+        finally:
+            await pool.close()
+
+    groups, metrics = asyncio.run(run())
+    return groups, metrics, spec
+
+
+def test_dynamic_sampling_refills_to_the_informative_target():
+    # first batch: items 0-3, one mixed; refill 3 (items 4-6): two mixed; refill 1 (item 7): mixed -> 4.
+    groups, metrics, spec = _take(refill=8)
+    assert [g[0].group_id for g in groups] == [f"g{i}" for i in range(8)]
+    assert metrics == {"filter/refill_groups": 4.0, "filter/informative_groups": 4.0,
+                       "filter/short_groups": 0.0}
+    kept, filter_metrics = filter_rollouts(spec, [r for g in groups for r in g])
+    assert sorted({r.group_id for r in kept}) == ["g1", "g4", "g6", "g7"] and len(kept) == 8
+    assert filter_metrics["filter/drop_equal_rewards_dropped"] == 8.0
+
+
+def test_dynamic_sampling_is_bounded_and_reports_the_shortfall():
+    # bound 2: one refill of 2 (items 4, 5), one of them mixed: 2 informative groups, 2 short
+    groups, metrics, _ = _take(refill=2)
+    assert len(groups) == 6
+    assert metrics == {"filter/refill_groups": 2.0, "filter/informative_groups": 2.0,
+                       "filter/short_groups": 2.0}
+    groups, metrics, _ = _take(refill=0)   # off: today's batch, no metric
+    assert len(groups) == 4 and metrics == {}
