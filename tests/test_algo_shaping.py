@@ -45,6 +45,16 @@ def test_adaptive_kl_controller_by_hand():
     assert adaptive_kl_coef(0.1, 0.019, 100, spec) == pytest.approx(0.1 * (1 - 0.05 * 0.1))
     assert adaptive_kl_coef(0.1, 5.0, 100, KLSpec(coef=0.1)) == 0.1   # no target: fixed
     assert with_kl_coef(algo(kl={"coef": 0.1}), 0.3).kl.coef == 0.3
+    # the loop's step: the reward's KL when folded in, else the loss's; a step without one keeps coef
+    from molt.loop import next_kl_coef
+
+    run = RunSpec.model_validate({"model": {"reference": "policy"},
+                                  "algo": {"kl": {"coef": 0.1, "target": 0.02, "horizon": 1000}}})
+    step = {"rollout/count": 64.0, "train/kl": 0.019, "adv/kl_in_reward": 0.03}
+    assert next_kl_coef(run, 0.1, step) == pytest.approx(0.1 * 1.0128)
+    step.pop("adv/kl_in_reward")
+    assert next_kl_coef(run, 0.1, step) == pytest.approx(0.1 * (1 - 0.05 * 0.064))
+    assert next_kl_coef(run, 0.1, {"rollout/count": 64.0}) == 0.1
     with pytest.raises(ValueError, match="initial algo.kl.coef"):
         KLSpec(target=0.1)
 
