@@ -68,7 +68,7 @@ def test_unified_and_exit_codes(capsys):
     ("nope", "nope: unknown experiment 'nope'; available: dsv3_ep256, qwen30b_tools, qwen3_4b_math, tiny"),
     ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: dsv3_ep256,"),
     (str(REPO / "docs"), "a directory without spec.yaml (not a run directory)"),
-    ("tiny algo=nope", "tiny algo=nope: unknown algo 'nope'; available: dr_grpo, gae, grpo,"),
+    ("tiny algo=nope", "tiny algo=nope: unknown algo 'nope'; available: cispo, dapo, dr_grpo, gae, grpo,"),
     ("tiny train.lrr=1", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
     ("tiny algo=[", "tiny algo=[: "),
     ("experiments/tiny.yaml@no-such-rev", "fatal: invalid object name 'no-such-rev'"),

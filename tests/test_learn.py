@@ -78,7 +78,7 @@ def test_learn_trains_exactly_the_estimators_advantages(trainers):
     policy = Recording(trainers[0])
     batch_in = rollouts()
     metrics = asyncio.run(learn(spec, batch_in, policy, None, None, 0, 0))
-    [((batch,), _)] = policy.calls["train_step"]
+    [((batch, *_), _)] = policy.calls["train_step"]   # (batch, kl_coef)
     kept = [r for r in batch_in if r.group_id != "g1"]
     assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == 7
     rows = rows_by_rollout(batch, kept)
@@ -99,7 +99,7 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainers
     policy, critic = Recording(trainers[0]), Recording(trainers[1])
     batch_in = rollouts()
     asyncio.run(learn(spec, batch_in, policy, None, critic, 0, 0))
-    [((batch,), _)] = policy.calls["train_step"]
+    [((batch, *_), _)] = policy.calls["train_step"]   # (batch, kl_coef)
     [(_, values)] = critic.calls["values"]
     [((critic_batch,), _)] = critic.calls["train_step"]
     kept = [r for r in batch_in if r.group_id != "g1"]
