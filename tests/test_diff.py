@@ -37,7 +37,7 @@ def test_text_output_puts_group_choices_first_and_keeps_free_dicts_on_one_line(c
     n = len(key_diff(compose([]), compose(["+experiment=qwen30b_tools"])))
     assert lines[0] == f"{EXPERIMENTS / 'tiny.yaml'} -> qwen30b_tools: {n} key(s) differ"
     assert lines[1].split() == ["groups", "experiment", "tiny", "->", "qwen30b_tools"]
-    assert ["algo", "reinforce_pp", "->", "grpo_seq_mask_tis"] in [line.split() for line in lines[2:6]]
+    assert ["algo", "grpo", "->", "grpo_seq_mask_tis"] in [line.split() for line in lines[2:6]]
     sections = [line.split()[0] for line in lines[1:] if not line.startswith(" ")]
     assert sections == ["groups", "run", "model", "parallel", "rollout", "train", "algo", "agent", "data"]
     [tiny] = [line for line in lines if line.split()[0] == "tiny"]   # model.tiny, under "model"
@@ -50,9 +50,9 @@ def test_markdown_table_for_a_pull_request(capsys):
     assert code == 1
     assert out.splitlines()[0] == "**`tiny` → `tiny algo=rloo train.lr=1e-4`**: 2 key(s) differ"
     assert "\n".join(["| key | `tiny` | `tiny algo=rloo train.lr=1e-4` |", "|---|---|---|",
-                      "| **groups** | | |", "| `algo` | `reinforce_pp` | `rloo` |",
+                      "| **groups** | | |", "| `algo` | `grpo` | `rloo` |",
                       "| **train** | | |", "| `train.lr` | `0.0005` | `0.0001` |"]) in out
-    assert "| `algo.estimator` | `reinforce_pp` | `rloo` |" in out
+    assert "| `algo.estimator` | `grpo` | `rloo` |" in out
 
 
 def test_unified_and_exit_codes(capsys):
@@ -65,7 +65,8 @@ def test_unified_and_exit_codes(capsys):
 
 
 @pytest.mark.parametrize("side, fragment", [
-    ("nope", "nope: unknown experiment 'nope'; available: dsv3_ep256, qwen30b_tools, qwen3_4b_math, tiny"),
+    ("nope", "nope: unknown experiment 'nope'; available: "
+             + ", ".join(sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")))),
     ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: dsv3_ep256,"),
     (str(REPO / "docs"), "a directory without spec.yaml (not a run directory)"),
     ("tiny algo=nope", "tiny algo=nope: unknown algo 'nope'; available: cispo, dapo, dr_grpo, gae, grpo,"),
