@@ -23,6 +23,7 @@ from molt import refit
 from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss
 from molt.spec import RunSpec
 from molt.trainer import checkpoint, weights
+from molt.trainer.batch import image_inputs
 from molt.trainer.model import (
     DTYPES,
     build_model,
@@ -46,6 +47,9 @@ def lr_factor(spec: RunSpec, step: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress)) if train.lr_schedule == "cosine" else 1 - progress
 
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (molt.trainer.batch)
+
+
 def _micro_batches(shard: dict[str, torch.Tensor], size: int,
                    device: torch.device) -> list[dict[str, torch.Tensor]]:
     # Trim each micro-batch to its longest row: right padding never influences earlier tokens.
@@ -53,7 +57,7 @@ def _micro_batches(shard: dict[str, torch.Tensor], size: int,
     for start in range(0, shard["input_ids"].shape[0], size):
         mb = {k: v[start:start + size] for k, v in shard.items()}
         length = int(mb["attention_mask"].sum(-1).max())
-        out.append({k: v[:, :length].to(device) for k, v in mb.items()})
+        out.append({k: (v if k in IMAGE_KEYS else v[:, :length]).to(device) for k, v in mb.items()})
     return out
 
 
@@ -90,6 +94,7 @@ class TrainerWorker:
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
         self.model = build_model(self.spec, self.role, setup)
+        self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
         # The loss is already a global SUM / global normalizer per rank, so FSDP must sum gradients
         # across data shards instead of averaging them. Gloo has no pre-multiplied sum: force plain sums.
         for module in self.model.modules():
@@ -110,9 +115,10 @@ class TrainerWorker:
     def _scores(self, mb: dict[str, torch.Tensor], entropy: bool = False):
         """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device."""
         routes = mb.get("routed_experts") if self.spec.model.router_replay else None
+        images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
         with replay_routes(self.model, routes):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                                use_cache=False).logits.float()
+                                use_cache=False, **images).logits.float()
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
