@@ -59,6 +59,14 @@ def test_images_in_rows_become_data_urls(tmp_path) -> None:
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     items = PromptDataset(tmp_path / "d.jsonl", DataSpec())
     assert [i["messages"][0]["content"] for i in items] == [[{"type": "image", "image": url}]] * 3
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parts = [{"type": "image", "image": raw, "text": None}, {"type": "text", "image": None, "text": "q"}]
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": parts}], "label": "1"}]),
+                   tmp_path / "d.parquet")
+    [row] = PromptDataset(tmp_path / "d.parquet", DataSpec())
+    assert row["messages"][0]["content"][0] == {"type": "image", "image": url}
     rows[0]["messages"][0]["content"][0]["image"] = "missing.png"
     (tmp_path / "d.jsonl").write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:1: .*image file not found: 'missing.png'"):

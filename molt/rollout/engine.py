@@ -99,9 +99,13 @@ class EngineActor:
                              f"{self.max_model_len} (rollout.prompt_too_long=reject)")
         return list(prompt_ids[-room:])    # keep the most recent context; returned as prompt_ids
 
-    def _prompt(self, prompt_ids: list[int], images: list[str] | None) -> Any:
+    def _prompt(self, prompt_ids: list[int], images: list[str] | None, request_id: str) -> Any:
         """vLLM's prompt: the ids (fitted), or, with images, the ids with one placeholder per image (vLLM
-        expands each to the image's patch count itself; a prompt sent already expanded is collapsed)."""
+        expands each to the image's patch count itself; a prompt sent already expanded is collapsed).
+
+        Each request's images get ids of their own: vLLM 0.32 shares one encoder-cache entry between
+        concurrent requests with the same image, and under a group's concurrent samples that entry was
+        freed before a request had read it ("Encoder cache miss", which kills the engine)."""
         from vllm.inputs import TokensPrompt
 
         if not images:
@@ -112,7 +116,8 @@ class EngineActor:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens with images does not fit "
                              f"model.max_model_len={self.max_model_len}")
         return TokensPrompt(prompt_token_ids=collapse(list(prompt_ids), self.image_token),
-                            multi_modal_data={"image": [decode(u) for u in images]})
+                            multi_modal_data={"image": [decode(u) for u in images]},
+                            multi_modal_uuids={"image": [f"{request_id}/{k}" for k in range(len(images))]})
 
     async def generate(self, prompt_ids: list[int], sampling: dict, request_id: str | None = None,
                        images: list[str] | None = None) -> dict:
@@ -122,9 +127,9 @@ class EngineActor:
         The result's `sampling` is the [temperature, top_p, top_k] vLLM applied. `images` (data URLs, in
         order) fill the prompt's image placeholders; the result's `prompt_ids` are the ids the engine read,
         image placeholders expanded."""
-        prompt = self._prompt(prompt_ids, images)
-        version_at_start = self.version
         request_id = request_id or uuid.uuid4().hex
+        prompt = self._prompt(prompt_ids, images, request_id)
+        version_at_start = self.version
         final = None
         self._enter()
         try:
@@ -139,6 +144,10 @@ class EngineActor:
         prompt = list(final.prompt_token_ids)
         ids = list(comp.token_ids)
         self.generated += len(ids)
+        if self.image_token is not None and self.image_token in ids:
+            # The trainer's model would read a sampled placeholder as an image slot without an image.
+            raise ValueError("the model sampled the image placeholder token; a rollout holding it cannot be "
+                             "trained on (the rollout fails)")
         result = {
             "token_ids": ids,
             "logprobs": [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [], strict=True)],

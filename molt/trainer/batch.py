@@ -111,6 +111,8 @@ def image_inputs(mb: dict[str, torch.Tensor], image_token: int) -> dict[str, tor
     order, and the token-type ids that mark image placeholders (for the multimodal rotary positions)."""
     grids = mb["image_grid_thw"]
     present = grids.prod(-1) > 0
+    if not present.any():   # text-only rows (or padding rows) in an image batch
+        return {}
     counts = grids.prod(-1).sum(-1)
     pixels = torch.cat([mb["pixel_values"][i, :int(n)] for i, n in enumerate(counts)])
     return {"pixel_values": pixels, "image_grid_thw": grids[present],
