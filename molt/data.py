@@ -3,8 +3,8 @@
 A row holds either chat-format messages (`data.messages_key`) or a prompt string (`data.prompt_key`),
 plus a label (`data.label_key`, may be null); other keys are the agent's (tool specs, test cases).
 Items are the row dicts themselves, as both agent kinds take them (`molt.agents` reads messages and
-label with the same keys). Rows are checked once at load time, so a bad row fails before any engine
-starts, naming its file and line.
+label with the same keys); their messages may hold images (molt.vision). Rows are checked once at load
+time, so a bad row fails before any engine starts, naming its file and line.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from molt.spec import DataSpec, eval_names
+from molt.vision import normalize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,8 +33,11 @@ def resolve_path(path: str | Path) -> Path:
     raise FileNotFoundError(f"dataset file not found: '{path}' (looked at {', '.join(map(str, candidates))})")
 
 
-def _check_row(row: Any, data: DataSpec) -> dict[str, Any]:
+def _check_row(row: Any, data: DataSpec, base_dir: Path | None = None) -> dict[str, Any]:
     """The checked row; raises ValueError saying what is wrong (the caller adds file and line).
+
+    Image parts of messages (a path relative to `base_dir`, bytes, or a data URL; molt.vision) become
+    {"type": "image", "image": <data URL>}, each decoded once here.
 
     Messages win over a prompt string when a row has both (as in `molt.agents`). A null messages /
     prompt field is dropped, so a Parquet row (every column present, unused ones
@@ -51,6 +55,7 @@ def _check_row(row: Any, data: DataSpec) -> dict[str, Any]:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages)):
             raise ValueError(f"'{data.messages_key}' must be a non-empty list of "
                              "{role: str, content: ...} messages")
+        row[data.messages_key] = normalize(messages, base_dir)[0]
         return row
     if isinstance(row.get(data.prompt_key), str):
         return row
@@ -100,7 +105,8 @@ class PromptDataset:
 
     def __init__(self, path: str | Path, data: DataSpec) -> None:
         self.path = resolve_path(path)
-        self.items = read_rows(self.path, lambda row: _check_row(row, data), data.messages_key)
+        base = self.path.parent   # image paths in rows are relative to the dataset file
+        self.items = read_rows(self.path, lambda row: _check_row(row, data, base), data.messages_key)
 
     def __len__(self) -> int:
         return len(self.items)

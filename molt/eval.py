@@ -50,8 +50,8 @@ async def evaluate(spec: RunSpec, runner: Any, router: Any, eval_sets: dict[str,
     e = spec.rollout.eval
     params = dict(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_tokens)
 
-    async def generate(prompt_ids: list[int], sampling: dict, key: str) -> dict:
-        return await router.generate(prompt_ids, {**sampling, **params}, key)
+    async def generate(prompt_ids: list[int], sampling: dict, key: str, images: list | None = None) -> dict:
+        return await router.generate(prompt_ids, {**sampling, **params}, key, images)
 
     sampler = SimpleNamespace(generate=generate, release=router.release)
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]

@@ -33,9 +33,10 @@ from molt.rollout.sampling import GREEDY_BELOW, TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
 from molt.spec import RunSpec
 from molt.tiny import tiny_model_path
-from molt.trainer.batch import make_batch
+from molt.trainer.batch import add_images, make_batch
 from molt.trainer.group import TrainerGroup
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
+from molt.vision import processor
 
 
 def model_path_of(spec: RunSpec) -> str:
@@ -207,6 +208,8 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
 
     t0 = time.perf_counter()
     batch = make_batch(segments, pad_id, versions=[[float(v) for v in s.versions] for s in segments])
+    if any(s.images for s in segments):
+        add_images(batch, segments, processor(model_path_of(spec), spec.model.trust_remote_code))
     sampled = batch["loss_mask"] > 0
     check_token_first(batch, segments)
     # Invariant 3 is measured inside train_step on the tokens the current weights sampled.

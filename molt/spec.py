@@ -52,6 +52,7 @@ class ModelSpec(Strict):
     critic: bool = Field(False, description="train a value model beside the policy (gae needs one)")
     router_replay: bool = Field(False, description="MoE: replay the engine's routed experts in training")
     freeze_router: bool = Field(False, description="MoE: do not train the router weights")
+    freeze_vision: bool = Field(False, description="VLM: train the language model only, not the vision tower")
     trust_remote_code: bool = Field(False, description="run the model repository's own Python code")
 
 

@@ -133,3 +133,37 @@ def trainer(ray_session, tiny_model_path, tmp_path_factory):
     group.save(group.initial, {})
     yield group
     group.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vlm_spec():
+    """The RunSpec of the tiny vision-language model (conf/model/tiny_vl.yaml) that `vlm_engine` serves."""
+    import yaml
+
+    from molt.data import REPO_ROOT
+    from molt.spec import RunSpec
+
+    model = yaml.safe_load((REPO_ROOT / "conf" / "model" / "tiny_vl.yaml").read_text())
+    return RunSpec.model_validate({
+        "model": model,
+        "rollout": {"max_tokens": 8, "engine": {"kv_cache_gib": 0.25, "enforce_eager": True}},
+    })
+
+
+@pytest.fixture(scope="session")
+def vlm_path(vlm_spec) -> str:
+    """The tiny Qwen2.5-VL (random init, small vision tower), built offline on first use."""
+    from molt.tiny import tiny_model_path as build
+
+    return str(build(**vlm_spec.model.tiny))
+
+
+@pytest.fixture(scope="session")
+def vlm_engine(ray_session, vlm_path, vlm_spec):
+    """One vLLM engine actor on the tiny VLM, shared by every test that sends images."""
+    from molt.rollout.engine import start_engines
+
+    [actor] = start_engines(vlm_spec, vlm_path)
+    yield actor
+    ray_session.get(actor.shutdown.remote())
+    ray_session.kill(actor)

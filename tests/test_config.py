@@ -183,7 +183,18 @@ PLANS = {
                       "total: 16 of 2 x 8 = 16 GPUs"],
     "dsv3_ep256": ["nodes 0-31: policy ranks 0-255 | 8/8 GPUs each",
                    "nodes 32-63: engines 0-31 | 8/8 GPUs each", "total: 512 of 64 x 8 = 512 GPUs"],
+    "qwen_vl_geo3k": ["node 0: policy ranks 0-7 | 8/8 GPUs", "node 1: engines 0-7 | 8/8 GPUs",
+                      "total: 16 of 2 x 8 = 16 GPUs"],
+    "tiny_vlm_geo": ["node 0: policy rank 0, engine 0",
+                     "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
 }
+
+
+def test_qwen_vl_geo3k_matches_its_description():
+    spec = compose(["+experiment=qwen_vl_geo3k"])
+    assert spec.model.max_model_len == 32768 and spec.model.freeze_vision
+    assert (spec.train.prompts_per_step, spec.rollout.samples_per_prompt) == (4, 4)
+    assert spec.parallel.world_size == 8 and spec.rollout.engine.num_engines == 8
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))

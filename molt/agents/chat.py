@@ -64,7 +64,8 @@ class ChatAgentRunner(Runner):
         prompt = item.get(self.spec.data.prompt_key)
         ctx = ChatContext(
             base_url=f"{self.server.url}/s/{session.id}/v1", session_url=f"{self.server.url}/s/{session.id}",
-            api_key=session.key, model_name=self.server.model_name, messages=self.messages_of(item),
+            api_key=session.key, model_name=self.server.model_name,
+            messages=_openai_images(self.messages_of(item)),
             prompt=None if prompt is None else str(prompt), label=self.label_of(item),
             sampling_params=dict(self.sampling), options=dict(agent.options), max_turns=agent.max_turns,
             item=item, judge=self.judge)
@@ -82,3 +83,12 @@ class ChatAgentRunner(Runner):
             self.server.stop()
             self.server = None
         super().close()
+
+
+def _openai_images(messages: list[dict]) -> list[dict]:
+    """A row's image parts ({"type": "image", "image": <data URL>}, molt.data) as the OpenAI wire's."""
+    def part(p: Any) -> Any:
+        is_image = isinstance(p, dict) and p.get("type") == "image"
+        return {"type": "image_url", "image_url": {"url": p["image"]}} if is_image else p
+    return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in messages]

@@ -12,16 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.agents.render import continuation, encode, render
+from molt.agents.render import continuation, encode, render, text_of
 from molt.agents.runner import Runner
 from molt.agents.trace import Trace, as_finite
 from molt.trajectory import Rollout
+from molt.vision import normalize
 
 
 @dataclass
 class Result:
     reward: float
     observation: str | dict | None = None   # next input: text (a user turn) or a whole message dict
+                                             # (its content may hold image parts, molt.vision)
     terminated: bool = True
     truncated: bool = False
     info: dict[str, float] = field(default_factory=dict)   # scalar diagnostics, logged
@@ -31,7 +33,7 @@ class Result:
 
 @dataclass
 class State:
-    observation: str                 # the latest observation (the prompt on the first turn)
+    observation: str                 # the latest observation's text (the prompt on the first turn)
     action: str                      # the text the model just produced (special tokens removed)
     action_ids: list[int]            # its token ids, exactly as sampled
     finish_reason: str               # stop | length
@@ -68,11 +70,11 @@ class StepEnvRunner(Runner):
 
     async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:
         agent, tok = self.spec.agent, self.tokenizer
-        messages = self.messages_of(item)
-        trace.extend_prompt(encode(tok, render(tok, messages)))
+        messages, images = normalize(self.messages_of(item))
+        trace.extend_prompt(encode(tok, render(tok, messages)), images)
         env = self.env_cls(self.spec.agent.options)
         env.tokenizer, env.judge = tok, self.judge
-        sampling, observation = dict(self.sampling), messages[-1].get("content") or ""
+        sampling, observation = dict(self.sampling), text_of(messages[-1].get("content"))
         reward, score, info = 0.0, None, {}
         for turn in range(agent.max_turns):
             budget = min(sampling.get("max_tokens", self.spec.rollout.max_tokens),
@@ -80,7 +82,8 @@ class StepEnvRunner(Runner):
             if budget < 1:
                 break
             turn_sampling = {**sampling, "max_tokens": budget}
-            out = await sampler.generate(list(trace.ids), turn_sampling, trace.rollout_id)
+            out = await sampler.generate(list(trace.ids), turn_sampling, trace.rollout_id,
+                                         **({"images": list(trace.images)} if trace.images else {}))
             trace.add_sample(out)
             ids = list(out["token_ids"])
             action = tok.decode(ids, skip_special_tokens=True)
@@ -95,14 +98,15 @@ class StepEnvRunner(Runner):
                 break
             message = result.observation if isinstance(result.observation, dict) else \
                 {"role": "user", "content": result.observation}
+            [message], images = normalize([message])   # image parts -> placeholders + data URLs
             glue = continuation(tok, messages[:-1], messages[-1], [message], None,
                                 eos_sampled=bool(ids) and ids[-1] == tok.eos_token_id)
             messages.append(message)
             if glue is None:   # the template re-renders earlier turns (Qwen3 drops old <think> blocks)
-                trace.restart(encode(tok, render(tok, messages)))
+                trace.restart(encode(tok, render(tok, messages)), normalize(messages)[1])
             else:
-                trace.extend_prompt(encode(tok, glue))
-            observation = message.get("content") or ""
+                trace.extend_prompt(encode(tok, glue), images)
+            observation = text_of(message.get("content"))
             sampling = {**sampling, **(result.sampling_params or {})}
         return trace.rollout(reward, score, info, self.label_of(item))
 

@@ -38,6 +38,7 @@ from molt.agents.session import ChatSession
 from molt.agents.tools import FORCEABLE_PARSERS, forced_call_regex, make_parser, parse_reply
 from molt.agents.trace import Trace
 from molt.spec import AgentSpec
+from molt.vision import normalize
 
 MAX_BODY_BYTES = 4 << 20
 READ_TIMEOUT_S = 30.0   # for a request's head (request line + headers) and, separately, its body
@@ -247,9 +248,10 @@ class LoopbackServer:
 
         A turn that fails or is cancelled leaves the session as it was before the request."""
         # OpenAI's `developer` role is the system prompt under another name; templates know `system`.
-        messages = [{**m, "content": text_of(m.get("content")),
+        # Text parts are joined into a string; a message with images keeps its parts (molt.vision).
+        messages = [{**m, "content": m["content"] if _has_image(m) else text_of(m.get("content")),
                      "role": "system" if m.get("role") == "developer" else m.get("role")}
-                    for m in map(dict, chat.messages)]
+                    for m in self._normalize(chat)]
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
         sampling = self._sampling(chat, tools)
         async with session.lock:
@@ -274,6 +276,13 @@ class LoopbackServer:
                 extra = {"tool_calls": calls} if calls else {}
                 session.offer(out, {"role": "assistant", "content": content, **extra})
         return outs, replies, len(ids)
+
+    @staticmethod
+    def _normalize(chat: ChatCompletionRequest) -> list[dict]:
+        try:
+            return normalize([dict(m) for m in chat.messages])[0]
+        except ValueError as err:   # an image that is not a readable data URL
+            raise ApiError(400, str(err)) from None
 
     def _sampling(self, chat: ChatCompletionRequest, tools: list[dict] | None) -> dict[str, Any]:
         # The run's sampling is the default; a request may set its own, capped at rollout.max_tokens.
@@ -307,8 +316,14 @@ class LoopbackServer:
     async def _sample(self, session: ChatSession, ids: list[int], sampling: dict, choice: int) -> dict:
         if choice and "seed" in sampling:
             sampling = {**sampling, "seed": sampling["seed"] + choice}   # n>1 choices must differ
-        coro = session.sampler.generate(ids, sampling, session.trace.rollout_id)
+        images = {"images": list(session.trace.images)} if session.trace.images else {}
+        coro = session.sampler.generate(ids, sampling, session.trace.rollout_id, **images)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
+
+
+def _has_image(message: dict) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(part.get("type") == "image" for part in content)
 
 
 async def _disconnected(request: Request) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from molt.agents.render import continuation, encode, render
 from molt.agents.trace import Trace
+from molt.vision import normalize
 
 
 @dataclass
@@ -57,11 +58,11 @@ class ChatSession:
         if continued is None:
             if self.candidates:   # the agent did not continue from any reply: keep the first one it got
                 self.trace.add_sample(self.candidates[0].out)
-            self.trace.restart(encode(tok, render(tok, messages, tools)))
+            self.trace.restart(encode(tok, render(tok, messages, tools)), normalize(messages)[1])
         else:
             chosen, glue = continued
             self.trace.add_sample(chosen.out)
-            self.trace.extend_prompt(encode(tok, glue))
+            self.trace.extend_prompt(encode(tok, glue), normalize(messages[len(self.history) + 1:])[1])
         self.history, self.tools, self.candidates = messages, tools, []
         return list(self.trace.ids)
 
@@ -70,6 +71,8 @@ class ChatSession:
         if not self.candidates or tools != self.tools or len(messages) <= n + 1:
             return None
         if render(tok, messages[:n], tools) != render(tok, self.history, tools):
+            return None
+        if normalize(messages[:n])[1] != normalize(self.history)[1]:   # templates render no image bytes
             return None
         rendered = render(tok, messages[:n] + [_canonical(messages[n])], tools, generation_prompt=False)
         chosen = next((c for c in self.candidates if c.rendered == rendered), None)

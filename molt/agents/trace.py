@@ -25,9 +25,12 @@ class Trace:
         self.sampling: list[list[float]] = []   # per turn: [first token index, temperature, top_p, top_k]
         self.finish_reason = "stop"
         self.num_sampled_total = 0
+        self.images: list[str] = []   # data URLs of the open segment's image placeholders, in order
 
-    def extend_prompt(self, ids: list[int]) -> None:
-        """Tokens the model reads but did not sample (prompt, observation, template glue)."""
+    def extend_prompt(self, ids: list[int], images: list[str] = ()) -> None:
+        """Tokens the model reads but did not sample (prompt, observation, template glue), and the images
+        their placeholders stand for."""
+        self.images += images
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -42,10 +45,10 @@ class Trace:
         earlier ones, so each token keeps the routes of the latest forward that read it (after a refit
         that is the new policy's, which is what the tokens sampled after it saw)."""
         prompt = out.get("prompt_ids")
-        if prompt is not None and list(prompt) != self.ids:
+        if prompt is not None and list(prompt) != self.ids and not self._expand(list(prompt)):
             # The engine shortened the prompt (rollout.prompt_too_long=truncate): the segment must be
             # what it actually read, so a new one starts from its prompt.
-            self.restart(list(prompt))
+            self.restart(list(prompt), self.images)
         ids, logprobs, versions = list(out["token_ids"]), list(out["logprobs"]), list(out["versions"])
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"sampler returned {len(ids)} tokens, {len(logprobs)} logprobs and "
@@ -60,10 +63,34 @@ class Trace:
         self.finish_reason = out.get("finish_reason") or "stop"
         self.num_sampled_total += len(ids)
 
-    def restart(self, prompt_ids: list[int]) -> None:
+    def _expand(self, prompt: list[int]) -> bool:
+        """Take the engine's `prompt` if it is `ids` with image placeholders expanded: each extra token
+        repeats the prompt token before it (never a sampled one). False if it is not."""
+        if not self.images:
+            return False
+        keep, i = [], 0
+        for j, token in enumerate(prompt):
+            if i < len(self.ids) and token == self.ids[i]:
+                keep.append(i)
+                i += 1
+            elif j and token == prompt[j - 1] and self.mask[keep[-1]] == 0:
+                keep.append(keep[-1])
+            else:
+                return False
+        if i != len(self.ids):
+            return False
+        # a repeated position is a prompt token: its mask, logprob and version are the empty ones
+        self.ids = prompt
+        self.mask, self.logprobs, self.versions = ([seq[k] for k in keep] for seq in
+                                                   (self.mask, self.logprobs, self.versions))
+        self.sampling = [[keep.index(span[0]), *span[1:]] for span in self.sampling]
+        return True
+
+    def restart(self, prompt_ids: list[int], images: list[str] = ()) -> None:
         """Seal the open segment and open a new one from `prompt_ids` (the context was rewritten)."""
+        images = list(images)
         self.seal()
-        self.extend_prompt(prompt_ids)
+        self.extend_prompt(prompt_ids, images)
 
     def seal(self) -> None:
         # A segment without sampled tokens has nothing to train on, so it is dropped.
@@ -72,9 +99,9 @@ class Trace:
                 token_ids=self.ids, loss_mask=self.mask, logprobs=self.logprobs, versions=self.versions,
                 rollout_id=self.rollout_id, group_id=self.group_id, segment_index=len(self.segments),
                 prompt_len=self.mask.index(1), finish_reason=self.finish_reason, routed_experts=self.routes,
-                sampling=self.sampling))
+                sampling=self.sampling, images=self.images))
         self.ids, self.mask, self.logprobs, self.versions, self.routes = [], [], [], [], None
-        self.sampling = []
+        self.sampling, self.images = [], []
 
     def rollout(self, reward: Any, score: Any = None, info: dict | None = None, label: Any = None) -> Rollout:
         """Seal and return the rollout; a non-numeric / non-finite reward or no sampled token is an error."""

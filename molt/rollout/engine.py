@@ -18,6 +18,7 @@ import ray
 
 from molt.rollout.engine_args import engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
+from molt.vision import collapse, decode
 
 
 def sampling_params(sampling: dict[str, Any], max_tokens: int):
@@ -59,6 +60,7 @@ class EngineActor:
         self.router_replay = model["router_replay"]
         args = AsyncEngineArgs(**engine_kwargs(model_path, rollout, model, seed + index))
         self.llm = AsyncLLM.from_engine_args(args)
+        self.image_token = getattr(self.llm.model_config.hf_config, "image_token_id", None)  # VLMs only
         self.version = 0
         self.in_flight = 0
         self.generated = 0
@@ -97,28 +99,55 @@ class EngineActor:
                              f"{self.max_model_len} (rollout.prompt_too_long=reject)")
         return list(prompt_ids[-room:])    # keep the most recent context; returned as prompt_ids
 
-    async def generate(self, prompt_ids: list[int], sampling: dict, request_id: str | None = None) -> dict:
+    def _prompt(self, prompt_ids: list[int], images: list[str] | None, request_id: str) -> Any:
+        """vLLM's prompt: the ids (fitted), or, with images, the ids with one placeholder per image (vLLM
+        expands each to the image's patch count itself; a prompt sent already expanded is collapsed).
+
+        Each request's images get ids of their own: vLLM 0.32 shares one encoder-cache entry between
+        concurrent requests with the same image, and under a group's concurrent samples that entry was
+        freed before a request had read it ("Encoder cache miss", which kills the engine)."""
+        from vllm.inputs import TokensPrompt
+
+        if not images:
+            return TokensPrompt(prompt_token_ids=self._fit(prompt_ids))
+        if self.image_token is None:
+            raise ValueError("this request has images but the engine's model is not a vision-language model")
+        if len(prompt_ids) > self.max_model_len - 1:   # cutting a prompt could cut an image in half
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens with images does not fit "
+                             f"model.max_model_len={self.max_model_len}")
+        return TokensPrompt(prompt_token_ids=collapse(list(prompt_ids), self.image_token),
+                            multi_modal_data={"image": [decode(u) for u in images]},
+                            multi_modal_uuids={"image": [f"{request_id}/{k}" for k in range(len(images))]})
+
+    async def generate(self, prompt_ids: list[int], sampling: dict, request_id: str | None = None,
+                       images: list[str] | None = None) -> dict:
         """One completion. Keys of `sampling`: temperature, top_p, top_k, max_tokens, and optionally
         stop_token_ids, seed, ignore_eos, structured_outputs, prompt_logprobs (0: also return the logprob
         of each prompt token, None for the first). `max_tokens` shrinks to what fits in `max_model_len`.
-        The result's `sampling` is the [temperature, top_p, top_k] vLLM applied."""
-        from vllm.inputs import TokensPrompt
-
-        prompt = self._fit(prompt_ids)
-        max_tokens = min(sampling["max_tokens"], self.max_model_len - len(prompt))
-        params = sampling_params(sampling, max_tokens)
-        version_at_start = self.version
+        The result's `sampling` is the [temperature, top_p, top_k] vLLM applied. `images` (data URLs, in
+        order) fill the prompt's image placeholders; the result's `prompt_ids` are the ids the engine read,
+        image placeholders expanded."""
         request_id = request_id or uuid.uuid4().hex
+        prompt = self._prompt(prompt_ids, images, request_id)
+        version_at_start = self.version
         final = None
         self._enter()
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
+            # With images the expanded length is known only once vLLM has processed them.
+            params = sampling_params(sampling, max(1, min(sampling["max_tokens"], self.max_model_len - len(
+                prompt["prompt_token_ids"]))))
+            async for out in self.llm.generate(prompt, params, request_id):
                 final = out
         finally:
             self._leave()
         comp = final.outputs[0]
+        prompt = list(final.prompt_token_ids)
         ids = list(comp.token_ids)
         self.generated += len(ids)
+        if self.image_token is not None and self.image_token in ids:
+            # The trainer's model would read a sampled placeholder as an image slot without an image.
+            raise ValueError("the model sampled the image placeholder token; a rollout holding it cannot be "
+                             "trained on (the rollout fails)")
         result = {
             "token_ids": ids,
             "logprobs": [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [], strict=True)],

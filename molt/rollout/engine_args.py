@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from molt.vision import is_vision_model
+
 WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -43,6 +45,13 @@ def engine_kwargs(model_path: str, rollout: dict[str, Any], model: dict[str, Any
         # top-p), which the trainer recomputes; vLLM's default is the raw model distribution.
         logprobs_mode=LOGPROBS_MODE,
     )
+    if is_vision_model(model_path, model["trust_remote_code"]):
+        # Images only (the contract has no video). On CPU, vLLM's own Qwen-VL code imports torchvision,
+        # which has no CPU build for the torch vLLM's CPU build pins: the transformers backend runs the
+        # same Hugging Face model class without it.
+        kwargs["limit_mm_per_prompt"] = {"video": 0}
+        if on_cpu():
+            kwargs["model_impl"] = "transformers"
     if on_cpu():
         # vLLM's CPU backend sizes the KV cache from an explicit byte budget, not a memory fraction.
         kwargs["kv_cache_memory_bytes"] = int(eng["kv_cache_gib"] * 2**30)

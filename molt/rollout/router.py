@@ -34,11 +34,12 @@ class Router:
             self.sticky[key] = min(range(len(self.engines)), key=lambda i: self.load[i])
         return self.sticky[key]
 
-    async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str,
+                       images: list[str] | None = None) -> dict:
         """`EngineActor.generate` on the engine of `key`; the result also names that engine."""
         i = self.pick(key)
         self.load[i] += 1
-        ref = self.engines[i].generate.remote(prompt_ids, sampling)
+        ref = self.engines[i].generate.remote(prompt_ids, sampling, images=images)
         try:
             out = await ref
         except asyncio.CancelledError:

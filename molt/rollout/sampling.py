@@ -51,11 +51,12 @@ class TrainingSampler:
         self.router, self.run_seed, self.version = router, run_seed, version
         self.calls: dict[str, int] = {}     # requests so far, per rollout
 
-    async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str,
+                       images: list[str] | None = None) -> dict:
         check_trainable(sampling)
         call = self.calls[key] = self.calls.get(key, -1) + 1
         seed = request_seed(self.run_seed, self.version(), key, call)
-        return await self.router.generate(prompt_ids, {"seed": seed, **sampling}, key)
+        return await self.router.generate(prompt_ids, {"seed": seed, **sampling}, key, images)
 
     def release(self, key: str) -> None:
         """Forget rollout `key` (it ended; `Runner.run` calls this)."""

@@ -7,9 +7,12 @@ recomputed logprob at t is log π(token t | tokens < t).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from molt.trajectory import Segment
+from molt.vision import pixel_inputs
 
 # Per-token sampling parameters a segment records; tokens the engine did not sample get these neutral
 # values (their logprobs are never used), so the trainer only truncates where a sampled token needs it.
@@ -74,6 +77,46 @@ def _sampling_rows(segment: Segment, length: int) -> torch.Tensor:
     sampled = torch.zeros(length, dtype=torch.bool)
     sampled[: len(segment.loss_mask)] = torch.tensor(segment.loss_mask) > 0
     return torch.where(sampled, out, neutral)
+
+
+def add_images(batch: dict[str, torch.Tensor], segments: list[Segment], proc: Any) -> None:
+    """Add each row's images as `pixel_values` [B, patches, dim] and `image_grid_thw` [B, images, 3]
+    (zero-padded: a zero grid is no image), and take image placeholders out of the loss.
+
+    `proc` is the model's processor (molt.vision.processor). A row's placeholder count must be what its
+    images expand to, or the trainer would not read what the engine read.
+    """
+    image_token, merge = proc.image_token_id, proc.image_processor.merge_size ** 2
+    rows = [pixel_inputs(proc, s.images) if s.images else None for s in segments]
+    for s, row in zip(segments, rows, strict=True):
+        expected = 0 if row is None else int(row["image_grid_thw"].prod(-1).sum()) // merge
+        found = s.token_ids.count(image_token)
+        if found != expected:
+            raise ValueError(f"segment {s.rollout_id}/{s.segment_index}: {found} image placeholder tokens, "
+                             f"but its {len(s.images)} image(s) expand to {expected}")
+    patches = max((len(r["pixel_values"]) for r in rows if r is not None), default=0)
+    images = max(len(s.images) for s in segments)
+    dim = next(r["pixel_values"].shape[-1] for r in rows if r is not None)
+    batch["pixel_values"] = torch.zeros(len(rows), patches, dim)
+    batch["image_grid_thw"] = torch.zeros(len(rows), images, 3, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row is not None:
+            batch["pixel_values"][i, :len(row["pixel_values"])] = row["pixel_values"]
+            batch["image_grid_thw"][i, :len(row["image_grid_thw"])] = row["image_grid_thw"]
+    batch["loss_mask"][batch["input_ids"] == image_token] = 0.0
+
+
+def image_inputs(mb: dict[str, torch.Tensor], image_token: int) -> dict[str, torch.Tensor]:
+    """A micro-batch's images as a Qwen-VL forward takes them: patches and grids of all rows, in row
+    order, and the token-type ids that mark image placeholders (for the multimodal rotary positions)."""
+    grids = mb["image_grid_thw"]
+    present = grids.prod(-1) > 0
+    if not present.any():   # text-only rows (or padding rows) in an image batch
+        return {}
+    counts = grids.prod(-1).sum(-1)
+    pixels = torch.cat([mb["pixel_values"][i, :int(n)] for i, n in enumerate(counts)])
+    return {"pixel_values": pixels, "image_grid_thw": grids[present],
+            "mm_token_type_ids": (mb["input_ids"] == image_token).int()}
 
 
 def pad_rows(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:

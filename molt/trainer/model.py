@@ -16,6 +16,7 @@ from torch import nn
 
 from molt.spec import RunSpec
 from molt.trainer.router_replay import freeze_router, install_replay
+from molt.vision import is_vision_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
@@ -69,25 +70,32 @@ def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
     if role == "critic":
         from transformers import AutoConfig, AutoModelForTokenClassification
 
+        if is_vision_model(path, spec.model.trust_remote_code):
+            raise ValueError("model.critic: a value model of a vision-language model is not supported "
+                             "(use an estimator without a critic, e.g. algo=grpo)")
+
         # no dropout on the value head: the critic's forward must be deterministic like the policy's
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
                                             trust_remote_code=spec.model.trust_remote_code)
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, **common)
     elif cuda:
-        from nemo_automodel import NeMoAutoModelForCausalLM
+        import nemo_automodel
 
         # AutoModel's loader parallelizes while loading; replay/freeze hooks attach to the sharded modules.
         # Replay and freeze act on Hugging Face MoE routers, so those switches ask for the HF classes
         # (which AutoModel's expert parallel does not shard: the spec refuses them with ep_size > 1).
         moe_switch = spec.model.router_replay or spec.model.freeze_router
-        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, force_hf=moe_switch,
-                                                         **common)
+        auto = nemo_automodel.NeMoAutoModelForImageTextToText if is_vision_model(
+            path, spec.model.trust_remote_code) else nemo_automodel.NeMoAutoModelForCausalLM
+        model = auto.from_pretrained(path, distributed_setup=setup, force_hf=moe_switch, **common)
         _prepare(model, spec, role)
         return model
     else:
-        from transformers import AutoModelForCausalLM
+        import transformers
 
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **common)
+        auto = transformers.AutoModelForImageTextToText if is_vision_model(
+            path, spec.model.trust_remote_code) else transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(path, attn_implementation="sdpa", **common)
     if cuda:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     _prepare(model, spec, role)
@@ -97,6 +105,11 @@ def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
 def _prepare(model: nn.Module, spec: RunSpec, role: str) -> None:
     if role == "reference":
         model.requires_grad_(False)
+    if spec.model.freeze_vision:
+        tower = getattr(getattr(model, "model", model), "visual", None)   # Qwen-VL's vision encoder
+        if tower is None:
+            raise ValueError("model.freeze_vision=true but the model has no vision tower (`model.visual`)")
+        tower.requires_grad_(False)
     if spec.model.freeze_router and not freeze_router(model):
         raise ValueError("model.freeze_router=true but the model has no MoE router")
     if spec.model.router_replay and not install_replay(model):

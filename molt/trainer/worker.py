@@ -23,6 +23,7 @@ from molt import refit
 from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss, with_kl_coef
 from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import checkpoint, weights
+from molt.trainer.batch import image_inputs
 from molt.trainer.model import (
     DTYPES,
     build_model,
@@ -48,6 +49,7 @@ def lr_factor(spec: RunSpec, step: int) -> float:
 
 # With several updates per batch these are also logged for the last update alone (`<name>_last`).
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (molt.trainer.batch)
 
 
 def _micro_batches(shard: dict[str, torch.Tensor], size: int,
@@ -57,7 +59,7 @@ def _micro_batches(shard: dict[str, torch.Tensor], size: int,
     for start in range(0, shard["input_ids"].shape[0], size):
         mb = {k: v[start:start + size] for k, v in shard.items()}
         length = int(mb["attention_mask"].sum(-1).max())
-        out.append({k: v[:, :length].to(device) for k, v in mb.items()})
+        out.append({k: (v if k in IMAGE_KEYS else v[:, :length]).to(device) for k, v in mb.items()})
     return out
 
 
@@ -94,6 +96,7 @@ class TrainerWorker:
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
         self.model = build_model(self.spec, self.role, setup)
+        self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
         # The loss is already a global SUM / global normalizer per rank, so FSDP must sum gradients
         # across data shards instead of averaging them. Gloo has no pre-multiplied sum: force plain sums.
         for module in self.model.modules():
@@ -114,9 +117,10 @@ class TrainerWorker:
     def _scores(self, mb: dict[str, torch.Tensor], entropy: bool = False):
         """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device."""
         routes = mb.get("routed_experts") if self.spec.model.router_replay else None
+        images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
         with replay_routes(self.model, routes):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                                use_cache=False).logits.float()
+                                use_cache=False, **images).logits.float()
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
