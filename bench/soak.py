@@ -50,8 +50,12 @@ def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        path = Path(f"/proc/{p}/task/{p}/children")
-        kids = [int(c) for c in path.read_text().split()] if path.exists() else []
+        kids = []
+        for task in Path(f"/proc/{p}/task").glob("*"):   # children of every thread (Ray spawns from threads)
+            try:
+                kids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
         out += kids
         todo += kids
     return out
@@ -143,17 +147,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument("--reuse-baseline", action="store_true", help="keep the undisturbed run of last time")
     a = parser.parse_args()
     root = OUT / "soak"
-    subprocess.run(["rm", "-rf", str(root)], check=True)
-    root.mkdir(parents=True)
+    for old in [root / "disturbed"] if a.reuse_baseline else [root]:
+        subprocess.run(["rm", "-rf", str(old)], check=True)
+    root.mkdir(parents=True, exist_ok=True)
     data = faulty_dataset(root / "train_faulty.jsonl")
     common = ["rollout.engine.num_engines=2", f"train.steps={a.steps}", f"train.save_every={a.save_every}",
               "agent.module=examples/agents/faulty.py", f"data.train_path={data}", "run.resume=auto",
               f"train.prompts_per_step={PROMPTS}", f"rollout.samples_per_prompt={SAMPLES}", *QUIET]
-    t0 = time.time()
-    rc_base = run_part(common + ["run.name=soak_undisturbed"], root / "undisturbed" / "part0", None)
-    base_s = time.time() - t0
+    t0, base = time.time(), root / "undisturbed" / "part0"
+    rc_base = 0 if a.reuse_baseline else run_part(common + ["run.name=soak_undisturbed"], base, None)
+    base_s = time.time() - t0 if not a.reuse_baseline else float((base / "wall_s").read_text())
+    (base / "wall_s").write_text(f"{base_s:.0f}")
 
     plan = [(int(a.steps * f), kind) for f, kind in ((0.2, "engine_core"), (0.4, "trainer_rank"),
                                                      (0.55, "engine_actor"), (0.7, "driver"))]
@@ -186,7 +193,10 @@ def report(a: argparse.Namespace, root: Path, parts: list[Path], rcs: list[int],
                           for rows in parts_last)
     trainer_restarts = sum(max((r.get("trainer/restarts", 0) for r in rows.values()), default=0)
                            for rows in parts_last)
-    requeued = sum(r.get("pool/engine_requeued", 0) for r in hit.values())   # per-step counts (pool resets)
+    requeued = 0.0   # the pool's counter is cumulative, and a new pool (after a restart) starts at 0
+    for rows in parts_last:
+        counts = [r.get("pool/engine_requeued", 0.0) for r in rows.values()]
+        requeued += sum(b - a if b >= a else b for a, b in zip([0.0, *counts], counts, strict=False))
     failed = sum(r.get("rollout/failed", 0) for r in hit.values())
 
     def mean_reward(rows: dict[int, dict], lo: float, hi: float) -> float:
@@ -217,7 +227,7 @@ def report(a: argparse.Namespace, root: Path, parts: list[Path], rcs: list[int],
             ["reward, first 20% / last 20% of steps",
              f"{mean_reward(base, 0, .2):.3f} / {mean_reward(base, .8, 1):.3f}",
              f"{mean_reward(hit, 0, .2):.3f} / {mean_reward(hit, .8, 1):.3f}"],
-            ["driver RSS MiB, first half max / second half max (per part)", "-",
+            ["driver RSS MiB, first half max / second half max of the samples", "-",
              f"{max(rss[:half], default=0):.0f} / {max(rss[half:], default=0):.0f}"],
             ["driver open fds, first half max / second half max", "-",
              f"{max(fds[:half], default=0)} / {max(fds[half:], default=0)}"],

@@ -90,8 +90,8 @@ def trainer_pids() -> list[int]:
     pids, todo = [], [os.getpid()]
     while todo:
         parent = todo.pop()
-        children = Path(f"/proc/{parent}/task/{parent}/children")
-        for child in (children.read_text().split() if children.exists() else []):
+        threads = [t / "children" for t in Path(f"/proc/{parent}/task").glob("*")]   # Ray forks from threads
+        for child in [c for t in threads if t.exists() for c in t.read_text().split()]:
             todo.append(int(child))
             cmdline = Path(f"/proc/{child}/cmdline")
             if cmdline.exists() and cmdline.read_bytes().startswith(b"ray::TrainerWorker"):
