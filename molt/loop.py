@@ -69,11 +69,10 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
 
     fleet = Fleet(spec, model_path)
-    router = fleet.router
     trainers = start_trainers(spec)
     logger = RunLogger(spec)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
-    sampler = TrainingSampler(router, spec.run.seed, lambda: at.pool.version)
+    sampler = TrainingSampler(fleet.router, spec.run.seed, lambda: at.pool.version)
 
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
@@ -88,16 +87,15 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         save_checkpoint(spec, at.step, {"policy": trainers[0], "critic": trainers[2]}, extra, best)
         at.saved = at.step
 
-    stop = install_stop_handler()
-    metrics: dict[str, float] = {}
+    stop, metrics = install_stop_handler(), {}
     try:
         if eval_sets and at.step == 0:   # the starting model's scores, logged as step 0
-            logger.log(0, await evaluate(spec, runner, router, eval_sets, 0))
+            logger.log(0, await evaluate(spec, runner, fleet.router, eval_sets, 0))
         while at.step < spec.train.steps and not stop.is_set():
             try:
                 metrics = await train_step(spec, at, trainers, fleet, tokenizer.pad_token_id, logger)
                 if eval_sets and (at.step % spec.train.eval_every == 0 or at.step == spec.train.steps):
-                    metrics.update(await evaluate(spec, runner, router, eval_sets, at.step))
+                    metrics.update(await evaluate(spec, runner, fleet.router, eval_sets, at.step))
                 logger.log(at.step, metrics)
                 best = new_best(spec, at.step, metrics)
                 if best is not None or (spec.train.save_every and at.step % spec.train.save_every == 0):
