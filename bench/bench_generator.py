@@ -42,7 +42,7 @@ async def refit_once(policy, router, version: int) -> tuple[float, float]:
 def bench_one(size: str, args: argparse.Namespace) -> list:
     import ray
 
-    from molt.loop import connect_refit
+    from molt.fleet import Fleet
     from molt.rollout.engine import start_engines
     from molt.rollout.router import Router
     from molt.spec import RunSpec
@@ -59,7 +59,7 @@ def bench_one(size: str, args: argparse.Namespace) -> list:
     asyncio.run(generate_many(engine, 4, 8))                         # warm-up
     tokens, seconds = asyncio.run(generate_many(engine, args.requests, args.tokens))
     policy, router = TrainerGroup(spec), Router([engine])
-    asyncio.run(connect_refit(policy, router))
+    asyncio.run(Fleet(spec, path, engines=[engine]).connect(policy))
     times = [asyncio.run(refit_once(policy, router, v)) for v in range(1, args.refits + 1)]
     policy.shutdown()
     ray.get(engine.shutdown.remote())

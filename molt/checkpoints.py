@@ -9,6 +9,10 @@
 A checkpoint is written whole before `latest` names it. The last two are kept, and the best one too:
 a step whose eval improves `train.best_metric` is saved even between `train.save_every` steps, so the
 best model always exists on disk.
+
+A run directory is `runs/<run.name>/<start time>/` (a sweep job: `runs/sweeps/<name>_<time>/<job>/`).
+`run.resume=auto` continues the newest run of the same experiment that has a checkpoint; with none the run
+starts fresh, so one command both starts a run and continues it after the driver died.
 """
 
 from __future__ import annotations
@@ -20,29 +24,71 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from molt.config import spec_yaml
 from molt.spec import RunSpec
 
 log = logging.getLogger("molt")
 KEEP_LAST = 2
+# What may differ between a run and the run `run.resume=auto` continues (None: the whole section).
+NOT_IDENTITY = {"run": ("dir", "resume", "dry_run"), "train": ("steps",), "logging": None, "ray": None}
 
 
 def checkpoints_dir(spec: RunSpec) -> Path:
     return Path(spec.run.dir) / "checkpoints"
 
 
+def latest_of(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory, if any."""
+    latest = run_dir / "checkpoints" / "latest"
+    return run_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+
+
+def _identity(spec: dict[str, Any]) -> dict[str, Any]:
+    """A spec without what may differ between a run and the run it continues (NOT_IDENTITY)."""
+    out = {}
+    for section, value in spec.items():
+        drop = NOT_IDENTITY.get(section, ())
+        if drop is not None and isinstance(value, dict):
+            out[section] = {k: v for k, v in value.items() if k not in drop}
+        elif drop is not None:
+            out[section] = value
+    return out
+
+
+def same_experiment_runs(spec: RunSpec) -> list[Path]:
+    """Run directories of this experiment that have a checkpoint, the newest checkpoint last: this run's
+    directory, the ones beside it and (a sweep job) the same job of earlier sweeps, whose spec.yaml equals
+    this spec but for NOT_IDENTITY."""
+    run_dir = Path(spec.run.dir)
+    me = _identity(spec.model_dump(mode="json"))
+    found = []
+    for candidate in {run_dir, *run_dir.parent.glob("*"), *run_dir.parent.parent.glob(f"*/{run_dir.name}")}:
+        latest = candidate / "checkpoints" / "latest"
+        if not latest.is_file():
+            continue
+        if candidate != run_dir:
+            saved = candidate / "spec.yaml"
+            if not saved.is_file() or _identity(OmegaConf.to_container(OmegaConf.load(saved))) != me:
+                continue
+        found.append((latest.stat().st_mtime_ns, str(candidate), candidate))
+    return [c for *_, c in sorted(found)]
+
+
 def find_checkpoint(spec: RunSpec) -> Path | None:
-    """run.resume: a checkpoint folder, a run folder (its latest checkpoint) or "auto" (this run's latest)."""
+    """run.resume: a checkpoint folder, a run folder (its latest checkpoint), or "auto": the newest
+    checkpoint of this experiment (`same_experiment_runs`), None when there is none (a fresh start)."""
     if not spec.run.resume:
         return None
-    target = Path(spec.run.dir if spec.run.resume == "auto" else spec.run.resume)
-    latest = target / "checkpoints" / "latest"
-    if latest.exists():
-        return target / "checkpoints" / latest.read_text().strip()
+    if spec.run.resume == "auto":
+        runs = same_experiment_runs(spec)
+        return latest_of(runs[-1]) if runs else None
+    target = Path(spec.run.resume)
+    if latest_of(target):
+        return latest_of(target)
     if (target / "meta.json").exists():
         return target
-    if spec.run.resume == "auto":
-        return None
     raise FileNotFoundError(f"run.resume={spec.run.resume}: no checkpoint there (expected a run folder with "
                             "checkpoints/latest or a checkpoint folder with meta.json)")
 

@@ -14,21 +14,22 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
-import ray
 import torch
+from ray.exceptions import RayActorError
 
 from molt.agents import load_agent_runner
 from molt.algo import adaptive_kl_coef, compute_advantages, with_kl_coef
-from molt.checkpoints import find_checkpoint, new_best, save_checkpoint
+from molt.checkpoints import find_checkpoint, latest_of, new_best, save_checkpoint
 from molt.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.eval import evaluate
+from molt.fleet import Fleet
 from molt.metrics import RunLogger
-from molt.rollout.engine import start_engines
 from molt.rollout.pool import RolloutPool
-from molt.rollout.router import Router
 from molt.rollout.sampling import GREEDY_BELOW, TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
 from molt.spec import RunSpec
@@ -66,115 +67,174 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     runner = load_agent_runner(spec.agent)
     runner.setup(tokenizer, spec)
-    data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed,
-                          shuffle=spec.data.shuffle)
+    PromptDataset(spec.data.train_path, spec.data)   # a bad dataset fails before any actor starts
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
 
-    engines = start_engines(spec, model_path)
-    router = Router(engines)
-    policy = TrainerGroup(spec, "policy")
-    reference = TrainerGroup(spec, "reference") if spec.model.reference else None
-    critic = TrainerGroup(spec, "critic") if spec.model.critic else None
-    await connect_refit(policy, router)
+    fleet = Fleet(spec, model_path)
+    trainers = start_trainers(spec)
     logger = RunLogger(spec)
-
-    step, version, pending, kl_coef = 0, 0, [], spec.algo.kl.coef
-    checkpoint = find_checkpoint(spec)
-    if checkpoint:
-        extra = policy.load(str(checkpoint / "policy"))
-        if critic:
-            critic.load(str(checkpoint / "critic"))
-        step, version, pending = extra["step"], extra["version"], extra["pending"]
-        kl_coef = extra.get("kl_coef", kl_coef)
-        data.load_state_dict(extra["data"])
-        await refit(policy, router, version)
-        print(f"molt: resumed from {checkpoint} at step {step} (policy version {version})")
-
     # only what the trainer can score, seeded so that a rerun samples the same tokens
-    sampler = TrainingSampler(router, spec.run.seed, lambda: pool.version)
+    sampler = TrainingSampler(fleet.router, spec.run.seed, lambda: at.pool.version)
 
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
 
+    checkpoint = find_checkpoint(spec)
+    at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=checkpoint is not None)
+    if checkpoint:
+        print(f"molt: resumed from {checkpoint} at step {at.step} (policy version {at.version})")
+    def save(best: float | None = None) -> None:
+        extra = {"step": at.step, "version": at.version, "data": at.data.state_dict(),
+                 "pending": at.pool.pending_items(), "kl_coef": at.kl_coef}
+        save_checkpoint(spec, at.step, {"policy": trainers[0], "critic": trainers[2]}, extra, best)
+        at.saved = at.step
+
+    stop, metrics = install_stop_handler(), {}
+    try:
+        if eval_sets and at.step == 0:   # the starting model's scores, logged as step 0
+            logger.log(0, await evaluate(spec, runner, fleet.router, eval_sets, 0))
+        while at.step < spec.train.steps and not stop.is_set():
+            try:
+                metrics = await train_step(spec, at, trainers, fleet, tokenizer.pad_token_id, logger)
+                if eval_sets and (at.step % spec.train.eval_every == 0 or at.step == spec.train.steps):
+                    metrics.update(await evaluate(spec, runner, fleet.router, eval_sets, at.step))
+                logger.log(at.step, metrics)
+                best = new_best(spec, at.step, metrics)
+                if best is not None or (spec.train.save_every and at.step % spec.train.save_every == 0):
+                    async with fleet.trainer:
+                        save(best)
+            except RayActorError as err:   # a trainer rank died (engine deaths are the fleet's)
+                trainers, at = await restart_trainers(spec, err, at, trainers, fleet, rollout_fn)
+        if at.step != at.saved:
+            save()
+        if stop.is_set():
+            print(f"molt: stopped by signal at step {at.step}; checkpoint written, resume with "
+                  f"run.resume={run_dir} (or run.resume=auto)")
+    finally:
+        await at.pool.close()
+        runner.close()
+        logger.close()
+        stop_trainers(trainers)
+        await fleet.close()
+    return metrics
+
+
+@dataclass
+class Position:
+    """Where the run is: steps done, the policy version, the data position and the pool sampling ahead."""
+    step: int
+    version: int
+    data: PromptIterator
+    pool: RolloutPool
+    saved: int              # the step of the last checkpoint written (or loaded)
+    kl_coef: float          # the KL weight in use (algo.kl.coef, moved by the adaptive controller)
+    trainer_restarts: int = 0
+
+
+def start_trainers(spec: RunSpec) -> tuple[TrainerGroup, TrainerGroup | None, TrainerGroup | None]:
+    """(policy, reference, critic) trainer groups; the last two only when the spec has them."""
+    return (TrainerGroup(spec, "policy"), TrainerGroup(spec, "reference") if spec.model.reference else None,
+            TrainerGroup(spec, "critic") if spec.model.critic else None)
+
+
+def stop_trainers(trainers: tuple) -> None:
+    for group in trainers:
+        if group:
+            group.shutdown()
+
+
+async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, checkpoint: Path | None,
+                refit_engines: bool) -> Position:
+    """Load `checkpoint` (if any) into the trainers, connect them to the engines (and refit these when
+    they may hold other weights: a resume, a rebuilt trainer) and start a pool at the data position."""
+    policy, _, critic = trainers
+    data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed,
+                          shuffle=spec.data.shuffle)
+    step, version, pending, kl_coef = 0, 0, [], spec.algo.kl.coef
+    if checkpoint:
+        extra = await asyncio.to_thread(policy.load, str(checkpoint / "policy"))
+        if critic:
+            await asyncio.to_thread(critic.load, str(checkpoint / "critic"))
+        step, version, pending = extra["step"], extra["version"], extra["pending"]
+        kl_coef = extra.get("kl_coef", kl_coef)
+        data.load_state_dict(extra["data"])
+    await fleet.connect(policy)
+    if refit_engines:
+        await fleet.refit(version)
     sync = spec.rollout.mode == "sync"
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
                        spec.train.prompts_per_step if sync else spec.rollout.groups_in_flight,
-                       spec.rollout.max_staleness, engines, refill_during_batch=not sync)
+                       spec.rollout.max_staleness, fleet.router.engines, refill_during_batch=not sync,
+                       lost=fleet.router.take_lost)
     pool.set_version(version)
-    stop = install_stop_handler()
-    metrics: dict[str, float] = {}
-    saved = step
+    return Position(step, version, data, pool, saved=step, kl_coef=kl_coef)
 
-    def checkpoint(best: float | None = None) -> None:
-        nonlocal saved
-        extra = {"step": step, "version": version, "data": data.state_dict(), "pending": pool.pending_items(),
-                 "kl_coef": kl_coef}
-        save_checkpoint(spec, step, {"policy": policy, "critic": critic}, extra, best)
-        saved = step
 
+async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trainers: tuple, fleet: Fleet,
+                           rollout_fn: Any) -> tuple[tuple, Position]:
+    """New trainer actors from the last checkpoint of this run (or the one resumed from, or the initial
+    weights), the engines refitted to them and a new pool at the checkpoint's data position: steps after
+    the checkpoint are redone (the metrics log keeps a redone step's last record); bounded by
+    train.max_trainer_restarts."""
+    restarts = at.trainer_restarts + 1
+    if restarts > spec.train.max_trainer_restarts:
+        raise RuntimeError(f"a trainer rank died {restarts} times, above train.max_trainer_restarts="
+                           f"{spec.train.max_trainer_restarts}; last: {str(err).splitlines()[0]}") from err
+    await at.pool.close()
+    stop_trainers(trainers)
+    trainers = start_trainers(spec)
+    checkpoint = latest_of(Path(spec.run.dir)) or find_checkpoint(spec)
+    at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=True)
+    at.trainer_restarts = restarts
+    print(f"molt: a trainer rank died ({str(err).splitlines()[0]}); restart {restarts} of "
+          f"{spec.train.max_trainer_restarts}: continuing from {checkpoint or 'the initial weights'} at step "
+          f"{at.step}", flush=True)
+    return trainers, at
+
+
+async def train_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pad_id: int,
+                     logger: RunLogger) -> dict[str, float]:
+    """One step: a batch from the pool → learn → refit; advances `at` and returns the step's metrics."""
+    t_step = time.perf_counter()
+    groups, batch_metrics = await take_batch(at.pool, spec)
+    fleet.router.check()   # no engine left (restarts used up): stop with a clear error
+    t_batch = time.perf_counter()
+    rollouts = [r for g in groups for r in g]
+    live = [fleet.router.engines[i] for i in sorted(fleet.router.live)]
+    warmup = at.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
     try:
-        if eval_sets and step == 0:   # the starting model's scores, logged as step 0
-            logger.log(0, await evaluate(spec, runner, router, eval_sets, 0))
-        while step < spec.train.steps and not stop.is_set():
-            t_step = time.perf_counter()
-            groups, batch_metrics = await take_batch(pool, spec)
-            router.check()   # a killed engine fails its rollouts at once; stop with a clear error
-            t_batch = time.perf_counter()
-            rollouts = [r for g in groups for r in g]
-            warmup = step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
-            try:
-                metrics = await learn(spec, rollouts, policy, reference, critic, tokenizer.pad_token_id,
-                                      version, engines, kl_coef, train_policy=not warmup)
-            finally:   # after learn, so the dump carries the routes it captured; also when it fails
-                logger.dump_rollouts(step + 1, rollouts)
-            metrics.update(batch_metrics)
-            if spec.algo.kl.coef:
-                metrics["kl/coef"] = kl_coef
-            kl_coef = next_kl_coef(spec, kl_coef, metrics)
-            metrics["time/refit"] = 0.0
-            if not warmup:
-                version += 1
-                metrics["time/refit"] = await refit(policy, router, version)
-                pool.set_version(version)
-            step += 1
+        async with fleet.trainer:
+            metrics = await learn(spec, rollouts, *trainers, pad_id, at.version, live, at.kl_coef,
+                                  train_policy=not warmup)
+    finally:   # after learn, so the dump carries the routes it captured; also when it fails
+        logger.dump_rollouts(at.step + 1, rollouts)
+    metrics.update(batch_metrics)
+    if spec.algo.kl.coef:
+        metrics["kl/coef"] = at.kl_coef
+    at.kl_coef = next_kl_coef(spec, at.kl_coef, metrics)
+    metrics["time/refit"] = 0.0
+    if not warmup:
+        at.version += 1
+        metrics["time/refit"] = await fleet.refit(at.version)
+        at.pool.set_version(at.version)
+    at.step += 1
 
-            pool_stats = await pool.stats()
-            step_time = time.perf_counter() - t_step
-            metrics.update({
-                "time/wait_batch": t_batch - t_step,
-                "time/generate": pool_stats["engine_busy_s"],  # mean seconds an engine had work
-                "time/step": step_time,
-                "engine/idle_frac": pool_stats["engine_idle_frac"],
-                "trainer/idle_frac": (t_batch - t_step) / step_time,
-                "pool/in_flight": pool_stats["in_flight"],
-                "pool/stale_requeued": pool_stats["stale_requeued"],
-                "policy/version": version,
-            })
-            metrics["tokens/per_s"] = metrics["tokens/sampled"] / metrics["time/step"]
-            if eval_sets and (step % spec.train.eval_every == 0 or step == spec.train.steps):
-                metrics.update(await evaluate(spec, runner, router, eval_sets, step))
-            logger.log(step, metrics)
-            best = new_best(spec, step, metrics)
-            if best is not None or (spec.train.save_every and step % spec.train.save_every == 0):
-                checkpoint(best)
-        if step != saved:
-            checkpoint()
-        if stop.is_set():
-            print(f"molt: stopped by signal at step {step}; checkpoint written, resume with "
-                  f"run.resume={run_dir}")
-    finally:
-        await pool.close()
-        runner.close()
-        logger.close()
-        for group in (policy, reference, critic):
-            if group:
-                group.shutdown()
-        for engine in engines:
-            try:
-                ray.get(engine.shutdown.remote())
-            except ray.exceptions.RayActorError:
-                pass   # already dead: the error that ended the run says so; don't hide it
-            ray.kill(engine)
+    pool_stats = await at.pool.stats()
+    step_time = time.perf_counter() - t_step
+    metrics.update({
+        "time/wait_batch": t_batch - t_step,
+        "time/generate": pool_stats["engine_busy_s"],  # mean seconds an engine had work
+        "time/step": step_time,
+        "engine/idle_frac": pool_stats["engine_idle_frac"],
+        "trainer/idle_frac": (t_batch - t_step) / step_time,
+        "pool/in_flight": pool_stats["in_flight"],
+        "pool/stale_requeued": pool_stats["stale_requeued"],
+        "pool/engine_requeued": pool_stats["engine_requeued"],
+        "trainer/restarts": float(at.trainer_restarts),
+        "policy/version": at.version,
+        **fleet.metrics(),
+    })
+    metrics["tokens/per_s"] = metrics["tokens/sampled"] / metrics["time/step"]
     return metrics
 
 
@@ -301,23 +361,6 @@ async def fill_routes(engines: list | None, segments: list[Segment], version: in
     for share, got in zip([s for s in shares if s], routes, strict=True):
         for segment, route in zip(share, got, strict=True):
             segment.routed_experts = pad_routes(route, len(segment.token_ids))
-
-
-async def connect_refit(policy: TrainerGroup, router: Router) -> None:
-    """Open the refit group (`molt.refit`): trainer rank 0 and every engine worker, once per run."""
-    host, port = await asyncio.to_thread(policy.refit_address)
-    size = await router.refit_size()
-    await asyncio.gather(asyncio.to_thread(policy.join_refit, host, port, size),
-                         router.join_refit(host, port))
-
-
-async def refit(policy: TrainerGroup, router: Router, version: int) -> float:
-    """Trainer weights → every engine (prefix caches reset, in-flight requests kept); returns seconds.
-
-    The trainer broadcasts while the engines receive, so both sides run at once."""
-    t0 = time.perf_counter()
-    await asyncio.gather(router.update_weights(version), asyncio.to_thread(policy.send_weights))
-    return time.perf_counter() - t0
 
 
 def install_stop_handler() -> asyncio.Event:

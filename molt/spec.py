@@ -37,7 +37,8 @@ class RunSection(Strict):
     seed: int = Field(0, description="seed of the prompt order and of the engines' sampling")
     dir: str | None = Field(None, description="run directory; the launcher fills it from Hydra's output dir")
     resume: str | None = Field(
-        None, description="continue from 'auto' (newest checkpoint in run.dir), a run or a checkpoint dir")
+        None, description="'auto': continue the newest run of this experiment that has a checkpoint (none: "
+                          "start fresh); or a run dir or a checkpoint dir")
     dry_run: bool = Field(False, description="validate, print the placement plan and exit; starts nothing")
 
 
@@ -100,6 +101,10 @@ class EngineSpec(Strict):
     speculative_config: dict[str, Any] | None = Field(
         None, description="vLLM speculative decoding, e.g. {method: mtp, num_speculative_tokens: 1}")
     extra_args: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine arguments")
+    max_restarts: int = Field(
+        3, ge=0, description="restarts of each engine after it dies (then the run goes on without it)")
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="seconds a (re)started engine may take to come up before it counts as dead")
 
 
 class SamplingSpec(Strict):

@@ -37,6 +37,8 @@ class TrainSpec(Strict):
         None, description="eval metric that picks the best checkpoint (kept), e.g. eval/NAME/pass@1")
     best_mode: Literal["max", "min"] = Field(
         "max", description="train.best_metric is better when larger (max) or smaller (min)")
+    max_trainer_restarts: int = Field(
+        3, ge=0, description="times a dead trainer is rebuilt from the last checkpoint before the run stops")
     minibatches: int = Field(1, ge=1, description="optimizer steps per generated batch: its rows split "
                              "into this many chunks (old logprobs computed once before the first)")
     epochs: int = Field(1, ge=1, description="passes over each generated batch (train.minibatches steps "

@@ -43,5 +43,5 @@ def test_head_workers_and_molt_command(tmp_path: Path) -> None:
         f"{on} node-b ray start --address=10.0.0.7:6379 {resources}",
         f"{on} node-c ray start --address=10.0.0.7:6379 {resources}",
         "python - 10.0.0.7:6379 3",
-        "python -u -m molt +experiment=qwen30b_tools ray.address=10.0.0.7:6379 train.lr=5e-7",
+        "python -u -m molt +experiment=qwen30b_tools ray.address=10.0.0.7:6379 run.resume=auto train.lr=5e-7",
     ])

@@ -86,17 +86,18 @@ def moe_engine(ray_session):
 def across_refit(policy, moe_engine):
     """Long requests started on version 0 (the initial weights); the 2-rank policy refits the engine to
     version 1 through the run's own refit path while they are in flight. Returns their outputs."""
-    from molt.loop import connect_refit, refit
-    from molt.rollout.router import Router
+    from molt.fleet import Fleet
+    from molt.tiny import tiny_model_path
 
     long = {"temperature": 1.0, "max_tokens": 120, "ignore_eos": True}
     refs = [moe_engine.generate.remote(p, {**long, "seed": i}) for i, p in enumerate(PROMPTS)]
     ray.get(moe_engine.generate.remote(PROMPTS[2], {**long, "max_tokens": 6}))   # a few decode steps in
-    router = Router([moe_engine])
+    path = str(tiny_model_path(**MOE))
 
     async def to_version_1() -> None:
-        await connect_refit(policy, router)
-        await refit(policy, router, 1)
+        fleet = Fleet(moe_spec(path), path, engines=[moe_engine])
+        await fleet.connect(policy)
+        await fleet.refit(1)
 
     asyncio.run(to_version_1())
     return ray.get(refs)

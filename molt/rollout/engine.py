@@ -20,6 +20,8 @@ from molt.rollout.engine_args import engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.vision import collapse, decode
 
+ENGINE_POLL_S = 0.5   # how often an engine actor checks that vLLM's engine core is alive
+
 
 def sampling_params(sampling: dict[str, Any], max_tokens: int):
     """vLLM `SamplingParams` asking for the sampled token's logprob and only the final output."""
@@ -69,14 +71,29 @@ class EngineActor:
         self.last_stats = time.monotonic()
         self.moe_layers: list[int] | None = None  # with router replay: the layers whose routes are kept
         self.capture = False                       # routes come from our capture (CPU), not from vLLM
+        self.closing = False
 
     async def ready(self) -> int:
+        self.watchdog = asyncio.create_task(self._exit_when_engine_dies())
         await self.llm.update_weight_version("0")
         if self.router_replay:
             self.capture = on_cpu()
             method = "molt_routes_start" if self.capture else "molt_moe_layers"
             self.moe_layers = (await self.llm.collective_rpc(method))[0]
         return self.index
+
+    async def _exit_when_engine_dies(self) -> None:
+        """vLLM's engine-core runs in a child process; when it dies (an OOM kill) this actor would live on
+        with every call raising or waiting on a dead engine. Exiting turns it into a dead actor, which Ray
+        reports to every caller at once: the one failure the router handles (and restarts)."""
+        while not self.llm.errored:
+            await asyncio.sleep(ENGINE_POLL_S)
+        self._exit()
+
+    def _exit(self) -> None:
+        if not self.closing:   # (`shutdown` stops the engine core on purpose)
+            print(f"molt: engine {self.index}: vLLM's engine core died; exiting the engine actor", flush=True)
+            os._exit(1)
 
     def _enter(self) -> None:
         if self.in_flight == 0:
@@ -127,6 +144,8 @@ class EngineActor:
         The result's `sampling` is the [temperature, top_p, top_k] vLLM applied. `images` (data URLs, in
         order) fill the prompt's image placeholders; the result's `prompt_ids` are the ids the engine read,
         image placeholders expanded."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         request_id = request_id or uuid.uuid4().hex
         prompt = self._prompt(prompt_ids, images, request_id)
         version_at_start = self.version
@@ -138,6 +157,9 @@ class EngineActor:
                 prompt["prompt_token_ids"]))))
             async for out in self.llm.generate(prompt, params, request_id):
                 final = out
+        except EngineDeadError:
+            self._exit()   # before answering: the caller must see a dead engine, not a failed request
+            raise
         finally:
             self._leave()
         comp = final.outputs[0]
@@ -215,10 +237,15 @@ class EngineActor:
         Pause (keep or wait) -> load through the workers' reload path -> reset the prefix cache ->
         label later tokens `version` -> resume.
         """
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         start = time.perf_counter()
-        await self._pause()
         try:
+            await self._pause()
             await self.llm.collective_rpc("molt_refit_receive")
+        except EngineDeadError:
+            self._exit()
+            raise
         except BaseException:
             await self.llm.resume_generation()
             raise
@@ -240,6 +267,7 @@ class EngineActor:
         return out
 
     def shutdown(self) -> None:
+        self.closing = True
         self.llm.shutdown()
 
 
@@ -259,15 +287,19 @@ def actor_options(engine: dict[str, Any]) -> dict[str, Any]:
     return {"num_cpus": 0.01, "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
 
 
-def start_engines(spec: Any, model_path: str) -> list:
-    """Start `rollout.engine.num_engines` engine actors from a `RunSpec` and wait until they are ready."""
+def start_engine(spec: Any, model_path: str, index: int) -> Any:
+    """Engine actor `index` on its plan node (molt/placement.py); call `ready` on it before use."""
     from molt.placement import cluster_nodes, node_selector, plan
 
     rollout, model = spec.rollout.model_dump(), spec.model.model_dump()
-    opts = actor_options(rollout["engine"])
-    ids = [n["NodeID"] for n in cluster_nodes(spec)]   # each engine on its plan node (molt/placement.py)
-    engines = [EngineActor.options(**opts, label_selector=node_selector(ids[s.node]))
-               .remote(model_path, rollout, model, spec.run.seed, s.index)
-               for s in plan(spec) if s.role == "engine"]
-    ray.get([e.ready.remote() for e in engines])
+    ids = [n["NodeID"] for n in cluster_nodes(spec)]
+    [slot] = [s for s in plan(spec) if s.role == "engine" and s.index == index]
+    options = dict(actor_options(rollout["engine"]), label_selector=node_selector(ids[slot.node]))
+    return EngineActor.options(**options).remote(model_path, rollout, model, spec.run.seed, index)
+
+
+def start_engines(spec: Any, model_path: str) -> list:
+    """Start `rollout.engine.num_engines` engine actors from a `RunSpec` and wait until they are ready."""
+    engines = [start_engine(spec, model_path, i) for i in range(spec.rollout.engine.num_engines)]
+    ray.get([e.ready.remote() for e in engines], timeout=spec.rollout.engine.start_timeout_s)
     return engines

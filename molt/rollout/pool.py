@@ -10,7 +10,8 @@ start order), and at least one of them holds tokens of the current policy: that 
 its gap to the engine (invariant 3) every step. Staleness: a waiting group whose oldest sampled token is
 older than `version - max_staleness` is never handed out; at the next `set_version` or `next_batch` its
 prompt item is re-queued (sampled again from the current policy) and counted in
-`stats()["stale_requeued"]`.
+`stats()["stale_requeued"]`. A group that `lost(rollout_ids)` says an engine died under is restarted
+whole, first in line (never handed out half re-sampled), and counted in `stats()["engine_requeued"]`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from ray.exceptions import RayActorError
 
 from molt.trajectory import Rollout
 
@@ -38,7 +41,7 @@ class Finished:
 class RolloutPool:
     def __init__(self, items: Iterator[dict], rollout_fn: RolloutFn, samples_per_prompt: int,
                  groups_in_flight: int, max_staleness: int, engines: list[Any] = (),
-                 refill_during_batch: bool = True) -> None:
+                 refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None) -> None:
         self.items = iter(items)
         # False = sync mode: groups start only when a batch is asked for, so while the trainer steps
         # nothing generates and every batch is sampled by the current policy.
@@ -48,14 +51,15 @@ class RolloutPool:
         self.n = samples_per_prompt
         self.depth = groups_in_flight
         self.max_staleness = max_staleness
-        self.engines = list(engines)
+        self.engines = engines              # the live list: a restarted engine replaces its slot
+        self.lost = lost
         self.version = 0
         self.requeued: deque[dict] = deque()
         self.done: list[Finished] = []      # finished groups not yet handed out
         self.finished = asyncio.Event()     # set whenever a group finishes
         self.tasks: set[asyncio.Task] = set()
         self.started = 0
-        self.counts = {"stale_requeued": 0, "groups_done": 0, "failed_rollouts": 0}
+        self.counts = {"stale_requeued": 0, "engine_requeued": 0, "groups_done": 0, "failed_rollouts": 0}
         self.exhausted = False
 
     def set_version(self, version: int) -> None:
@@ -114,6 +118,14 @@ class RolloutPool:
     async def _group(self, item: dict, group_id: str, order: int) -> None:
         group = list(await asyncio.gather(*[self._one(item, group_id, i) for i in range(self.n)]))
         self.tasks.discard(asyncio.current_task())
+        if self.lost is not None and self.lost([r.rollout_id for r in group]):
+            self.group_items.pop(group_id, None)
+            self.requeued.appendleft(item)
+            self.counts["engine_requeued"] += 1
+            if self.refill_during_batch:
+                self._fill()
+            self.finished.set()    # wakes `next_batch`, which refills in sync mode too
+            return
         self.counts["groups_done"] += 1
         self.counts["failed_rollouts"] += sum(not r.ok for r in group)
         versions = [v for r in group for s in r.segments
@@ -168,7 +180,11 @@ class RolloutPool:
 
     async def stats(self) -> dict[str, float]:
         """Pool counters and the engines' idle fraction since the previous call."""
-        engine_stats = await asyncio.gather(*[e.stats.remote() for e in self.engines])
+        answers = await asyncio.gather(*[e.stats.remote() for e in self.engines], return_exceptions=True)
+        engine_stats = [a for a in answers if not isinstance(a, RayActorError)]   # dead: being restarted
+        for a in answers:
+            if isinstance(a, BaseException) and not isinstance(a, RayActorError):
+                raise a
         busy = sum(s["busy_s"] for s in engine_stats)
         idle = sum(s["idle_s"] for s in engine_stats)
         return {**self.counts, "in_flight": self.in_flight, "version": self.version,

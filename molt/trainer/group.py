@@ -22,6 +22,7 @@ from molt.trainer.batch import pad_rows
 from molt.trainer.worker import TrainerWorker
 
 ROLES = ("policy", "reference", "critic")
+SHUTDOWN_TIMEOUT_S = 30.0   # how long ranks get to leave their process group before they are killed
 
 
 class TrainerGroup:
@@ -115,12 +116,10 @@ class TrainerGroup:
         self._all("export_hf", path)
 
     def shutdown(self) -> None:
-        # A rank may be dead already (the fault that stopped the run): still stop the others.
-        for ref in [w.shutdown.remote() for w in self.workers]:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                pass
+        # A rank may be dead already (the fault that stopped the run), and the others may be stuck in a
+        # collective with it: give them a bounded time to stop, then kill them all.
+        refs = [w.shutdown.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_TIMEOUT_S)
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self._pg)

@@ -1,23 +1,28 @@
 """Engine faults, against real vLLM engines: over-long prompts (rejected or truncated per
-rollout.prompt_too_long, the engine keeps serving) and a killed engine actor (the loop's router names
-it and the run stops; nothing hangs).
+rollout.prompt_too_long, the engine keeps serving), and engines that die and come back: the actor
+killed, or vLLM's engine-core process killed under a live actor (what an out-of-memory kill does).
 
 The shared engine runs with `reject`; a second engine, started here with `truncate` and a shorter
-context, is killed by the last test.
+context, and a third one form the fleet of the last test, which kills them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 
 import pytest
 import ray
-from faultlib import small_spec
+from faultlib import small_spec, train_once
 
 from molt.agents import load_agent_runner
-from molt.rollout.engine import start_engines
+from molt.fleet import Fleet
+from molt.rollout.engine import start_engine, start_engines
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import EngineDiedError, Router
+from molt.trainer.group import TrainerGroup
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 0}
 REPEAT = {"module": "examples/agents/repeat.py", "max_total_tokens": 4096}
@@ -75,33 +80,110 @@ def test_truncate_keeps_the_most_recent_context(spare, tok):
     assert segment.loss_mask == [0] * 127 + [1]
 
 
-def test_a_killed_engine_stops_the_run_with_a_clear_error(spare, tok):
-    spec = small_spec(REPEAT)
+GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+PROBE = [5, 40, 41, 42]
+
+
+def engine_core_pid(engine) -> int:
+    """The pid of vLLM's engine-core process under an engine actor (its child named VLLM::EngineCore)."""
+    actor = ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))
+    children = subprocess.run(["pgrep", "-P", str(actor)], capture_output=True, text=True).stdout.split()
+    [core] = [int(c) for c in children if "EngineCore" in open(f"/proc/{c}/cmdline").read()]
+    return core
+
+
+async def until(condition, what: str, timeout: float = 300.0) -> None:
+    """Poll `condition`; the bound only turns a hang into a failure (restarts take tens of seconds)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare, tok):
+    spec = small_spec(REPEAT, model={"max_model_len": 128},
+                      rollout={"prompt_too_long": "truncate",
+                               "engine": {"kv_cache_gib": 0.1, "num_engines": 2, "max_restarts": 1}})
+    path = ray.get(spare.__ray_call__.remote(lambda self: self.llm.model_config.model))
+    second = start_engine(spec, path, 1)
+    ray.get(second.ready.remote())
+    policy = TrainerGroup(spec, "policy")
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
-    router = Router([spare])
+    runner.sampling.update(max_tokens=60, ignore_eos=True)   # long enough that kills land mid-request
 
-    async def rollout_fn(item: dict, group_id: str, index: int):
-        return await runner.run(item, f"{group_id}-{index}", group_id, router)
+    async def scenario() -> None:
+        fleet = Fleet(spec, path, engines=[spare, second])
+        router = fleet.router
 
-    async def kill_mid_batch():
-        # Long generations (ignore_eos) so the kill lands while requests are in flight.
-        runner.sampling.update(max_tokens=100, ignore_eos=True)
-        items = iter([{"prompt": "a", "label": "a"}] * 4)
-        pool = RolloutPool(items, rollout_fn, 4, 4, 1, [spare], refill_during_batch=False)
-        batch = asyncio.create_task(pool.next_batch(4))
-        while router.load[0] == 0:
-            await asyncio.sleep(0.01)
-        ray.kill(spare)
-        # The guard only turns a hang into a failure; a dead actor fails its calls within seconds.
-        groups = await asyncio.wait_for(batch, timeout=60)
-        await pool.close()
-        return [r for g in groups for r in g]
+        async def rollout_fn(item: dict, group_id: str, index: int):
+            return await runner.run(item, f"{group_id}-{index}", group_id, router)
 
-    rollouts = asyncio.run(kill_mid_batch())
-    assert len(rollouts) == 16
-    assert all(not r.ok and "EngineDiedError: engine 0 died" in r.error for r in rollouts)
-    # What the loop does right after each batch (molt.loop._train): one clear error, not a failed batch.
-    with pytest.raises(EngineDiedError, match=r"1 of 1 rollout engine\(s\) died \(engine 0: .*Actor.*\); "
-                                              "stopping the run"):
+        def pool() -> RolloutPool:
+            items = iter([{"prompt": c, "label": c} for c in "abcdefgh"])
+            return RolloutPool(items, rollout_fn, 4, 4, 1, router.engines, refill_during_batch=False,
+                               lost=router.take_lost)
+
+        async def batch_while(kill) -> RolloutPool:
+            """A batch of 4 groups; `kill()` runs once both engines have requests in flight."""
+            p = pool()
+            task = asyncio.create_task(p.next_batch(4))
+            await until(lambda: min(router.load) > 0, "requests on both engines")
+            kill()
+            groups = await asyncio.wait_for(task, 300)
+            # every group complete and clean: the dead engine's groups were restarted whole
+            assert len(groups) == 4 and all(len(g) == 4 and all(r.ok for r in g) for g in groups)
+            assert len({r.group_id for g in groups for r in g}) == 4
+            assert p.counts["engine_requeued"] >= 1
+            await p.close()
+            return p
+
+        async def same_weights_everywhere(version: int) -> None:
+            outs = [await e.generate.remote(PROBE, GREEDY) for e in router.engines]
+            assert [o["versions"] for o in outs] == [[version] * 6] * 2
+            assert outs[0]["token_ids"] == outs[1]["token_ids"]
+            gaps = [abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"], strict=True)]
+            assert max(gaps) < 1e-5
+
+        await fleet.connect(policy)
+        await asyncio.to_thread(train_once, policy)   # the trainer's weights now differ from the model's
+        await fleet.refit(1)
+        before = await router.engines[0].generate.remote(PROBE, GREEDY)
+
+        # 1. the actor is killed: engine 0 comes back with version 1's weights
+        await batch_while(lambda: ray.kill(router.engines[0]))
+        await until(lambda: router.live == {0, 1}, "engine 0 to come back")
+        await same_weights_everywhere(1)
+        assert (await router.engines[0].generate.remote(PROBE, GREEDY))["logprobs"] == pytest.approx(
+            before["logprobs"], abs=1e-5)
+
+        # 2. the engine-core process is killed (the actor stays up): the actor exits, engine 1 comes back
+        await batch_while(lambda: os.kill(engine_core_pid(router.engines[1]), signal.SIGKILL))
+        await until(lambda: router.live == {0, 1}, "engine 1 to come back")
+        assert fleet.metrics() == {"engine/deaths": 2.0, "engine/restarts": 2.0, "engine/live": 2.0}
+        await asyncio.to_thread(train_once, policy)
+        await fleet.refit(2)   # through a refit group re-formed with both new engines
+        await same_weights_everywhere(2)
+
+        # 3. restarts used up (max_restarts=1): the run goes on with engine 1 alone ...
+        await batch_while(lambda: ray.kill(router.engines[0]))
+        await until(lambda: 0 not in fleet.restarting, "engine 0's restart budget to be checked")
+        assert router.live == {1} and fleet.metrics()["engine/restarts"] == 2.0
         router.check()
+        await fleet.refit(3)   # the group is re-formed without the dead engine: no hang
+        # ... and stops with one message when the last engine dies
+        ray.kill(router.engines[1])
+        p = pool()
+        groups = await asyncio.wait_for(p.next_batch(4), 120)
+        assert all(not r.ok for g in groups for r in g)
+        with pytest.raises(EngineDiedError, match=r"all 2 rollout engine\(s\) died and their restarts "
+                                                  r"\(rollout.engine.max_restarts=1\) are used up"):
+            router.check()
+        await p.close()
+        await fleet.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        policy.shutdown()

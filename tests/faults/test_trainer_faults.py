@@ -1,9 +1,11 @@
-"""A trainer rank SIGKILLed in the middle of writing a checkpoint: the save fails (the run stops, nothing
-hangs), `checkpoints/latest` still names the previous checkpoint, and that checkpoint loads into a fresh
-trainer with exactly the weights it was saved with."""
+"""Trainer ranks killed. In the middle of writing a checkpoint: the save fails (nothing hangs),
+`checkpoints/latest` still names the previous checkpoint, and that checkpoint loads into a fresh trainer with
+exactly the weights it was saved with. During a run: the run rebuilds the trainer from that checkpoint and
+goes on."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import tempfile
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from faultlib import small_spec
+from faultlib import small_spec, train_once
 from safetensors.torch import load_file
 
 from molt.checkpoints import find_checkpoint, save_checkpoint
@@ -31,16 +33,6 @@ def weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
         group.export_hf(f"{tmp}/export")
         files = sorted(Path(tmp, "export").glob("*.safetensors"))
         return {k: v for f in files for k, v in load_file(f).items()}
-
-
-def train_once(group: TrainerGroup) -> None:
-    """One real optimizer step on a small fixed batch, so the weights move away from the checkpoint."""
-    ids = list(range(3, 40))
-    segment = Segment(ids, [0] * 5 + [1] * 32, [0.0] * 5 + [-2.0] * 32, [-1] * 5 + [0] * 32, "r", "g",
-                      prompt_len=5)
-    batch = make_batch([segment], 0)
-    batch.update(old_logp=group.logprobs(batch), advantages=torch.ones_like(batch["loss_mask"]))
-    group.train_step(batch)
 
 
 def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_session, tmp_path):
@@ -91,3 +83,51 @@ def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_sessi
         assert restored.keys() == saved.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
     finally:
         fresh.shutdown()
+
+
+def trainer_pids() -> list[int]:
+    """Pids of this test process's trainer rank actors (Ray sets their process title)."""
+    pids, todo = [], [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        threads = [t / "children" for t in Path(f"/proc/{parent}/task").glob("*")]   # Ray forks from threads
+        for child in [c for t in threads if t.exists() for c in t.read_text().split()]:
+            todo.append(int(child))
+            cmdline = Path(f"/proc/{child}/cmdline")
+            if cmdline.exists() and cmdline.read_bytes().startswith(b"ray::TrainerWorker"):
+                pids.append(int(child))
+    return pids
+
+
+def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp_path, capfd):
+    """2 ranks; one is SIGKILLed after step 3 (the last checkpoint is step 2): the run rebuilds the trainer
+    from step 2 in new actors and finishes all 6 steps, each counted once, at the data position of 6 steps."""
+    from molt.loop import train
+
+    spec = small_spec(run={"dir": str(tmp_path)}, parallel={"world_size": 2, "dp_size": 2},
+                      train={"steps": 6, "save_every": 2, "prompts_per_step": 2, "max_trainer_restarts": 1},
+                      rollout={"engine": {"kv_cache_gib": 0.1}},
+                      logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}})
+    killed: list[int] = []
+
+    def kill_a_rank_after_step_3() -> None:
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and '"step": 3' in metrics.read_text()):
+            time.sleep(0.05)
+        pids = trainer_pids()
+        os.kill(pids[-1], signal.SIGKILL)
+        killed.append(pids[-1])
+
+    killer = threading.Thread(target=kill_a_rank_after_step_3, daemon=True)
+    killer.start()
+    last = train(spec)
+    assert killed and last["trainer/restarts"] == 1.0
+    assert "a trainer rank died" in capfd.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps[-3:] == [4, 5, 6] and sorted(set(steps)) == [1, 2, 3, 4, 5, 6]   # steps after 2 redone
+    assert [r["trainer/restarts"] for r in records if r["step"] <= 2][:2] == [0.0, 0.0]
+    meta = json.loads((tmp_path / "checkpoints" / "step_000006" / "meta.json").read_text())
+    assert meta["step"] == meta["version"] == 6 and meta["pending"] == []
+    assert meta["data"]["index"] + 256 * meta["data"]["epoch"] == 2 * 6   # 2 prompts a step, none twice
+    assert not trainer_pids()   # the rebuilt trainer was stopped too
