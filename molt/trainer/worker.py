@@ -23,6 +23,7 @@ from molt import refit
 from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss
 from molt.spec import RunSpec
 from molt.trainer import checkpoint, weights
+from molt.trainer.batch import inert_rows
 from molt.trainer.model import (
     DTYPES,
     build_model,
@@ -32,6 +33,7 @@ from molt.trainer.model import (
     token_logprobs,
 )
 from molt.trainer.offload import HostStateAdamW
+from molt.trainer.packing import pack, token_budget_groups, unpack
 from molt.trainer.router_replay import replay_routes
 
 
@@ -44,17 +46,6 @@ def lr_factor(spec: RunSpec, step: int) -> float:
         return 1.0
     progress = min(1.0, (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps))
     return 0.5 * (1 + math.cos(math.pi * progress)) if train.lr_schedule == "cosine" else 1 - progress
-
-
-def _micro_batches(shard: dict[str, torch.Tensor], size: int,
-                   device: torch.device) -> list[dict[str, torch.Tensor]]:
-    # Trim each micro-batch to its longest row: right padding never influences earlier tokens.
-    out = []
-    for start in range(0, shard["input_ids"].shape[0], size):
-        mb = {k: v[start:start + size] for k, v in shard.items()}
-        length = int(mb["attention_mask"].sum(-1).max())
-        out.append({k: v[:, :length].to(device) for k, v in mb.items()})
-    return out
 
 
 class TrainerWorker:
@@ -107,30 +98,68 @@ class TrainerWorker:
                                                                lambda s: lr_factor(self.spec, s))
 
     # -- forward ---------------------------------------------------------------------------------------
+    def _micro_batches(self, shard: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Consecutive row slices of `shard` on the device, each trimmed to its longest row (right padding
+        never influences earlier tokens): `train.micro_batch_size` rows each, or with
+        `train.micro_batch_tokens` as many rows as fit that many real tokens (`_scores` packs them)."""
+        train = self.spec.train
+        rows = shard["input_ids"].shape[0]
+        if train.micro_batch_tokens is None:
+            size = train.micro_batch_size
+            groups = [range(start, min(start + size, rows)) for start in range(0, rows, size)]
+        else:
+            groups = token_budget_groups(shard["attention_mask"].sum(-1).tolist(), train.micro_batch_tokens)
+        out = []
+        for g in groups:
+            mb = {k: v[g.start:g.stop] for k, v in shard.items()}
+            length = int(mb["attention_mask"].sum(-1).max())
+            out.append({k: v[:, :length].to(self.device) for k, v in mb.items()})
+        if train.micro_batch_tokens is not None:
+            # A budget splits the ranks' shards into different counts, but FSDP's gathers are collective:
+            # every rank runs as many forwards as the busiest one, the extra ones on an inert row.
+            count = torch.tensor([len(out)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            out += [inert_rows({k: v[:1, :1] for k, v in out[0].items()}, 1)] * (int(count) - len(out))
+        return out
+
     def _scores(self, mb: dict[str, torch.Tensor], entropy: bool = False):
-        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device."""
+        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device;
+        with `train.micro_batch_tokens` computed on its packed row and returned in the padded layout."""
+        if self.spec.train.micro_batch_tokens is None:
+            return self._row_scores(mb, entropy)
+        packed, real = pack(mb)
+        scores, ent = self._row_scores(packed, entropy)
+        return unpack(scores, real), None if ent is None else unpack(ent, real)
+
+    def _row_scores(self, mb: dict[str, torch.Tensor], entropy: bool):
         routes = mb.get("routed_experts") if self.spec.model.router_replay else None
+        # a packed row has no attention mask: its position ids restart per sequence, and transformers
+        # turns the restarts into a block-diagonal causal mask; a token at position 0 has no logprob
+        positions = mb.get("position_ids")
+        attention = mb["attention_mask"] if positions is None else None
+        scored = mb["attention_mask"] if positions is None else (positions > 0).long()
         with replay_routes(self.model, routes):
-            logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+            logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, position_ids=positions,
                                 use_cache=False).logits.float()
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
-            return prefix_values(logits[..., 0], mb["attention_mask"]), None
+            return prefix_values(logits[..., 0], scored), None
         # the distribution each token was sampled from: recorded per token, else the run's settings
         r = self.spec.rollout
-        return token_logprobs(logits, mb["input_ids"], mb["attention_mask"],
-                              mb.get("temperature", r.temperature), mb.get("top_p", r.top_p),
-                              mb.get("top_k", r.top_k), entropy)
+        return token_logprobs(logits, mb["input_ids"], scored, mb.get("temperature", r.temperature),
+                              mb.get("top_p", r.top_p), mb.get("top_k", r.top_k), entropy)
 
     @torch.no_grad()
     def scores(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         start = 0
-        for mb in _micro_batches(shard, self.spec.train.micro_batch_size, self.device):
+        for mb in self._micro_batches(shard):
             rows, length = mb["input_ids"].shape
-            out[start:start + rows, :length] = self._scores(mb)[0].cpu()
+            scores = self._scores(mb)[0].cpu()
+            if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
+                out[start:start + rows, :length] = scores
             start += rows
         return out
 
@@ -147,7 +176,7 @@ class TrainerWorker:
     def train_step(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step over this rank's shard; returns globally reduced metrics (same on all ranks)."""
         spec, algo = self.spec, self.spec.algo
-        mbs = _micro_batches(shard, spec.train.micro_batch_size, self.device)
+        mbs = self._micro_batches(shard)
         budget = spec.rollout.max_tokens * spec.agent.max_turns  # the response budget of seq norm
         normalizer = LOSS_NORMS["token"] if self.sft else lambda m, b: loss_normalizer(m, algo, b)
         norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
