@@ -65,8 +65,10 @@ def test_unified_and_exit_codes(capsys):
 
 
 @pytest.mark.parametrize("side, fragment", [
-    ("nope", "nope: unknown experiment 'nope'; available: dsv3_ep256, qwen30b_tools, qwen3_4b_math, tiny"),
-    ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: dsv3_ep256,"),
+    ("nope", "nope: unknown experiment 'nope'; available: distill_tiny, dsv3_ep256, qwen30b_tools, "
+             "qwen3_4b_math, tiny"),
+    ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: distill_tiny, "
+                              "dsv3_ep256,"),
     (str(REPO / "docs"), "a directory without spec.yaml (not a run directory)"),
     ("tiny algo=nope", "tiny algo=nope: unknown algo 'nope'; available: dr_grpo, gae, grpo,"),
     ("tiny train.lrr=1", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
