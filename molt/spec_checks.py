@@ -40,6 +40,7 @@ def check_combinations(spec: RunSpec) -> None:
     _route_capture(spec)
     _speculative_decoding(spec)
     _group_baseline(spec)
+    _packing(spec)
     if spec.parallel.device == "cuda":
         from molt.placement import plan
 
@@ -91,6 +92,14 @@ def _group_baseline(spec: RunSpec) -> None:
         raise ValueError(f"algo.estimator={spec.algo.estimator} compares samples of one prompt, and "
                          "rollout.samples_per_prompt=1 makes every advantage 0; use >= 2 samples, or a "
                          "batch-baseline estimator (reinforce_pp)")
+
+
+def _packing(spec: RunSpec) -> None:
+    if spec.train.micro_batch_tokens is not None and spec.parallel.device == "cuda":
+        raise ValueError("train.micro_batch_tokens (sequence packing) needs parallel.device=cpu: packed rows "
+                         "run through an attention the trainer registers with transformers, and on cuda the "
+                         "model comes from AutoModel's loader, whose model classes are not tested with it; "
+                         "use train.micro_batch_size")
 
 
 def spec_warnings(spec: RunSpec) -> list[str]:

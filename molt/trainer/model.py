@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from molt.spec import RunSpec
+from molt.trainer.packing import VARLEN
 from molt.trainer.router_replay import freeze_router, install_replay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,13 +86,15 @@ def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
     cuda = spec.parallel.device == "cuda"
     # fp32 master weights everywhere; on GPU the FSDP2 policy computes in model.dtype (bf16).
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
+    attention = VARLEN if spec.train.micro_batch_tokens else "sdpa"   # packed rows need their attention
     if role == "critic":
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         # no dropout on the value head: the critic's forward must be deterministic like the policy's
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
                                             trust_remote_code=spec.model.trust_remote_code)
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, **common)
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, attn_implementation=attention, **common)
     elif cuda:
         from nemo_automodel import NeMoAutoModelForCausalLM
 
@@ -106,7 +109,7 @@ def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **common)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, **common)
     if cuda:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     _prepare(model, spec, role)

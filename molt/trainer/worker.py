@@ -133,14 +133,16 @@ class TrainerWorker:
 
     def _row_scores(self, mb: dict[str, torch.Tensor], entropy: bool):
         routes = mb.get("routed_experts") if self.spec.model.router_replay else None
-        # a packed row has no attention mask: its position ids restart per sequence, and transformers
-        # turns the restarts into a block-diagonal causal mask; a token at position 0 has no logprob
+        # A packed row has no attention mask: position ids restart per sequence and the packing's
+        # attention takes the sequence bounds; a token at position 0 has no prefix, hence no logprob.
         positions = mb.get("position_ids")
+        packed = {} if positions is None else \
+            {"position_ids": positions, "cu_seq_lens_q": mb["cu_seq_lens_q"]}
         attention = mb["attention_mask"] if positions is None else None
         scored = mb["attention_mask"] if positions is None else (positions > 0).long()
         with replay_routes(self.model, routes):
-            logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, position_ids=positions,
-                                use_cache=False).logits.float()
+            logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
+                                **packed).logits.float()
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
