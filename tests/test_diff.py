@@ -66,7 +66,7 @@ def test_unified_and_exit_codes(capsys):
 
 @pytest.mark.parametrize("side, fragment", [
     ("nope", "nope: unknown experiment 'nope'; available: distill_tiny, dsv3_ep256, qwen30b_tools, "
-             "qwen3_4b_math, tiny"),
+             "qwen3_4b_math, rg_rl, rg_sft, tiny"),
     ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: distill_tiny, "
                               "dsv3_ep256,"),
     (str(REPO / "docs"), "a directory without spec.yaml (not a run directory)"),
