@@ -49,7 +49,11 @@ class ModelSpec(Strict):
         "float32", description="weights dtype of engines and trainer (float32 on CPU)")
     max_model_len: int = Field(512, description="context length in tokens: the prompt plus every turn")
     reference: str | None = Field(
-        None, description="frozen reference / teacher model; 'policy' = a frozen copy of the start")
+        None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "
+        "a frozen copy of the start; 'tiny' = built offline from reference_tiny")
+    reference_tiny: dict[str, int] = Field(
+        default_factory=dict, description="molt.tiny options of the reference when reference=tiny (e.g. a "
+        "larger teacher to distill from)")
     critic: bool = Field(False, description="train a value model beside the policy (gae needs one)")
     router_replay: bool = Field(False, description="MoE: replay the engine's routed experts in training")
     freeze_router: bool = Field(False, description="MoE: do not train the router weights")
@@ -260,6 +264,9 @@ class RunSpec(Strict):
         if (self.algo.estimator == "on_policy_distill" or self.algo.kl.coef > 0) and not self.model.reference:
             raise ValueError(f"algo.estimator={self.algo.estimator} / algo.kl.coef={self.algo.kl.coef} "
                              "need model.reference (a path, or 'policy')")
+        if self.model.reference_tiny and self.model.reference != "tiny":
+            raise ValueError(f"model.reference_tiny is set but model.reference={self.model.reference}: set "
+                             "model.reference=tiny to build the reference from these options")
         if self.parallel.device == "cpu" and self.model.dtype != "float32":
             raise ValueError("parallel.device=cpu trains in float32: set model.dtype=float32")
         _check_eval_keys(self)

@@ -19,6 +19,9 @@ class TrainSpec(Strict):
     steps: int = Field(100, description="optimizer steps (one batch of prompt groups each)")
     prompts_per_step: int = Field(8, description="prompt groups per optimizer step")
     micro_batch_size: int = Field(16, description="most sequences per forward/backward, per rank")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="sequence packing: micro-batches of consecutive rows with at most this many "
+        "real tokens per rank, packed into one padding-free row (replaces micro_batch_size; cpu; null = off)")
     lr: float = Field(5e-4, description="AdamW learning rate of the policy")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="after warm-up: constant, or cosine / linear decay to 0 at train.steps")

@@ -41,6 +41,7 @@ def check_combinations(spec: RunSpec) -> None:
     _speculative_decoding(spec)
     _group_baseline(spec)
     _updates(spec)
+    _packing(spec)
     if spec.parallel.device == "cuda":
         from molt.placement import plan
 
@@ -104,6 +105,14 @@ def _updates(spec: RunSpec) -> None:
     if train.critic_warmup_steps and not spec.model.critic:
         raise ValueError("train.critic_warmup_steps trains the critic alone: it needs model.critic=true "
                          "(algo=gae)")
+
+
+def _packing(spec: RunSpec) -> None:
+    if spec.train.micro_batch_tokens is not None and spec.parallel.device == "cuda":
+        raise ValueError("train.micro_batch_tokens (sequence packing) needs parallel.device=cpu: packed rows "
+                         "run through an attention the trainer registers with transformers, and on cuda the "
+                         "model comes from AutoModel's loader, whose model classes are not tested with it; "
+                         "use train.micro_batch_size")
 
 
 def spec_warnings(spec: RunSpec) -> list[str]:

@@ -110,7 +110,8 @@ def test_cross_field_rules(overrides, fragment):
 
 
 def test_missing_experiment_fails():
-    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: dsv3_ep256, qwen30b_tools"):
+    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: distill_tiny, dsv3_ep256, "
+                                        "qwen30b_tools"):
         compose(["+experiment=nope"])
 
 

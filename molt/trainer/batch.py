@@ -119,22 +119,27 @@ def image_inputs(mb: dict[str, torch.Tensor], image_token: int) -> dict[str, tor
             "mm_token_type_ids": (mb["input_ids"] == image_token).int()}
 
 
-def pad_rows(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
-    """Append inert rows (one attended pad token, loss mask 0) so the row count divides `multiple`.
-
-    Every rank must run the same number of forwards (FSDP all-gathers are collective), so a batch is
-    split into equal row shards; the filler rows contribute nothing to losses or normalizers.
-    """
-    rows = batch["input_ids"].shape[0]
-    extra = -rows % multiple
-    if not extra:
-        return batch
+def inert_rows(batch: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
+    """`count` rows shaped like `batch`'s that contribute nothing: one attended pad token, loss mask 0."""
     out = {}
     for key, value in batch.items():
-        filler = torch.zeros((extra, *value.shape[1:]), dtype=value.dtype)
+        filler = torch.zeros((count, *value.shape[1:]), dtype=value.dtype, device=value.device)
         if key == "attention_mask":
             filler[:, 0] = 1
         if key == "routed_experts":
             filler[:] = torch.arange(value.shape[-1])
-        out[key] = torch.cat([value, filler])
+        out[key] = filler
     return out
+
+
+def pad_rows(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """Append inert rows (`inert_rows`) so the row count divides `multiple`.
+
+    Every rank must run the same number of forwards (FSDP all-gathers are collective), so a batch is
+    split into equal row shards; the filler rows contribute nothing to losses or normalizers.
+    """
+    extra = -batch["input_ids"].shape[0] % multiple
+    if not extra:
+        return batch
+    filler = inert_rows(batch, extra)
+    return {key: torch.cat([value, filler[key]]) for key, value in batch.items()}

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from molt.spec import RunSpec
+from molt.trainer.packing import VARLEN
 from molt.trainer.router_replay import freeze_router, install_replay
 from molt.vision import is_vision_model
 
@@ -24,13 +25,30 @@ TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at
 
 def model_path(spec: RunSpec, role: str) -> str:
     """The checkpoint a role starts from: the reference may name its own, everything else the policy's."""
+    from molt.tiny import tiny_model_path
+
+    if role == "reference" and spec.model.reference == "tiny":
+        return str(tiny_model_path(**spec.model.reference_tiny))
     if role == "reference" and spec.model.reference not in (None, "policy"):
         return spec.model.reference
     if spec.model.path is not None:
         return spec.model.path
-    from molt.tiny import tiny_model_path
-
     return str(tiny_model_path(**spec.model.tiny))
+
+
+def check_same_tokenizer(spec: RunSpec) -> None:
+    """A reference of its own (a teacher of another size) must read token ids as the policy does: its
+    logprobs are taken of the policy's sampled ids, so another vocabulary would compare unrelated tokens."""
+    from transformers import AutoTokenizer
+
+    policy, reference = model_path(spec, "policy"), model_path(spec, "reference")
+    if policy == reference:
+        return
+    trust = spec.model.trust_remote_code
+    if (AutoTokenizer.from_pretrained(policy, trust_remote_code=trust).get_vocab()
+            != AutoTokenizer.from_pretrained(reference, trust_remote_code=trust).get_vocab()):
+        raise ValueError(f"model.reference={spec.model.reference} ({reference}) has another tokenizer than "
+                         f"the policy ({policy}); a reference or teacher must share the policy's vocabulary")
 
 
 def distributed_setup(spec: RunSpec) -> Any:
@@ -64,9 +82,12 @@ def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
     path = model_path(spec, role)
+    if role == "reference":
+        check_same_tokenizer(spec)
     cuda = spec.parallel.device == "cuda"
     # fp32 master weights everywhere; on GPU the FSDP2 policy computes in model.dtype (bf16).
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
+    attention = VARLEN if spec.train.micro_batch_tokens else "sdpa"   # packed rows need their attention
     if role == "critic":
         from transformers import AutoConfig, AutoModelForTokenClassification
 
@@ -77,7 +98,8 @@ def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
         # no dropout on the value head: the critic's forward must be deterministic like the policy's
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
                                             trust_remote_code=spec.model.trust_remote_code)
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, **common)
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, attn_implementation=attention, **common)
     elif cuda:
         import nemo_automodel
 
@@ -95,7 +117,7 @@ def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
 
         auto = transformers.AutoModelForImageTextToText if is_vision_model(
             path, spec.model.trust_remote_code) else transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(path, attn_implementation="sdpa", **common)
+        model = auto.from_pretrained(path, attn_implementation=attention, **common)
     if cuda:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     _prepare(model, spec, role)

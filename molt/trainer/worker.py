@@ -23,7 +23,7 @@ from molt import refit
 from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss, with_kl_coef
 from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import checkpoint, weights
-from molt.trainer.batch import image_inputs
+from molt.trainer.batch import image_inputs, inert_rows
 from molt.trainer.model import (
     DTYPES,
     build_model,
@@ -33,6 +33,7 @@ from molt.trainer.model import (
     token_logprobs,
 )
 from molt.trainer.offload import HostStateAdamW
+from molt.trainer.packing import pack, token_budget_groups, unpack
 from molt.trainer.router_replay import replay_routes
 
 
@@ -51,16 +52,6 @@ def lr_factor(spec: RunSpec, step: int) -> float:
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (molt.trainer.batch)
 
-
-def _micro_batches(shard: dict[str, torch.Tensor], size: int,
-                   device: torch.device) -> list[dict[str, torch.Tensor]]:
-    # Trim each micro-batch to its longest row: right padding never influences earlier tokens.
-    out = []
-    for start in range(0, shard["input_ids"].shape[0], size):
-        mb = {k: v[start:start + size] for k, v in shard.items()}
-        length = int(mb["attention_mask"].sum(-1).max())
-        out.append({k: (v if k in IMAGE_KEYS else v[:, :length]).to(device) for k, v in mb.items()})
-    return out
 
 
 class TrainerWorker:
@@ -97,6 +88,9 @@ class TrainerWorker:
         self.mesh = setup.mesh_context.device_mesh
         self.model = build_model(self.spec, self.role, setup)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
+        if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
+            raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
+                             "use train.micro_batch_size with a vision-language model")
         # The loss is already a global SUM / global normalizer per rank, so FSDP must sum gradients
         # across data shards instead of averaging them. Gloo has no pre-multiplied sum: force plain sums.
         for module in self.model.modules():
@@ -114,31 +108,71 @@ class TrainerWorker:
                                                                lambda s: lr_factor(self.spec, s))
 
     # -- forward ---------------------------------------------------------------------------------------
+    def _micro_batches(self, shard: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Consecutive row slices of `shard` on the device, each trimmed to its longest row (right padding
+        never influences earlier tokens): `train.micro_batch_size` rows each, or with
+        `train.micro_batch_tokens` as many rows as fit that many real tokens (`_scores` packs them)."""
+        train = self.spec.train
+        rows = shard["input_ids"].shape[0]
+        if train.micro_batch_tokens is None:
+            size = train.micro_batch_size
+            groups = [range(start, min(start + size, rows)) for start in range(0, rows, size)]
+        else:
+            groups = token_budget_groups(shard["attention_mask"].sum(-1).tolist(), train.micro_batch_tokens)
+        out = []
+        for g in groups:
+            mb = {k: v[g.start:g.stop] for k, v in shard.items()}
+            length = int(mb["attention_mask"].sum(-1).max())
+            out.append({k: (v if k in IMAGE_KEYS else v[:, :length]).to(self.device) for k, v in mb.items()})
+        if train.micro_batch_tokens is not None:
+            # A budget splits the ranks' shards into different counts, but FSDP's gathers are collective:
+            # every rank runs as many forwards as the busiest one, the extra ones on an inert row.
+            count = torch.tensor([len(out)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            out += [inert_rows({k: v[:1, :1] for k, v in out[0].items()}, 1)] * (int(count) - len(out))
+        return out
+
     def _scores(self, mb: dict[str, torch.Tensor], entropy: bool = False):
-        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device."""
+        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device;
+        with `train.micro_batch_tokens` computed on its packed row and returned in the padded layout."""
+        if self.spec.train.micro_batch_tokens is None:
+            return self._row_scores(mb, entropy)
+        packed, real = pack(mb)
+        scores, ent = self._row_scores(packed, entropy)
+        return unpack(scores, real), None if ent is None else unpack(ent, real)
+
+    def _row_scores(self, mb: dict[str, torch.Tensor], entropy: bool):
         routes = mb.get("routed_experts") if self.spec.model.router_replay else None
         images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
+        # A packed row has no attention mask: position ids restart per sequence and the packing's
+        # attention takes the sequence bounds; a token at position 0 has no prefix, hence no logprob.
+        positions = mb.get("position_ids")
+        packed = {} if positions is None else \
+            {"position_ids": positions, "cu_seq_lens_q": mb["cu_seq_lens_q"]}
+        attention = mb["attention_mask"] if positions is None else None
+        scored = mb["attention_mask"] if positions is None else (positions > 0).long()
         with replay_routes(self.model, routes):
-            logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                                use_cache=False, **images).logits.float()
+            logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
+                                **packed, **images).logits.float()
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
-            return prefix_values(logits[..., 0], mb["attention_mask"]), None
+            return prefix_values(logits[..., 0], scored), None
         # the distribution each token was sampled from: recorded per token, else the run's settings
         r = self.spec.rollout
-        return token_logprobs(logits, mb["input_ids"], mb["attention_mask"],
-                              mb.get("temperature", r.temperature), mb.get("top_p", r.top_p),
-                              mb.get("top_k", r.top_k), entropy)
+        return token_logprobs(logits, mb["input_ids"], scored, mb.get("temperature", r.temperature),
+                              mb.get("top_p", r.top_p), mb.get("top_k", r.top_k), entropy)
 
     @torch.no_grad()
     def scores(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         start = 0
-        for mb in _micro_batches(shard, self.spec.train.micro_batch_size, self.device):
+        for mb in self._micro_batches(shard):
             rows, length = mb["input_ids"].shape
-            out[start:start + rows, :length] = self._scores(mb)[0].cpu()
+            scores = self._scores(mb)[0].cpu()
+            if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
+                out[start:start + rows, :length] = scores
             start += rows
         return out
 
@@ -188,7 +222,7 @@ class TrainerWorker:
         """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `sums`.
         Returns the gradient norm, or None when no rank's `part` holds a sampled token (no step)."""
         spec = self.spec
-        mbs = _micro_batches(part, spec.train.micro_batch_size, self.device)
+        mbs = self._micro_batches(part)
         budget = spec.rollout.max_tokens * spec.agent.max_turns  # the response budget of seq norm
         normalizer = LOSS_NORMS["token"].normalizer if self.sft else lambda m, b: loss_normalizer(m, algo, b)
         norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
