@@ -14,7 +14,7 @@ from faultlib import FAULTY, small_spec
 
 from molt.agents import load_agent_runner
 from molt.data import PromptDataset
-from molt.loop import evaluate
+from molt.eval import evaluate
 from molt.metrics import RunLogger, load_rollouts
 from molt.rollout.pool import RolloutPool
 from molt.rollout.router import Router
@@ -46,7 +46,7 @@ def test_the_router_forgets_every_rollout_when_it_ends(tok, engine, tmp_path):
     assert router.sticky == {}
     data = tmp_path / "eval.jsonl"
     data.write_text('{"prompt": "a", "label": "a"}\n{"prompt": "b", "label": "b"}\n')
-    asyncio.run(evaluate(spec, runner, router, PromptDataset(str(data), spec.data), 1))
+    asyncio.run(evaluate(spec, runner, router, {"set": PromptDataset(str(data), spec.data)}, 1))
     assert router.sticky == {}
 
 
