@@ -67,7 +67,8 @@ def test_unified_and_exit_codes(capsys):
 @pytest.mark.parametrize("side, fragment", [
     ("nope", "nope: unknown experiment 'nope'; available: "
              + ", ".join(sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")))),
-    ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: dsv3_ep256,"),
+    ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: "
+                              + ", ".join(sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")))),
     (str(REPO / "docs"), "a directory without spec.yaml (not a run directory)"),
     ("tiny algo=nope", "tiny algo=nope: unknown algo 'nope'; available: cispo, dapo, dr_grpo, gae, grpo,"),
     ("tiny train.lrr=1", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),

@@ -28,6 +28,7 @@ def sharp_teacher(path: str, out: str) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_student_reverse_kl_to_a_larger_teacher_falls(tmp_path, ray_session) -> None:
     """The whole loop (engine, student, teacher) for 16 steps: the sampled-token estimate of
     KL(student || teacher) (adv/teacher_gap, on the student's own samples; ~1.8 nats at the start) falls

@@ -20,7 +20,7 @@ import psutil
 import pytest
 from test_loop import SMALL, read_metrics
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 RAY = str(Path(sys.executable).with_name("ray"))
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
 

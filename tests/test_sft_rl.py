@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from molt.config import compose
 from molt.data import REPO_ROOT
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 QUIET = ["logging.progress=false", "logging.plots=false", "logging.wandb.mode=disabled"]
 
 

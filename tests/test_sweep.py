@@ -16,6 +16,8 @@ from molt.diff import main as diff_main
 from molt.sweep import job_row, summarize
 from molt.sweep import main as sweep_main
 
+pytestmark = pytest.mark.slow   # a real two-job sweep: two CLI runs (over a minute)
+
 REPO = Path(__file__).resolve().parents[1]
 LEAN = ["train.steps=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
         "train.micro_batch_size=8", "train.eval_every=0", "rollout.engine.kv_cache_gib=0.25",

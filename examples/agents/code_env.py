@@ -22,7 +22,8 @@ ANSWER = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)")
 HINT = "Write Python in a ```python block to compute it, or reply with ANSWER: <number>."
 MAX_OUTPUT_CHARS = 1000   # of the program's output shown to the model
 
-CONSTRAINED_CODE = r"```python\nprint\([0-9]{1,3}( [+*-] [0-9]{1,3}){0,2}\)\n```"
+# Integer literals without leading zeros: Python rejects `088`, and the program must run.
+CONSTRAINED_CODE = r"```python\nprint\((0|[1-9][0-9]{0,2})( [+*-] (0|[1-9][0-9]{0,2})){0,2}\)\n```"
 CONSTRAINED_ANSWER = r"ANSWER: -?[0-9]{1,6}"
 
 
