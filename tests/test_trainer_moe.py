@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file, save_file
+from test_trainer import full_weights
 
 from molt.spec import RunSpec
 from molt.trainer import TrainerGroup, make_batch
@@ -42,13 +41,6 @@ def random_batch() -> dict[str, torch.Tensor]:
         segs.append(Segment(token_ids=ids, loss_mask=mask, logprobs=[-1.0 * m for m in mask],
                             versions=[0] * n, rollout_id=str(i), group_id="g"))
     return make_batch(segs, advantages=[[float(i % 2) - 0.5] * len(s.token_ids) for i, s in enumerate(segs)])
-
-
-def full_weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
-    with tempfile.TemporaryDirectory() as tmp:
-        group.export_hf(f"{tmp}/export")
-        files = sorted(Path(tmp, "export").glob("*.safetensors"))
-        return {k: v for f in files for k, v in load_file(f).items()}
 
 
 @pytest.fixture(scope="module")
