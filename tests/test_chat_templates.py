@@ -88,7 +88,8 @@ class ScriptedEnv(Env):
 
 
 def test_env_seals_exactly_where_qwen3_rewrites_the_prefix(qwen_tok, engine):
-    sampler, runner = Recorder(engine), StepEnvRunner(ScriptedEnv)
+    # Seeded: which turns the template rewrites depends on the sampled text, so the scenario is pinned.
+    sampler, runner = Recorder(engine, seed=0), StepEnvRunner(ScriptedEnv)
     runner.setup(qwen_tok, make_spec({"module": "x.py", "max_turns": 4, "max_total_tokens": 400},
                                      max_tokens=16))
     rollouts = run_all(runner, [{"prompt": "hi", "label": ""}] * 2, sampler, group="qwen")
@@ -100,10 +101,9 @@ def test_env_seals_exactly_where_qwen3_rewrites_the_prefix(qwen_tok, engine):
         for reply, (observation, _) in zip(replies, ScriptedEnv.SCRIPT, strict=False):
             requests.append(requests[-1] + [reply, observation])
         seals = expected_seals(qwen_tok, requests, replies)
-        # The free first reply and the two think replies before a new user query lose their <think> block
-        # (a seal). The think reply followed by a tool result usually keeps it (a tool chain, no seal), but
-        # some sampled texts render differently there, so that one is taken from the template alone.
-        assert seals[0] and seals[2], texts
+        # The free first reply and the two think replies before a new user query lose their <think> block;
+        # the think reply followed by a tool result keeps it (a tool chain), so its turn continues.
+        assert seals == [True, False, True], texts
         check_segments(qwen_tok, r, calls, requests, seals)
         assert replies[1]["content"].startswith("<think>") and r.reward == 1.0
 
