@@ -180,3 +180,26 @@ async def _forced_call(runner) -> openai.APIStatusError:
             tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
             tool_choice={"type": "function", "function": {"name": "add"}})
     return err.value
+
+
+def test_every_forced_call_the_grammar_allows_is_valid_json():
+    # Exhaustive over short spellings: a forced call whose arguments a JSON parser rejects (`{"x": 01}`)
+    # is dropped by the tool parser, so the agent silently loses the turn.
+    import itertools
+    import re
+
+    from molt.agents.tools import forced_call_regex
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "i": {"type": "integer"}, "n": {"type": "number"}}}}}
+    pattern = re.compile(forced_call_regex(tool))
+    spellings = ["".join(c) for k in range(1, 5) for c in itertools.product("-0.19", repeat=k)]
+    allowed = 0
+    for i, n in itertools.product(spellings, spellings):
+        text = f'<tool_call>{{"name": "f", "arguments": {{"i": {i}, "n": {n}}}}}</tool_call>'
+        if pattern.fullmatch(text):
+            allowed += 1
+            args = json.loads(text[11:-12])["arguments"]
+            assert isinstance(args["i"], int), text
+    assert allowed > 100
+    assert not pattern.fullmatch('<tool_call>{"name": "f", "arguments": {"i": 01, "n": 0}}</tool_call>')

@@ -15,8 +15,11 @@ from typing import Any
 
 FORCEABLE_PARSERS = ("hermes",)   # parsers that read the markup `forced_call_regex` writes
 
-_VALUE = {"integer": r"-?[0-9]{1,6}", "number": r"-?[0-9]{1,6}(\.[0-9]{1,4})?", "boolean": r"(true|false)",
-          "string": r'"[ !#-\[\]-~]{0,32}"'}   # printable ASCII without `"` and `\`: always valid JSON
+# Every value these allow is valid JSON: no leading zeros (`01` is not a JSON number, and a parser that
+# fails on it drops the call), strings of printable ASCII without `"` and `\`.
+_INT = r"-?(0|[1-9][0-9]{0,5})"
+_VALUE = {"integer": _INT, "number": _INT + r"(\.[0-9]{1,4})?", "boolean": r"(true|false)",
+          "string": r'"[ !#-\[\]-~]{0,32}"'}
 
 
 def _lit(text: str) -> str:
