@@ -5,7 +5,7 @@ the model's chat template, the reward is the fraction of the response budget (ma
 that letter's token (examples/agents/repeat.py). Settings mirror Molt's GRPO: group-std-scaled
 advantages, one optimizer step per generated batch (num_iterations=1), the global token-mean loss
 (TRL's `dapo`), clip 0.2, no KL, AdamW, grad clip 1.0, temperature 1.0 with top-k and top-p off.
-TRL generates with transformers' `generate` (its vLLM path fails on vLLM's CPU build, see docs/bench.md).
+TRL generates with transformers' `generate` (its vLLM path fails on vLLM's CPU build, see bench/README.md).
 
     bench/.venv-trl/bin/python bench/trl_peer.py --model DIR --max-tokens 16 --steps 10 --out r.json
 """

@@ -2,7 +2,7 @@
 
 The loop calls `RunLogger.log(step, metrics)` once per step and `dump_rollouts(step, rollouts)` with
 the batch it trained on. Everything lands in the run directory, so a run is inspectable (and its
-batches replayable with `load_rollouts`) without W&B. Metric names are documented in the README.
+batches replayable with `load_rollouts`) without W&B. Metric names are documented in docs/loop.md.
 """
 
 from __future__ import annotations

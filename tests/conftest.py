@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# One thread per process: 2 cores are shared by Ray, vLLM and the trainer ranks (see README).
+# One thread per process: 2 cores are shared by Ray, vLLM and the trainer ranks (tests/README.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("WANDB_MODE", "disabled")

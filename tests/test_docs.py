@@ -1,0 +1,72 @@
+"""The documentation's relative links resolve: every file a link names exists, and every `#anchor` into
+a markdown page names one of that page's headings (as GitHub renders them). Pure text, no imports of Molt."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = sorted([REPO / "README.md", REPO / "CONTRIBUTING.md", REPO / "bench" / "README.md",
+                REPO / "bench" / "RESULTS.md", REPO / "tests" / "README.md", REPO / "recipes" / "README.md",
+                *(REPO / "docs").glob("*.md")])
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+
+
+def prose(text: str) -> str:
+    """The page without code blocks and inline code, where brackets are code, not links."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", FENCE.sub("", page.read_text(encoding="utf-8")), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in LINK.findall(prose(page.read_text(encoding="utf-8"))):
+        if re.match(r"[a-z]+:", target):    # http(s), mailto: not checked (no network in tests)
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading '#{anchor}' in {os.path.relpath(resolved, page.parent)}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(page):
+    assert broken_links(page) == []
+
+
+def test_the_checker_sees_a_broken_file_and_a_broken_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# Title — `code` here\n\n## Two\n", encoding="utf-8")
+    page = tmp_path / "b.md"
+    page.write_text("[ok](a.md#title--code-here) [ok](a.md#two) [bad](missing.md) [bad](a.md#three)\n"
+                    "`[not a link](missing.md)`\n```\n[not a link](missing.md)\n```\n", encoding="utf-8")
+    assert broken_links(page) == ["missing.md: no such file", "a.md#three: no heading '#three' in a.md"]
+
+
+CODE = ["molt/**/*.py", "bench/*.py", "tests/**/*.py", "conf/**/*.yaml", "experiments/*.yaml",
+        "examples/**/*.py"]
+CITED = re.compile(r"\b((?:docs|bench|tests|recipes)/[\w-]+\.md)\b")
+
+
+def test_documents_cited_by_the_code_exist():
+    cited = {c for pattern in CODE for source in REPO.glob(pattern)
+             for c in CITED.findall(source.read_text(encoding="utf-8"))}
+    assert cited and sorted(c for c in cited if not (REPO / c).exists()) == []
