@@ -12,6 +12,18 @@ from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
 
 CONFIG_MODULE = "molt.conf"
 GROUPS = ("experiment", "model", "parallel", "algo", "agent")
+SPEC_DEFAULTS = "spec_defaults"   # conf/config.yaml's first default: every key at the spec's default
+
+
+def _store_spec_defaults() -> None:
+    """Give Hydra every key at its `RunSpec` default, so `key=value` overrides any key (Hydra refuses a
+    key its config lacks) while molt/spec.py stays the one source of defaults: conf/ sets only choices."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SPEC_DEFAULTS, node=RunSpec().model_dump(mode="json"))
+
+
+_store_spec_defaults()
 
 
 def check_overrides(overrides: Sequence[str]) -> None:

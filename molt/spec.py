@@ -44,10 +44,13 @@ class RunSection(Strict):
 
 class ModelSpec(Strict):
     path: str | None = Field(None, description="Hugging Face folder or hub id; null builds the tiny model")
-    tiny: dict[str, int] = Field(default_factory=dict, description="molt.tiny options (sizes, experts, seed)")
+    tiny: dict[str, int] = Field(
+        default_factory=lambda: dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                     vocab_size=320),
+        description="molt.tiny options (sizes, experts, seed; the rest: molt.tiny's defaults)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights dtype of engines and trainer (float32 on CPU)")
-    max_model_len: int = Field(512, description="context length in tokens: the prompt plus every turn")
+    max_model_len: int = Field(256, description="context length in tokens: the prompt plus every turn")
     reference: str | None = Field(
         None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "
         "a frozen copy of the start; 'tiny' = built offline from reference_tiny")
@@ -112,10 +115,12 @@ class EngineSpec(Strict):
 
 
 class SamplingSpec(Strict):
-    temperature: float = Field(1.0, description="sampling temperature (0 = greedy)")
+    """How the eval sets are sampled (rollout.eval): greedy unless set."""
+
+    temperature: float = Field(0.0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
     top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
-    max_tokens: int = Field(16, description="most tokens generated per turn")
+    max_tokens: int = Field(8, description="most tokens generated per turn")
     n: int = Field(1, description="samples per eval prompt (eval/pass@n)")
 
 
@@ -123,7 +128,7 @@ class RolloutSpec(Strict):
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: generate one batch, then train; async: keep generating while training")
     samples_per_prompt: int = Field(8, description="rollouts per prompt: the group size of group estimators")
-    max_tokens: int = Field(16, description="most tokens sampled per turn")
+    max_tokens: int = Field(8, description="most tokens sampled per turn")
     temperature: float = Field(1.0, description="sampling temperature; the trainer scores logits/temperature")
     top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
     top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
@@ -136,7 +141,7 @@ class RolloutSpec(Strict):
     refit_chunk_mb: float = Field(
         256.0, description="a refit streams the weights to the engines in chunks of this size (>= 1 tensor)")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
-    eval: SamplingSpec = Field(default_factory=lambda: SamplingSpec(temperature=0.0, n=1),
+    eval: SamplingSpec = Field(default_factory=SamplingSpec,
                                description="sampling of the eval set (train.eval_every)")
 
     @field_validator("temperature")
@@ -181,7 +186,7 @@ class AgentSpec(Strict):
     tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat)")
     judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (agents.judge)")
     max_turns: int = Field(1, description="most LLM calls per rollout")
-    max_total_tokens: int = Field(512, description="most tokens per rollout: prompt, turns and observations")
+    max_total_tokens: int = Field(256, description="most tokens per rollout: prompt, turns and observations")
     timeout_s: float = Field(60.0, description="seconds before a rollout fails as timed out")
     on_failure: Literal["drop_group", "keep_group"] = Field(
         "drop_group", description="a failed rollout drops its whole group, or only itself")

@@ -16,9 +16,9 @@ class Strict(BaseModel):
 
 
 class TrainSpec(Strict):
-    steps: int = Field(100, description="optimizer steps (one batch of prompt groups each)")
+    steps: int = Field(400, description="optimizer steps (one batch of prompt groups each)")
     prompts_per_step: int = Field(8, description="prompt groups per optimizer step")
-    micro_batch_size: int = Field(16, description="most sequences per forward/backward, per rank")
+    micro_batch_size: int = Field(64, description="most sequences per forward/backward, per rank")
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="sequence packing: micro-batches of consecutive rows with at most this many "
         "real tokens per rank, packed into one padding-free row (replaces micro_batch_size; cpu; null = off)")
@@ -30,8 +30,8 @@ class TrainSpec(Strict):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, description="clip the global gradient norm to this")
     critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
-    save_every: int = Field(0, description="checkpoint every N steps (0 = only at the end)")
-    eval_every: int = Field(0, description="evaluate on the data.eval sets every N steps (0 = never)")
+    save_every: int = Field(50, description="checkpoint every N steps (0 = only at the end)")
+    eval_every: int = Field(25, description="evaluate on the data.eval sets every N steps (0 = never)")
     objective: Literal["rl", "sft"] = Field(
         "rl", description="rl: the agent loop; sft: NLL on assistant tokens (set by python -m molt.sft)")
     export_hf: bool = Field(

@@ -11,7 +11,7 @@ import yaml
 
 import molt.__main__ as cli
 from molt.config import compose
-from molt.spec import SpecError
+from molt.spec import RunSpec, SpecError
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
@@ -32,6 +32,11 @@ def test_every_experiment_composes_and_validates(name):
 
 def test_default_is_tiny():
     assert compose([]) == compose(["+experiment=tiny"])
+
+
+def test_the_spec_defaults_are_the_default_run():
+    # One source of defaults: a spec built in Python (tests, benchmarks) runs what `python -m molt` runs.
+    assert RunSpec() == compose([])
 
 
 def test_qwen30b_tools_matches_its_description():

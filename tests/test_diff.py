@@ -40,9 +40,11 @@ def test_text_output_puts_group_choices_first_and_keeps_free_dicts_on_one_line(c
     assert ["algo", "grpo", "->", "grpo_seq_mask_tis"] in [line.split() for line in lines[2:6]]
     sections = [line.split()[0] for line in lines[1:] if not line.startswith(" ")]
     assert sections == ["groups", "run", "model", "parallel", "rollout", "train", "algo", "agent", "data"]
-    [tiny] = [line for line in lines if line.split()[0] == "tiny"]   # model.tiny, under "model"
-    assert "{hidden_size: 128," in tiny and tiny.endswith("-> {}")
     assert len(lines) == n + 5 + 1 <= 50   # one screen: a header, 5 group choices, the keys
+    code, out, _ = run(capsys, "tiny", "tiny model=tiny_moe")
+    [tiny] = [line for line in out.splitlines() if line.split()[0] in ("model", "tiny")
+              and "hidden_size" in line]   # model.tiny, a free-form dict, on one line
+    assert tiny.split("{")[1].startswith("hidden_size: 128,") and tiny.endswith("moe_intermediate_size: 64}")
 
 
 def test_markdown_table_for_a_pull_request(capsys):
@@ -97,7 +99,7 @@ def test_file_at_a_git_revision_is_composed_with_conf_at_that_revision(tmp_path,
     _git(tmp_path, "add", ".")
     _git(tmp_path, "commit", "-qm", "base")
     algo = tmp_path / "conf" / "algo" / "reinforce_pp.yaml"
-    algo.write_text(algo.read_text().replace("gamma: 1.0", "gamma: 0.5"))
+    algo.write_text(algo.read_text() + "gamma: 0.5\n")
     (tmp_path / "experiments" / "tiny.yaml").write_text("# @package _global_\nrun: {name: tiny}\n"
                                                         "train: {lr: 1.0e-4}\n")
     _git(tmp_path, "commit", "-qam", "change")
