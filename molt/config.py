@@ -8,6 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from molt.placement import plan
+from molt.plugins import load_plugins
 from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
 
 CONFIG_MODULE = "molt.conf"
@@ -49,10 +51,20 @@ def check_overrides(overrides: Sequence[str]) -> None:
 
 
 def to_spec(cfg: DictConfig) -> RunSpec:
-    """Resolve interpolations and validate (a `hydra` node, as `compose_config` keeps, is left out)."""
+    """Resolve interpolations and validate (a `hydra` node, as `compose_config` keeps, is left out), then
+    the checks that need more than the spec: `algo.plugins` imported and the algorithm names found in the
+    registries they extend; on CUDA the placement plan, so an over-subscribed layout fails before Ray
+    starts (CPU devices are time-shared: nothing to total)."""
     data: Any = {key: OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
                  for key, value in cfg.items() if key != "hydra"}
-    return validate_spec(data)
+    spec = validate_spec(data)
+    try:
+        load_plugins(spec)
+        if spec.parallel.device == "cuda":
+            plan(spec)
+    except ValueError as err:
+        raise SpecError(f"invalid run spec: {err}") from None
+    return spec
 
 
 def compose_config(overrides: Sequence[str] = (), config_dir: Path | None = None,

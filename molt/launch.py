@@ -46,10 +46,14 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
 
 
 def check_inputs(spec: RunSpec) -> None:
-    """Load the data files and import the agent module, so a bad path fails before anything starts."""
+    """Load the data files and import the algorithm plugins and the agent module, so a bad path or name
+    fails before anything starts."""
     from molt.agents import load_agent_runner
     from molt.data import PromptDataset, load_eval_sets
+    from molt.plugins import load_plugins
     from molt.sft.data import load_conversations
+
+    load_plugins(spec)
 
     if spec.train.objective == "sft":   # conversations; no agent runs
         for path in (spec.data.train_path, *spec.data.eval):

@@ -30,9 +30,9 @@ from molt.eval import evaluate
 from molt.fleet import Fleet
 from molt.metrics import RunLogger
 from molt.rollout.pool import RolloutPool
-from molt.rollout.sampling import GREEDY_BELOW, TrainingSampler
+from molt.rollout.sampling import TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
-from molt.spec import RunSpec
+from molt.spec import GREEDY_BELOW, RunSpec
 from molt.tiny import tiny_model_path
 from molt.trainer.batch import add_images, make_batch
 from molt.trainer.group import TrainerGroup

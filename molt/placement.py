@@ -136,7 +136,7 @@ def cluster_nodes(spec: RunSpec) -> list[dict]:
 def bind(spec: RunSpec) -> list[dict]:
     """`cluster_nodes`, after checking that each one's total resources hold what the plan puts on it;
     raises RuntimeError with the numbers otherwise. Call it before any actor starts."""
-    from molt.rollout.engine import actor_options
+    from molt.rollout.engine_args import actor_options
 
     engine_cpus = actor_options(spec.rollout.engine.model_dump())["num_cpus"]
     nodes, slots, problems = cluster_nodes(spec), plan(spec), []

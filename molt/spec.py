@@ -26,6 +26,10 @@ from molt.spec_algo import (  # noqa: F401  (re-exported: the spec's public type
 )
 from molt.spec_checks import check_combinations, check_parallel
 
+GREEDY_BELOW = 1e-5   # vLLM decodes greedily below this temperature
+# The distribution vLLM reports logprobs of: after temperature/top-k/top-p, what the trainer recomputes.
+LOGPROBS_MODE = "processed_logprobs"
+
 
 def _power_of_two(name: str, value: int) -> None:
     if value < 1 or value & (value - 1):
@@ -147,8 +151,6 @@ class RolloutSpec(Strict):
     @field_validator("temperature")
     @classmethod
     def _samples(cls, value: float) -> float:
-        from molt.rollout.sampling import GREEDY_BELOW
-
         # a greedy token has no sampling probability to correct against (and scoring it divides by 0)
         if value < GREEDY_BELOW:
             raise ValueError(f"rollout.temperature={value} does not sample (vLLM is greedy below "
@@ -158,8 +160,6 @@ class RolloutSpec(Strict):
 
     @model_validator(mode="after")
     def _logprobs_mode(self) -> RolloutSpec:
-        from molt.rollout.engine_args import LOGPROBS_MODE
-
         mode = self.engine.extra_args.get("logprobs_mode", LOGPROBS_MODE)
         if mode != LOGPROBS_MODE:
             raise ValueError(f"rollout.engine.extra_args.logprobs_mode={mode}: the trainer recomputes "

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -50,15 +49,6 @@ class TrainSpec(Strict):
                                      "the policy and the engines stay unchanged")
 
 
-def _registered_name(what: str, value: str, registry: dict[str, Any]) -> str:
-    """`value` if it names an entry of `registry`, else an error with the nearest name and the list."""
-    if value not in registry:
-        near = difflib.get_close_matches(value, list(registry), n=1, cutoff=0.5)
-        hint = f" (did you mean '{near[0]}'?)" if near else ""
-        raise ValueError(f"unknown {what} '{value}'{hint}; registered: {', '.join(sorted(registry))}")
-    return value
-
-
 class LossSpec(Strict):
     policy: str = Field("ppo", description="policy surrogate, by registered name: ppo (clip), gspo "
                         "(sequence ratio and clip), cispo (clipped, stop-gradient IS weight)")
@@ -72,13 +62,6 @@ class LossSpec(Strict):
         "seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO)")
     value_clip: float = Field(0.2, description="critic: largest value change from the old values")
     entropy_coef: float = Field(0.0, description="entropy bonus weight (0 = off)")
-
-    @field_validator("policy")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        from molt.algo import POLICY_LOSSES  # lazy: molt.algo imports this module's types
-
-        return _registered_name("algo.loss.policy", value, POLICY_LOSSES)
 
     @model_validator(mode="after")
     def _dual_clip(self) -> LossSpec:
@@ -151,7 +134,11 @@ class FilterSpec(Strict):
 
 
 class AlgoSpec(Strict):
-    estimator: str = Field("grpo", description="advantage estimator, by registered name")
+    estimator: str = Field("grpo", description="advantage estimator, by registered name (checked after "
+                           "algo.plugins are imported)")
+    plugins: list[str] = Field(
+        default_factory=list, description="modules (dotted, or .py files) imported before the names are "
+        "checked, in the driver and every trainer rank: they register estimators or policy losses")
     gamma: float = Field(1.0, description="discount of later rewards (reinforce_pp, gae)")
     lam: float = Field(1.0, description="GAE lambda")
     distill_coef: float = Field(1.0, description="on_policy_distill: weight of the teacher log-ratio")
@@ -162,10 +149,3 @@ class AlgoSpec(Strict):
     filters: FilterSpec = Field(default_factory=FilterSpec, description="batch filters before the update")
     reward: RewardSpec = Field(default_factory=RewardSpec,
                                description="reward shaping, clipping, normalization (after the filters)")
-
-    @field_validator("estimator")
-    @classmethod
-    def _registered(cls, value: str) -> str:
-        from molt.algo import ESTIMATORS  # lazy: molt.algo imports this module's types
-
-        return _registered_name("estimator", value, ESTIMATORS)

@@ -34,18 +34,12 @@ def check_parallel(par: ParallelSpec) -> None:
 
 
 def check_combinations(spec: RunSpec) -> None:
-    """Cross-section refusals; on CUDA also the placement plan, so an over-subscribed layout fails
-    before Ray starts (CPU devices are time-shared: nothing to total)."""
+    """Cross-section refusals (the placement plan is checked after validation: molt.config.to_spec)."""
     _moe_with_expert_parallel(spec)
     _route_capture(spec)
     _speculative_decoding(spec)
-    _group_baseline(spec)
     _updates(spec)
     _packing(spec)
-    if spec.parallel.device == "cuda":
-        from molt.placement import plan
-
-        plan(spec)
 
 
 def _moe_with_expert_parallel(spec: RunSpec) -> None:
@@ -84,15 +78,6 @@ def _speculative_decoding(spec: RunSpec) -> None:
         raise ValueError("rollout.engine.speculative_config with enable_prefix_caching=true: peers measured "
                          "a ~10x larger trainer/engine logprob mismatch with both on; set "
                          "rollout.engine.enable_prefix_caching=false")
-
-
-def _group_baseline(spec: RunSpec) -> None:
-    from molt.algo import GROUP_BASELINE  # lazy: molt.algo imports this module's types
-
-    if spec.algo.estimator in GROUP_BASELINE and spec.rollout.samples_per_prompt < 2:
-        raise ValueError(f"algo.estimator={spec.algo.estimator} compares samples of one prompt, and "
-                         "rollout.samples_per_prompt=1 makes every advantage 0; use >= 2 samples, or a "
-                         "batch-baseline estimator (reinforce_pp)")
 
 
 def _updates(spec: RunSpec) -> None:

@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 
 from molt.algo import ESTIMATORS, KL_ESTIMATORS, apply_filters, compute_advantages
 from molt.algo.filters import FILTERS
-from molt.spec import AlgoSpec, SpecError, validate_spec
+from molt.config import compose
+from molt.spec import AlgoSpec, SpecError
+
+compose(["algo=opo"])   # registers the worked example's estimator (its algo.plugins) for the tests below
 
 F64 = torch.float64
 
@@ -136,7 +139,7 @@ def test_shape_errors_and_empty_rows():
 
 def test_unknown_estimator_names_the_nearest():
     with pytest.raises(SpecError, match="did you mean 'rloo'.*registered: dr_grpo, gae, grpo"):
-        validate_spec({"algo": {"estimator": "rlooo"}})
+        compose(["algo.estimator=rlooo"])
 
 
 @st.composite

@@ -1,15 +1,60 @@
-"""The worked example of docs/algo.md: a new estimator (OPO) is one function, one yaml, one metric, one test.
+"""The worked example of docs/algo.md: a new estimator (OPO) is a plugin file (examples/algo/opo.py), one
+yaml naming it in `algo.plugins`, one metric, one test.
 
-Runs it the way the training loop does: config name -> composed RunSpec -> registry -> loss.
+Runs it the way the training loop does: config name -> plugin import -> composed RunSpec -> registry -> loss.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from molt.algo import ESTIMATORS, compute_advantages, loss_normalizer, policy_loss
 from molt.config import compose
+from molt.spec import RunSpec
+
+
+def test_a_plugin_is_imported_before_its_name_is_checked():
+    # A fresh process: the production registry has no `opo`; the spec refuses the bare name and points at
+    # algo.plugins; naming the plugin file makes the same name pass.
+    code = textwrap.dedent("""
+        from molt.algo import ESTIMATORS
+        from molt.config import compose
+        from molt.spec import SpecError
+        assert "opo" not in ESTIMATORS
+        try:
+            compose(["algo.estimator=opo"])
+            raise SystemExit("accepted an unregistered estimator")
+        except SpecError as err:
+            assert "unknown estimator 'opo'" in str(err) and "algo.plugins" in str(err), err
+        spec = compose(["algo.estimator=opo", "algo.plugins=[examples/algo/opo.py]"])
+        assert spec.algo.plugins == ["examples/algo/opo.py"] and "opo" in ESTIMATORS
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_trainer_rank_imports_the_plugins(ray_session, tmp_path):
+    """A policy loss registered by a plugin is looked up inside the trainer's rank, another process."""
+    from test_trainer import batch_of
+
+    from molt.trainer.group import TrainerGroup
+
+    plugin = tmp_path / "twin_loss.py"
+    plugin.write_text("from molt.algo.surrogates import POLICY_LOSSES\n"
+                      "POLICY_LOSSES['ppo_twin'] = POLICY_LOSSES['ppo']\n")
+    spec = RunSpec.model_validate({"algo": {"plugins": [str(plugin)], "loss": {"policy": "ppo_twin"}},
+                                   "train": {"micro_batch_size": 8}})
+    group = TrainerGroup(spec, "policy")
+    try:
+        metrics = group.train_step(batch_of(0))
+    finally:
+        group.shutdown()
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
 
 
 def test_opo_end_to_end_through_config_and_registry():

@@ -15,7 +15,8 @@ SHORT = {"temperature": 1.0, "max_tokens": 6, "seed": 5}
 
 @pytest.fixture(scope="module")
 def engines(engine, engine_spec, tiny_model_path):
-    from molt.rollout.engine import EngineActor, actor_options
+    from molt.rollout.engine import EngineActor
+    from molt.rollout.engine_args import actor_options
 
     spec = engine_spec.rollout.model_dump()
     second = EngineActor.options(**actor_options(spec["engine"])).remote(

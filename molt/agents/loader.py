@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 from molt.agents.runner import Runner
+from molt.plugins import import_user_module
 from molt.spec import AgentSpec
 
 
@@ -20,16 +17,7 @@ def load_agent_runner(agent: AgentSpec) -> Any:
     """
     name = agent.module
     try:
-        if name.endswith(".py"):
-            path = Path(name).resolve()
-            spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
-            if spec is None or not path.is_file():
-                raise FileNotFoundError(f"no such file: {path}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module   # dataclasses and pickling look the module up by name
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(name)
+        module = import_user_module(name, "molt_agent")
     except Exception as err:
         raise ImportError(f"agent.module={name!r} could not be loaded: {type(err).__name__}: {err}") from err
     runner = getattr(module, "AgentRunner", None)

@@ -14,7 +14,6 @@ looks functions up by name and never branches on the algorithm:
     REWARD_TRANSFORMS algo.reward.<key>       -> reward transform after the filters (shape_rewards)
 """
 
-from molt.algo import opo  # noqa: F401  (registers the worked-example estimator)
 from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, importance_weights
 from molt.algo.estimators import (
     ESTIMATORS,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from molt.rollout.engine_args import engine_kwargs, on_cpu
+from molt.rollout.engine_args import actor_options, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.vision import collapse, decode
 
@@ -269,22 +269,6 @@ class EngineActor:
     def shutdown(self) -> None:
         self.closing = True
         self.llm.shutdown()
-
-
-def actor_options(engine: dict[str, Any]) -> dict[str, Any]:
-    """Ray resources of one engine. On CPU a tiny fraction, so engines and trainer ranks share cores.
-
-    On CPU the engine runs its worker inside vLLM's engine process (≈2× faster on few cores than a
-    separate worker process) and does not pin OpenMP threads, so several engines can share cores.
-    """
-    # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
-    if not on_cpu():
-        return {"num_cpus": 1, "num_gpus": engine["tp_size"] * engine["dp_size"], "max_concurrency": 10_000}
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-    if engine["tp_size"] * engine["dp_size"] == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # lets engine_args' "uni" executor stand on CPU
-    return {"num_cpus": 0.01, "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
 
 
 def start_engine(spec: Any, model_path: str, index: int) -> Any:

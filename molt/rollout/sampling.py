@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-GREEDY_BELOW = 1e-5   # vLLM decodes greedily below this temperature
+from molt.spec import GREEDY_BELOW
 
 
 def train_sampling(rollout: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from molt import refit
 from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss, with_kl_coef
+from molt.plugins import load_plugins
 from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import checkpoint, weights
 from molt.trainer.batch import image_inputs, inert_rows
@@ -57,6 +58,7 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (
 class TrainerWorker:
     def __init__(self, spec: dict[str, Any], role: str, rank: int) -> None:
         self.spec = RunSpec.model_validate(spec)
+        load_plugins(self.spec)   # this process's loss registry must hold the spec's names too
         self.role, self.rank = role, rank
         self.cuda = self.spec.parallel.device == "cuda"
         self.sft = self.spec.train.objective == "sft"

@@ -1,8 +1,9 @@
-"""Worked example of adding an estimator (see docs/algo.md): OPO's length-weighted group baseline.
+"""Worked example of adding an estimator as a plugin (see docs/algo.md): OPO's length-weighted baseline.
 
 OPO (On-Policy RL with Optimal reward baseline) weights each rollout's reward in its group's baseline
 by the rollout's number of sampled tokens, b_g = sum_i len_i * r_i / sum_i len_i, which minimizes the
-gradient variance for a sequence-sum loss. It is one function plus conf/algo/opo.yaml.
+gradient variance for a sequence-sum loss. It is this file plus conf/algo/opo.yaml, which names it in
+`algo.plugins` so that the driver and every trainer rank import it before the estimator name is checked.
 """
 
 from __future__ import annotations
