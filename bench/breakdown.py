@@ -34,7 +34,7 @@ def limits(size: str, length: int, args: argparse.Namespace, repeats: int = 3) -
     from bench_generator import generate_many
 
     from molt.config import compose
-    from molt.launch import init_ray
+    from molt.placement import init_ray
     from molt.rollout.engine import start_engines
     from molt.trainer import TrainerGroup, make_batch
     from molt.trajectory import Segment

@@ -74,14 +74,14 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     from molt.agents import load_agent_runner
     from molt.data import load_eval_sets
     from molt.export import as_hf_folder
-    from molt.launch import init_ray
-    from molt.loop import model_path_of
+    from molt.models import model_path
+    from molt.placement import init_ray
     from molt.rollout.engine import start_engines
     from molt.rollout.router import Router
 
     if spec.model.path is not None:
         spec.model.path = as_hf_folder(spec.model.path)
-    path = model_path_of(spec)
+    path = model_path(spec)
     eval_sets = load_eval_sets(spec.data)
     if not eval_sets:
         raise ValueError("data.eval is empty: nothing to evaluate")

@@ -51,6 +51,7 @@ def run_spec_of(checkpoint: Path) -> RunSpec:
 
 def export_checkpoint(checkpoint: Path) -> Path:
     """Write <checkpoint>/hf from the checkpoint's policy weights; returns the folder."""
+    from molt.models import model_path
     from molt.trainer.worker import TrainerWorker
 
     spec = run_spec_of(checkpoint).model_copy(deep=True)
@@ -58,7 +59,7 @@ def export_checkpoint(checkpoint: Path) -> Path:
     par.world_size = par.dp_size = par.tp_size = par.cp_size = par.ep_size = par.nodes = 1
     par.offload, par.trainer_nodes = "none", None
     environ = dict(os.environ)   # the rank sets torch.distributed's variables; the caller keeps its own
-    worker = TrainerWorker(spec.model_dump(), "policy", 0)
+    worker = TrainerWorker(spec.model_dump(), "policy", 0, model_path(spec))
     try:
         worker.setup(*worker.address())
         worker.load(str(checkpoint / "policy"), weights_only=True)

@@ -73,28 +73,6 @@ def dry_run(spec: RunSpec) -> str:
     return describe_plan(spec)
 
 
-def init_ray(spec: RunSpec) -> None:
-    """Attach to `ray.address`, or start Ray on this machine.
-
-    Locally on CPU, Ray is told there are more logical CPUs than cores: engines, trainer ranks and the
-    driver time-share the cores anyway (one thread each), and a 2-core laptop must still place them.
-    """
-    import logging
-
-    import ray
-
-    quiet = logging.WARNING   # Ray's "Started a local Ray instance." repeats the plan's `ray:` line
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
-    if spec.ray.address:
-        ray.init(address=spec.ray.address, runtime_env={"env_vars": env}, logging_level=quiet)
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster; nothing else joins it
-    env["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
-    cpus = spec.ray.num_cpus or (max(16, os.cpu_count() or 1) if spec.parallel.device == "cpu" else None)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
-             logging_level=quiet)
-
-
 def launch(spec: RunSpec) -> dict[str, float]:
     """Validate-time checks done; place everything and run the loop. Returns the last step's metrics."""
     for warning in spec_warnings(spec):
@@ -106,7 +84,7 @@ def launch(spec: RunSpec) -> dict[str, float]:
     import ray
 
     from molt.loop import train as train_rl
-    from molt.placement import bind
+    from molt.placement import bind, init_ray
     from molt.sft.loop import train as train_sft
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

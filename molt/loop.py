@@ -29,29 +29,15 @@ from molt.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.eval import evaluate
 from molt.fleet import Fleet
 from molt.metrics import RunLogger
+from molt.models import model_path
 from molt.rollout.pool import RolloutPool
 from molt.rollout.sampling import TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
 from molt.spec import GREEDY_BELOW, RunSpec
-from molt.tiny import tiny_model_path
 from molt.trainer.batch import add_images, make_batch
 from molt.trainer.group import TrainerGroup
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
 from molt.vision import processor
-
-
-def model_path_of(spec: RunSpec) -> str:
-    """model.path, or the tiny model built offline from model.tiny; a local path must exist."""
-    path = spec.model.path
-    if path is None:
-        return str(tiny_model_path(**spec.model.tiny))
-    local = Path(path).expanduser()
-    if not local.exists() and (path.startswith(("/", ".", "~")) or path.count("/") != 1):
-        raise FileNotFoundError(f"model.path={path}: no such folder (and not a hub id like 'org/name')")
-    if (local / "meta.json").exists() and not (local / "config.json").exists():
-        raise FileNotFoundError(f"model.path={path} is a Molt checkpoint, not a Hugging Face folder: export "
-                                f"it (python -m molt.export {path}) and use {local / 'hf'}")
-    return str(local) if local.exists() else path
 
 
 def train(spec: RunSpec) -> dict[str, float]:
@@ -63,14 +49,14 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     run_dir = Path(spec.run.dir)
-    model_path = model_path_of(spec)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    policy_path = model_path(spec)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
     runner = load_agent_runner(spec.agent)
     runner.setup(tokenizer, spec)
     PromptDataset(spec.data.train_path, spec.data)   # a bad dataset fails before any actor starts
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
 
-    fleet = Fleet(spec, model_path)
+    fleet = Fleet(spec, policy_path)
     trainers = start_trainers(spec)
     logger = RunLogger(spec)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
@@ -269,7 +255,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
     t0 = time.perf_counter()
     batch = make_batch(segments, pad_id, versions=[[float(v) for v in s.versions] for s in segments])
     if any(s.images for s in segments):
-        add_images(batch, segments, processor(model_path_of(spec), spec.model.trust_remote_code))
+        add_images(batch, segments, processor(model_path(spec), spec.model.trust_remote_code))
     sampled = batch["loss_mask"] > 0
     check_token_first(batch, segments)
     # Invariant 3 is measured inside train_step on the tokens the current weights sampled.

@@ -10,11 +10,13 @@ Ray starts. On CPU devices are time-shared cores, so the plan only maps roles to
 Binding, once Ray is up: plan node i is the i-th alive Ray node (with GPUs, on CUDA), the driver's node
 first, then the others by address and id. Each node's total resources must hold what the plan puts on it,
 or the run stops with the numbers. Actors are pinned with the label Ray gives every node (`ray.io/node-id`):
-placement-group bundles for trainer ranks, a label selector for engines.
+placement-group bundles for trainer ranks, a label selector for engines. `init_ray` starts Ray here or
+attaches to `ray.address`.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from itertools import groupby
 from typing import TYPE_CHECKING
@@ -157,3 +159,25 @@ def bind(spec: RunSpec) -> list[dict]:
 def node_selector(node_id: str) -> dict[str, str]:
     """A Ray label selector that pins an actor or bundle to one node."""
     return {NODE_LABEL: node_id}
+
+
+def init_ray(spec: RunSpec) -> None:
+    """Attach to `ray.address`, or start Ray on this machine.
+
+    Locally on CPU, Ray is told there are more logical CPUs than cores: engines, trainer ranks and the
+    driver time-share the cores anyway (one thread each), and a 2-core laptop must still place them.
+    """
+    import logging
+
+    import ray
+
+    quiet = logging.WARNING   # Ray's "Started a local Ray instance." repeats the plan's `ray:` line
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    if spec.ray.address:
+        ray.init(address=spec.ray.address, runtime_env={"env_vars": env}, logging_level=quiet)
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster; nothing else joins it
+    env["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+    cpus = spec.ray.num_cpus or (max(16, os.cpu_count() or 1) if spec.parallel.device == "cpu" else None)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+             logging_level=quiet)

@@ -22,9 +22,10 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     import ray
     from transformers import AutoTokenizer
 
-    from molt.launch import init_ray
-    from molt.loop import learn, model_path_of
+    from molt.loop import learn
     from molt.metrics import load_rollouts
+    from molt.models import model_path
+    from molt.placement import init_ray
     from molt.trainer.group import TrainerGroup
 
     spec = RunSpec.model_validate(yaml.safe_load((run_dir / "spec.yaml").read_text()))
@@ -35,7 +36,7 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
                                 f"{f'steps {kept[0]}..{kept[-1]}' if kept else 'none'}; only the last "
                                 f"logging.dump_keep_steps={spec.logging.dump_keep_steps} steps are kept)")
     rollouts = load_rollouts(dump)
-    pad_id = AutoTokenizer.from_pretrained(model_path_of(spec)).pad_token_id
+    pad_id = AutoTokenizer.from_pretrained(model_path(spec)).pad_token_id
     if not ray.is_initialized():
         init_ray(spec)
     policy = TrainerGroup(spec, "policy")

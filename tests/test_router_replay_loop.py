@@ -36,7 +36,8 @@ def reference_routes(model: torch.nn.Module, token_ids: list[int]) -> list[list[
 def test_async_partial_run_replays_the_engine_routes(tmp_path, ray_session, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from molt.loop import model_path_of, train
+    from molt.loop import train
+    from molt.models import model_path
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     spec = compose(["model=tiny_moe", "rollout.mode=async", "rollout.partial_rollout=true",
@@ -60,7 +61,7 @@ def test_async_partial_run_replays_the_engine_routes(tmp_path, ray_session, monk
         # returned reproduces the engine's logprobs
         assert r["mismatch/max_abs"] < 1e-4, r
 
-    model = AutoModelForCausalLM.from_pretrained(model_path_of(spec), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path(spec), dtype=torch.float32)
     same = total = 0
     for rollout in load_rollouts(tmp_path / "rollouts" / "step_000001.jsonl"):
         for s in rollout.segments:

@@ -39,11 +39,11 @@ class Judge:
         """Start the engines of `spec.agent.judge` (vLLM, the judge's own `engine` settings)."""
         from transformers import AutoTokenizer
 
-        from molt.loop import model_path_of
+        from molt.models import model_path
         from molt.rollout.engine import start_engines
 
         judge = spec.agent.judge
-        path = model_path_of(spec) if judge.path == "policy" else judge.path
+        path = model_path(spec) if judge.path == "policy" else judge.path
         own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": judge.engine})})
         return cls(start_engines(own, path), AutoTokenizer.from_pretrained(path), judge.temperature)
 

@@ -19,8 +19,9 @@ from typing import Any
 
 from molt.checkpoints import find_checkpoint, new_best, save_checkpoint
 from molt.data import PromptIterator
-from molt.loop import install_stop_handler, model_path_of
+from molt.loop import install_stop_handler
 from molt.metrics import RunLogger
+from molt.models import model_path
 from molt.sft.data import Example, load_conversations, sft_batch, tokenize_rows
 from molt.spec import RunSpec, eval_names
 from molt.trainer.group import TrainerGroup
@@ -39,7 +40,7 @@ def load_examples(spec: RunSpec, tokenizer: Any, path: str) -> list[Example]:
 async def _train(spec: RunSpec) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path_of(spec))
+    tokenizer = AutoTokenizer.from_pretrained(model_path(spec))
     examples = load_examples(spec, tokenizer, spec.data.train_path)
     data = PromptIterator(examples, seed=spec.run.seed, shuffle=spec.data.shuffle)
     eval_sets = {name: load_examples(spec, tokenizer, path)

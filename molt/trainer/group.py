@@ -16,6 +16,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from molt.models import check_same_tokenizer, model_path
 from molt.placement import cluster_nodes, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
@@ -30,6 +31,9 @@ class TrainerGroup:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
         self.spec, self.role = spec, role
+        if role == "reference":
+            check_same_tokenizer(spec)
+        path = model_path(spec, role)   # resolved here, once: ranks only read the folder
         par = spec.parallel
         bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
         # Each rank's bundle is pinned to its plan node; a role the spec does not configure (a direct
@@ -45,7 +49,7 @@ class TrainerGroup:
             actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               self._pg, placement_group_bundle_index=r))
-            .remote(spec.model_dump(), role, r)
+            .remote(spec.model_dump(), role, r, path)
             for r in range(par.world_size)
         ]
         host, port = ray.get(self.workers[0].address.remote())

@@ -23,34 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
 
 
-def model_path(spec: RunSpec, role: str) -> str:
-    """The checkpoint a role starts from: the reference may name its own, everything else the policy's."""
-    from molt.tiny import tiny_model_path
-
-    if role == "reference" and spec.model.reference == "tiny":
-        return str(tiny_model_path(**spec.model.reference_tiny))
-    if role == "reference" and spec.model.reference not in (None, "policy"):
-        return spec.model.reference
-    if spec.model.path is not None:
-        return spec.model.path
-    return str(tiny_model_path(**spec.model.tiny))
-
-
-def check_same_tokenizer(spec: RunSpec) -> None:
-    """A reference of its own (a teacher of another size) must read token ids as the policy does: its
-    logprobs are taken of the policy's sampled ids, so another vocabulary would compare unrelated tokens."""
-    from transformers import AutoTokenizer
-
-    policy, reference = model_path(spec, "policy"), model_path(spec, "reference")
-    if policy == reference:
-        return
-    trust = spec.model.trust_remote_code
-    if (AutoTokenizer.from_pretrained(policy, trust_remote_code=trust).get_vocab()
-            != AutoTokenizer.from_pretrained(reference, trust_remote_code=trust).get_vocab()):
-        raise ValueError(f"model.reference={spec.model.reference} ({reference}) has another tokenizer than "
-                         f"the policy ({policy}); a reference or teacher must share the policy's vocabulary")
-
-
 def distributed_setup(spec: RunSpec) -> Any:
     """AutoModel's mesh + FSDP2 policy for `spec.parallel` (needs the default process group)."""
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
@@ -76,14 +48,11 @@ def distributed_setup(spec: RunSpec) -> Any:
                                   activation_checkpointing=par.activation_checkpointing)
 
 
-def build_model(spec: RunSpec, role: str, setup: Any) -> nn.Module:
-    """The sharded model of `role` (policy | reference | critic) on `distributed_setup(spec)`'s mesh,
-    ready for forward on this rank."""
+def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
+    """The sharded model of `role` (policy | reference | critic), loaded from `path` (molt.models, resolved
+    by the driver), on `distributed_setup(spec)`'s mesh, ready for forward on this rank."""
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
-    path = model_path(spec, role)
-    if role == "reference":
-        check_same_tokenizer(spec)
     cuda = spec.parallel.device == "cuda"
     # fp32 master weights everywhere; on GPU the FSDP2 policy computes in model.dtype (bf16).
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)

@@ -29,7 +29,6 @@ from molt.trainer.model import (
     DTYPES,
     build_model,
     distributed_setup,
-    model_path,
     prefix_values,
     token_logprobs,
 )
@@ -56,8 +55,9 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (
 
 
 class TrainerWorker:
-    def __init__(self, spec: dict[str, Any], role: str, rank: int) -> None:
+    def __init__(self, spec: dict[str, Any], role: str, rank: int, path: str) -> None:
         self.spec = RunSpec.model_validate(spec)
+        self.path = path   # the role's weights, resolved by the driver (molt.models)
         load_plugins(self.spec)   # this process's loss registry must hold the spec's names too
         self.role, self.rank = role, rank
         self.cuda = self.spec.parallel.device == "cuda"
@@ -88,7 +88,7 @@ class TrainerWorker:
         torch.manual_seed(self.spec.run.seed)
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
-        self.model = build_model(self.spec, self.role, setup)
+        self.model = build_model(self.spec, self.role, self.path, setup)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
@@ -323,8 +323,7 @@ class TrainerWorker:
         return 0
 
     def export_hf(self, path: str) -> None:
-        weights.export_hf(self.model, model_path(self.spec, self.role), path, DTYPES[self.spec.model.dtype],
-                          self.device)
+        weights.export_hf(self.model, self.path, path, DTYPES[self.spec.model.dtype], self.device)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         checkpoint.save(path, self.model, self.optimizer, self.scheduler,
