@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from molt.spec import RunSpec
-from molt.spec_checks import spec_warnings
+from molt.spec import RunSpec, spec_warnings
 
 log = logging.getLogger("molt")
 

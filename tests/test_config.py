@@ -175,7 +175,7 @@ def test_micro_batch_size_is_an_upper_bound():
 
 
 def test_async_without_correction_warns():
-    from molt.spec_checks import spec_warnings
+    from molt.spec import spec_warnings
 
     assert not spec_warnings(compose(["rollout.mode=async", "algo=tis"]))
     assert "algo.correction.level=off" in spec_warnings(compose(["rollout.mode=async"]))[0]

@@ -1,0 +1,249 @@
+"""The run, model, parallel, rollout, agent, data, logging and ray sections of the run spec
+(molt/spec.py composes them, with molt/spec_algo.py's algo and train sections, into RunSpec)."""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from molt.spec_algo import Strict
+
+GREEDY_BELOW = 1e-5   # vLLM decodes greedily below this temperature
+# The distribution vLLM reports logprobs of: after temperature/top-k/top-p, what the trainer recomputes.
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def _power_of_two(name: str, value: int) -> None:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two")
+
+
+class RunSection(Strict):
+    name: str = Field("tiny", description="names the run directory, the sweep directory and the W&B run")
+    seed: int = Field(0, description="seed of the prompt order and of the engines' sampling")
+    dir: str | None = Field(None, description="run directory; the launcher fills it from Hydra's output dir")
+    resume: str | None = Field(
+        None, description="'auto': continue the newest run of this experiment that has a checkpoint (none: "
+                          "start fresh); or a run dir or a checkpoint dir")
+    dry_run: bool = Field(False, description="validate, print the placement plan and exit; starts nothing")
+
+
+class ModelSpec(Strict):
+    path: str | None = Field(None, description="Hugging Face folder or hub id; null builds the tiny model")
+    tiny: dict[str, int] = Field(
+        default_factory=lambda: dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                     vocab_size=320),
+        description="molt.tiny options (sizes, experts, seed; the rest: molt.tiny's defaults)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights dtype of engines and trainer (float32 on CPU)")
+    max_model_len: int = Field(256, description="context length in tokens: the prompt plus every turn")
+    reference: str | None = Field(
+        None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "
+        "a frozen copy of the start; 'tiny' = built offline from reference_tiny")
+    reference_tiny: dict[str, int] = Field(
+        default_factory=dict, description="molt.tiny options of the reference when reference=tiny (e.g. a "
+        "larger teacher to distill from)")
+    critic: bool = Field(False, description="train a value model beside the policy (gae needs one)")
+    router_replay: bool = Field(False, description="MoE: replay the engine's routed experts in training")
+    freeze_router: bool = Field(False, description="MoE: do not train the router weights")
+    freeze_vision: bool = Field(False, description="VLM: train the language model only, not the vision tower")
+    trust_remote_code: bool = Field(False, description="run the model repository's own Python code")
+
+
+class ParallelSpec(Strict):
+    device: Literal["cpu", "cuda"] = Field("cpu", description="trainer device: cpu (gloo) or cuda (NCCL)")
+    nodes: int = Field(1, description="Ray nodes the run uses (the placement plan, molt/placement.py)")
+    gpus_per_node: int = Field(8, description="cuda: GPUs on each node; the plan must fit nodes x this")
+    trainer_nodes: int | None = Field(
+        None, description="K: nodes 0..K-1 train, the others generate; null: all roles share every node")
+    world_size: int = Field(1, description="trainer ranks; equals dp_size*tp_size*cp_size")
+    dp_size: int = Field(1, description="data-parallel ranks (FSDP2 shards over them)")
+    tp_size: int = Field(1, description="tensor-parallel ranks (a power of two)")
+    cp_size: int = Field(1, description="context-parallel ranks (a power of two; > 1 is refused)")
+    ep_size: int = Field(1, description="MoE expert-parallel ranks; divides dp_size*cp_size (power of 2)")
+    offload: Literal["none", "optimizer", "full"] = Field(
+        "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
+    activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ParallelSpec:
+        for name in ("tp_size", "cp_size", "ep_size"):
+            _power_of_two(name, getattr(self, name))
+        product = self.dp_size * self.tp_size * self.cp_size
+        if product != self.world_size:
+            raise ValueError(f"dp_size*tp_size*cp_size = {self.dp_size}*{self.tp_size}*{self.cp_size} = "
+                             f"{product} must equal world_size={self.world_size}")
+        if (self.dp_size * self.cp_size) % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide dp_size*cp_size="
+                             f"{self.dp_size * self.cp_size} (experts shard over data-parallel ranks)")
+        _check_parallel(self)
+        return self
+
+
+class EngineSpec(Strict):
+    num_engines: int = Field(1, description="vLLM engine actors (the router spreads requests over them)")
+    tp_size: int = Field(1, description="tensor-parallel GPUs per engine")
+    dp_size: int = Field(1, description="data-parallel replicas inside one engine")
+    enable_expert_parallel: bool = Field(False, description="MoE: shard experts over the engine's GPUs")
+    gpu_memory_utilization: float = Field(0.85, description="fraction of GPU memory vLLM may use")
+    kv_cache_gib: float = Field(1.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    enforce_eager: bool = Field(True, description="skip torch.compile and CUDA graphs (faster start)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes")
+    max_num_batched_tokens: int | None = Field(None, description="vLLM token budget per scheduler step")
+    max_num_seqs: int | None = Field(None, description="vLLM's most concurrent sequences per engine")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="vLLM speculative decoding, e.g. {method: mtp, num_speculative_tokens: 1}")
+    extra_args: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine arguments")
+    max_restarts: int = Field(
+        3, ge=0, description="restarts of each engine after it dies (then the run goes on without it)")
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="seconds a (re)started engine may take to come up before it counts as dead")
+
+
+class SamplingSpec(Strict):
+    """How the eval sets are sampled (rollout.eval): greedy unless set."""
+
+    temperature: float = Field(0.0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
+    top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
+    max_tokens: int = Field(8, description="most tokens generated per turn")
+    n: int = Field(1, description="samples per eval prompt (eval/pass@n)")
+
+
+class RolloutSpec(Strict):
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate one batch, then train; async: keep generating while training")
+    samples_per_prompt: int = Field(8, description="rollouts per prompt: the group size of group estimators")
+    max_tokens: int = Field(8, description="most tokens sampled per turn")
+    temperature: float = Field(1.0, description="sampling temperature; the trainer scores logits/temperature")
+    top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
+    top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
+    groups_in_flight: int = Field(16, description="async: prompt groups kept generating while training")
+    partial_rollout: bool = Field(
+        True, description="a refit keeps in-flight requests (pause/keep) instead of dropping them")
+    max_staleness: int = Field(1, description="most policy versions between sampling a token and training it")
+    prompt_too_long: Literal["truncate", "reject"] = Field(
+        "reject", description="a prompt with no room for one token: fail the rollout or keep its tail")
+    refit_chunk_mb: float = Field(
+        256.0, description="a refit streams the weights to the engines in chunks of this size (>= 1 tensor)")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
+    eval: SamplingSpec = Field(default_factory=SamplingSpec,
+                               description="sampling of the eval set (train.eval_every)")
+
+    @field_validator("temperature")
+    @classmethod
+    def _samples(cls, value: float) -> float:
+        # a greedy token has no sampling probability to correct against (and scoring it divides by 0)
+        if value < GREEDY_BELOW:
+            raise ValueError(f"rollout.temperature={value} does not sample (vLLM is greedy below "
+                             f"{GREEDY_BELOW}); training needs sampled tokens. Greedy decoding is for "
+                             "evaluation: rollout.eval.temperature=0")
+        return value
+
+    @model_validator(mode="after")
+    def _logprobs_mode(self) -> RolloutSpec:
+        mode = self.engine.extra_args.get("logprobs_mode", LOGPROBS_MODE)
+        if mode != LOGPROBS_MODE:
+            raise ValueError(f"rollout.engine.extra_args.logprobs_mode={mode}: the trainer recomputes "
+                             f"{LOGPROBS_MODE} (the distribution tokens are sampled from); another mode "
+                             "would make every importance weight and mismatch/* wrong")
+        return self
+
+
+class JudgeSpec(Strict):
+    path: str | None = Field(
+        None, description="judge model: a Hugging Face folder, or 'policy' (the starting policy); null: none")
+    temperature: float = Field(
+        1.0, gt=0, description="verdict sharpness: sigmoid((logp(yes) - logp(no)) / temperature)")
+    engine: EngineSpec = Field(default_factory=lambda: EngineSpec(kv_cache_gib=0.25),
+                               description="the judge's own engine(s)")
+
+
+class AgentSpec(Strict):
+    module: str = Field("examples/agents/repeat.py",
+                        description="dotted module or .py file that exports AgentRunner")
+    kind: Literal["env", "chat"] = Field(
+        "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
+    tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat)")
+    judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (agents.judge)")
+    max_turns: int = Field(1, description="most LLM calls per rollout")
+    max_total_tokens: int = Field(256, description="most tokens per rollout: prompt, turns and observations")
+    timeout_s: float = Field(60.0, description="seconds before a rollout fails as timed out")
+    on_failure: Literal["drop_group", "keep_group"] = Field(
+        "drop_group", description="a failed rollout drops its whole group, or only itself")
+    max_failure_rate: float = Field(0.5, description="stop the run when more of a batch than this fails")
+
+
+class DataSpec(Strict):
+    train_path: str = Field("examples/data/repeat_train.jsonl", description="training prompts, jsonl/parquet")
+    eval: list[str] = Field(
+        default_factory=lambda: ["examples/data/repeat_eval.jsonl"],
+        description="eval set files, each named by its file stem (metrics eval/STEM/...); [] for none")
+    prompt_key: str = Field("prompt", description="column holding a prompt string")
+    messages_key: str = Field("messages", description="column holding chat messages (wins over prompt_key)")
+    label_key: str = Field("label", description="column handed to the agent as the label")
+    shuffle: bool = Field(True, description="shuffle the prompts each epoch (seeded by run.seed)")
+
+    @field_validator("eval")
+    @classmethod
+    def _unique_names(cls, value: list[str]) -> list[str]:
+        names = eval_names(value)
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a name is a metric prefix: two sets under one name would overwrite each other's metrics
+            raise ValueError(f"eval sets named {twice} more than once (a set is named by its file stem): "
+                             "rename a file")
+        return value
+
+
+def eval_names(paths: list[str]) -> list[str]:
+    """The name of each eval set: its file's stem (metrics are eval/NAME/...)."""
+    return [PurePath(p).stem for p in paths]
+
+
+class WandbSpec(Strict):
+    project: str = Field("molt", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user; null = the default)")
+    mode: Literal["online", "offline", "disabled", "auto"] = Field(
+        "auto", description="auto: online with WANDB_API_KEY, else offline (WANDB_MODE wins)")
+    name: str | None = Field(None, description="W&B run name (null = run.name; a sweep job: its choices)")
+    group: str | None = Field(None, description="W&B group (null; a sweep sets the sweep directory's name)")
+    job_type: str | None = Field(None, description="W&B job type (null = the algo group's choice)")
+    tags: list[str] = Field(default_factory=list, description="W&B tags")
+
+
+class LoggingSpec(Strict):
+    wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases")
+    progress: bool = Field(True, description="show a progress bar with reward, step time and tokens/s")
+    dump_rollouts: bool = Field(True, description="write each step's rollouts to rollouts/step_*.jsonl")
+    dump_keep_steps: int = Field(100, ge=0, description="keep the rollout dumps of the last N steps (0: all)")
+    plots: bool = Field(True, description="write PNG plots into plots/ at the end of the run")
+
+
+class RaySpec(Strict):
+    address: str | None = Field(None, description="attach to this Ray cluster (null = start Ray locally)")
+    num_cpus: int | None = Field(None, description="logical CPUs of a local Ray (null = at least 16 on CPU)")
+
+
+def _check_parallel(par: ParallelSpec) -> None:
+    """Refuse the layouts the trainer cannot run, with the reason (docs/parallelism.md)."""
+    if par.cp_size > 1:
+        raise ValueError("cp_size > 1 is not supported: the trainer does not shard sequences, and torch's "
+                         "context parallel has no CPU path to test it on (aten._scaled_dot_product_flash_"
+                         "attention_for_cpu has no sharding strategy)")
+    if par.ep_size > 1 and par.device == "cpu":
+        raise ValueError("ep_size > 1 needs parallel.device=cuda: AutoModel shards experts only in its own "
+                         "MoE model classes, which call torch.cuda.current_device() when built; the CPU "
+                         "trainer loads the Hugging Face classes, on which AutoModel's expert parallel "
+                         "raises")
+    if par.offload == "full" and par.world_size == 1:
+        raise ValueError("offload=full needs world_size > 1: with one rank AutoModel does not wrap the model "
+                         "in FSDP2, whose CPUOffloadPolicy is what moves parameters to the host; use "
+                         "offload=optimizer")
+    if par.nodes < 1 or par.gpus_per_node < 1:
+        raise ValueError(f"nodes={par.nodes} and gpus_per_node={par.gpus_per_node} must be >= 1")
+    if par.trainer_nodes is not None and not 1 <= par.trainer_nodes < par.nodes:
+        raise ValueError(f"trainer_nodes={par.trainer_nodes} must leave the engines at least one of the "
+                         f"{par.nodes} node(s) (1 <= trainer_nodes < nodes), or be null to share all nodes")
