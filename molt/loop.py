@@ -129,22 +129,28 @@ def stop_trainers(trainers: tuple) -> None:
             group.shutdown()
 
 
+def load_trainers(trainers: tuple, checkpoint: Path) -> dict[str, Any]:
+    """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
+    policy, _, critic = trainers
+    extra = policy.load(str(checkpoint / "policy"))
+    if critic:
+        critic.load(str(checkpoint / "critic"))
+    return extra
+
+
 async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, checkpoint: Path | None,
                 refit_engines: bool) -> Position:
     """Load `checkpoint` (if any) into the trainers, connect them to the engines (and refit these when
     they may hold other weights: a resume, a rebuilt trainer) and start a pool at the data position."""
-    policy, _, critic = trainers
     data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed,
                           shuffle=spec.data.shuffle)
     step, version, pending, kl_coef = 0, 0, [], spec.algo.kl.coef
     if checkpoint:
-        extra = await asyncio.to_thread(policy.load, str(checkpoint / "policy"))
-        if critic:
-            await asyncio.to_thread(critic.load, str(checkpoint / "critic"))
+        extra = await asyncio.to_thread(load_trainers, trainers, checkpoint)
         step, version, pending = extra["step"], extra["version"], extra["pending"]
         kl_coef = extra.get("kl_coef", kl_coef)
         data.load_state_dict(extra["data"])
-    await fleet.connect(policy)
+    await fleet.connect(trainers[0])
     if refit_engines:
         await fleet.refit(version)
     sync = spec.rollout.mode == "sync"
@@ -253,17 +259,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
     # --- end router replay ---
 
     t0 = time.perf_counter()
-    batch = make_batch(segments, pad_id, versions=[[float(v) for v in s.versions] for s in segments])
-    if any(s.images for s in segments):
-        add_images(batch, segments, processor(model_path(spec), spec.model.trust_remote_code))
-    sampled = batch["loss_mask"] > 0
-    check_token_first(batch, segments)
-    # Invariant 3 is measured inside train_step on the tokens the current weights sampled.
-    current = sampled & (batch["versions"] == version)
-    batch["current_mask"] = current.float()
-    metrics["mismatch/stale_frac"] = 1 - float(current.sum()) / max(float(sampled.sum()), 1.0)
-    lag = (version - batch["versions"])[sampled]   # policy versions between sampling and this update
-    metrics["policy/lag_mean"], metrics["policy/lag_max"] = float(lag.mean()), float(lag.max())
+    batch = token_batch(spec, segments, pad_id, version, metrics)
     # Without a reference nothing before the update needs the policy's logprobs: train_step takes
     # them from its own forward (one update per batch, so old == current), saving a forward pass, or
     # computes them itself before its first update (train.minibatches / train.epochs > 1).
@@ -282,19 +278,45 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
         batch.update(old_logp=old_logp, ref_logp=ref_logp)
 
     t0 = time.perf_counter()
-    train_metrics = await asyncio.to_thread(policy.train_step, batch, kl_coef) if train_policy else {}
+    trained = policy if train_policy else None
+    metrics.update(await update(batch, trained, critic, values, adv.returns, kl_coef))
+    metrics["time/train"] = time.perf_counter() - t0
+    metrics["tokens/trained"] = float(batch["loss_mask"].sum())
+    return metrics
+
+
+def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: int,
+                metrics: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The padded training batch of `segments`, checked against invariant 1; adds how stale it is to
+    `metrics`. Tokens the current weights sampled are marked: invariant 3 is measured on them."""
+    batch = make_batch(segments, pad_id, versions=[[float(v) for v in s.versions] for s in segments])
+    if any(s.images for s in segments):
+        add_images(batch, segments, processor(model_path(spec), spec.model.trust_remote_code))
+    sampled = batch["loss_mask"] > 0
+    check_token_first(batch, segments)
+    current = sampled & (batch["versions"] == version)
+    batch["current_mask"] = current.float()
+    metrics["mismatch/stale_frac"] = 1 - float(current.sum()) / max(float(sampled.sum()), 1.0)
+    lag = (version - batch["versions"])[sampled]   # policy versions between sampling and this update
+    metrics["policy/lag_mean"], metrics["policy/lag_max"] = float(lag.mean()), float(lag.max())
+    return batch
+
+
+async def update(batch: dict[str, torch.Tensor], policy: TrainerGroup | None, critic: TrainerGroup | None,
+                 values: torch.Tensor | None, returns: torch.Tensor | None,
+                 kl_coef: float | None) -> dict[str, float]:
+    """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch`; their metrics
+    under train/ and critic/, the trainer/engine gap under its own mismatch/ names."""
+    metrics: dict[str, float] = {}
+    if policy is not None:
+        for key, value in (await asyncio.to_thread(policy.train_step, batch, kl_coef)).items():
+            metrics[key if key.startswith("mismatch/") else f"train/{key}"] = value
+    else:
+        metrics["train/critic_warmup"] = 1.0
     if critic is not None:
-        critic_batch = dict(batch, old_values=values, returns=adv.returns)
+        critic_batch = dict(batch, old_values=values, returns=returns)
         critic_metrics = await asyncio.to_thread(critic.train_step, critic_batch)
         metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
-    metrics["time/train"] = time.perf_counter() - t0
-    for theirs, ours in (("abs_mean", "mean_abs"), ("abs_max", "max_abs"), ("kl_k3", "kl_k3")):
-        if f"mismatch/{theirs}" in train_metrics:  # the trainer/engine gap, under top-level names
-            metrics[f"mismatch/{ours}"] = train_metrics.pop(f"mismatch/{theirs}")
-    metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
-    if not train_policy:
-        metrics["train/critic_warmup"] = 1.0
-    metrics["tokens/trained"] = float(batch["loss_mask"].sum())
     return metrics
 
 

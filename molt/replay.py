@@ -22,11 +22,10 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     import ray
     from transformers import AutoTokenizer
 
-    from molt.loop import learn
+    from molt.loop import learn, load_trainers, start_trainers, stop_trainers
     from molt.metrics import load_rollouts
     from molt.models import model_path
     from molt.placement import init_ray
-    from molt.trainer.group import TrainerGroup
 
     spec = RunSpec.model_validate(yaml.safe_load((run_dir / "spec.yaml").read_text()))
     dump = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
@@ -39,20 +38,12 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     pad_id = AutoTokenizer.from_pretrained(model_path(spec)).pad_token_id
     if not ray.is_initialized():
         init_ray(spec)
-    policy = TrainerGroup(spec, "policy")
-    reference = TrainerGroup(spec, "reference") if spec.model.reference else None
-    critic = TrainerGroup(spec, "critic") if spec.model.critic else None
-    version = 0
+    trainers = start_trainers(spec)
     try:
-        if checkpoint is not None:
-            version = policy.load(str(checkpoint / "policy"))["version"]
-            if critic is not None:
-                critic.load(str(checkpoint / "critic"))
-        return asyncio.run(learn(spec, rollouts, policy, reference, critic, pad_id, version))
+        version = load_trainers(trainers, checkpoint)["version"] if checkpoint is not None else 0
+        return asyncio.run(learn(spec, rollouts, *trainers, pad_id, version))
     finally:
-        for group in (policy, reference, critic):
-            if group is not None:
-                group.shutdown()
+        stop_trainers(trainers)
 
 
 def main(argv: list[str] | None = None) -> int:

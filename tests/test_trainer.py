@@ -194,8 +194,8 @@ def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp
         b, logp = batches[0], ref_losses[0][1]
         gap = (logp - b["behaviour_logp"])[b["loss_mask"] > 0].abs()
         m = metrics[0]
-        assert abs(m["mismatch/abs_mean"] - float(gap.mean())) < 1e-5
-        assert abs(m["mismatch/abs_max"] - float(gap.max())) < 1e-5
+        assert abs(m["mismatch/mean_abs"] - float(gap.mean())) < 1e-5
+        assert abs(m["mismatch/max_abs"] - float(gap.max())) < 1e-5
         assert m["lr"] == pytest.approx(1e-4) and m["tokens"] == float(b["loss_mask"].sum())
     assert loss_normalizer(b["loss_mask"], make_spec(tiny_model_path).algo, 8) == m["tokens"]
 

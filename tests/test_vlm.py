@@ -238,7 +238,7 @@ def test_image_prompt_engine_matches_trainer(ray_session, vlm_engine, vlm_spec, 
         after = full_weights(group)
     finally:
         group.shutdown()
-    assert metrics["mismatch/abs_max"] <= 1e-5
+    assert metrics["mismatch/max_abs"] <= 1e-5
     visual = [k for k in before if ".visual." in k or k.startswith("visual.")]
     assert visual and all(torch.equal(before[k], after[k]) for k in visual)
     assert any(not torch.equal(before[k], after[k]) for k in before if k not in visual)

@@ -257,7 +257,7 @@ class TrainerWorker:
                     add("mismatch/tokens", gap.numel())
                     add("mismatch/abs_sum", gap.abs().sum())
                     add("mismatch/k3_sum", (gap.exp() - 1 - gap).sum())  # k3 of KL(engine || trainer)
-                    sums["mismatch/abs_max"] = max(sums.get("mismatch/abs_max", 0.0), float(gap.abs().max()))
+                    sums["mismatch/max_abs"] = max(sums.get("mismatch/max_abs", 0.0), float(gap.abs().max()))
             loss.backward()
             add("loss", loss.detach())
             add("weight", n_tok)
@@ -281,13 +281,13 @@ class TrainerWorker:
     def _reduce_metrics(self, sums: dict[str, float], grad_norms: list[float], lr: float) -> dict[str, float]:
         """Means over the batch's updates: loss and grad_norm per update, the rest token-weighted; `tokens`
         counts the batch once; `<metric>_last` (several updates) is the last update's alone."""
-        keys = sorted(k for k in sums if k != "mismatch/abs_max")
+        keys = sorted(k for k in sums if k != "mismatch/max_abs")
         # every rank must join the same all-reduce even when its shard held no sampled tokens
         objs: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(objs, keys)
         keys = sorted(set().union(*objs))
         total = dict(zip(keys, self._all_sum([sums.get(k, 0.0) for k in keys]), strict=True))
-        peak = torch.tensor([sums.get("mismatch/abs_max", 0.0)], device=self.device)
+        peak = torch.tensor([sums.get("mismatch/max_abs", 0.0)], device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         updates = len(grad_norms)
         out = {"loss": total.pop("loss") / updates, "grad_norm": sum(grad_norms) / updates, "lr": lr,
@@ -300,10 +300,10 @@ class TrainerWorker:
                 out[key[2:]] = value / weight
             elif key.startswith("l/"):
                 out[f"{key[2:]}_last"] = value / last_weight
-        if "mismatch/abs_sum" in total:
-            out["mismatch/abs_mean"] = total["mismatch/abs_sum"] / total["mismatch/tokens"]
+        if "mismatch/abs_sum" in total:   # the trainer/engine gap, under the names the run logs
+            out["mismatch/mean_abs"] = total["mismatch/abs_sum"] / total["mismatch/tokens"]
             out["mismatch/kl_k3"] = total["mismatch/k3_sum"] / total["mismatch/tokens"]
-            out["mismatch/abs_max"] = float(peak)
+            out["mismatch/max_abs"] = float(peak)
         return out
 
     # -- weights and checkpoints -----------------------------------------------------------------------
