@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from molt.rollout.sampling import eval_sampling
 from molt.spec import RunSpec
 
 CORRECT = 1.0   # a sample with at least this reward counts as correct for pass@k
@@ -47,8 +48,7 @@ def set_metrics(name: str, rewards: torch.Tensor) -> dict[str, float]:
 async def evaluate(spec: RunSpec, runner: Any, router: Any, eval_sets: dict[str, Any],
                    step: int) -> dict[str, float]:
     """Every set's metrics; all prompts of all sets are in flight at once."""
-    e = spec.rollout.eval
-    params = dict(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, max_tokens=e.max_tokens)
+    e, params = spec.rollout.eval, eval_sampling(spec.rollout)
 
     async def generate(prompt_ids: list[int], sampling: dict, key: str, images: list | None = None) -> dict:
         return await router.generate(prompt_ids, {**sampling, **params}, key, images)

@@ -135,9 +135,3 @@ class RunLogger:
         from molt.plot import plot_run
 
         return plot_run(self.dir)
-
-    def __enter__(self) -> RunLogger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

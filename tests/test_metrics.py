@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ def make_spec(run_dir: Path, **logging: object) -> RunSpec:
 
 def test_metrics_jsonl_and_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = time.time()
-    with RunLogger(make_spec(tmp_path)) as logger:
+    with closing(RunLogger(make_spec(tmp_path))) as logger:
         logger.log(1, {"reward/mean": 0.25, "time/step": 1.5, "tokens/per_s": 100})   # the loop logs
         logger.log(2, {"reward/mean": np.float32(0.5), "train/loss": torch.tensor(-0.125)})  # from step 1
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -41,7 +42,7 @@ def test_metrics_jsonl_and_progress_bar(tmp_path: Path, capsys: pytest.CaptureFi
     assert "2/3" in bar and "3/3" not in bar   # two steps logged of three: the bar must not run ahead
     assert "reward=0.500" in bar and "step_s=1.5" in bar and "tok/s=100" in bar
 
-    with RunLogger(make_spec(tmp_path, progress=False)) as logger:   # a resumed run appends
+    with closing(RunLogger(make_spec(tmp_path, progress=False))) as logger:   # a resumed run appends
         logger.log(3, {"reward/mean": 1.0})
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert "reward" not in capsys.readouterr().err
@@ -95,7 +96,7 @@ def make_rollouts() -> list[Rollout]:
 
 def test_rollout_dump_round_trip(tmp_path: Path) -> None:
     rollouts = make_rollouts()
-    with RunLogger(make_spec(tmp_path, progress=False)) as logger:
+    with closing(RunLogger(make_spec(tmp_path, progress=False))) as logger:
         path = logger.dump_rollouts(7, rollouts[:1])
         assert logger.dump_rollouts(7, rollouts[1:]) == path   # appends to the step's file
     assert path == tmp_path / "rollouts" / "step_000007.jsonl"
@@ -105,7 +106,8 @@ def test_rollout_dump_round_trip(tmp_path: Path) -> None:
     record = json.loads(path.read_text().splitlines()[0])
     assert record["segments"][1]["segment_index"] == 1 and record["error"] is None
 
-    with RunLogger(make_spec(tmp_path, progress=False)) as resumed:   # re-running step 7 replaces its file
+    # re-running step 7 replaces its file
+    with closing(RunLogger(make_spec(tmp_path, progress=False))) as resumed:
         resumed.dump_rollouts(7, rollouts[1:])
     assert load_rollouts(path) == rollouts[1:]
 

@@ -78,7 +78,7 @@ def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path
                            groups_in_flight=4, max_staleness=1, engines=[engine])
         await pool.stats()                  # start a fresh measurement window
         await pool.next_batch(1)
-        while pool.waiting < 3:             # the refilled groups finish on version 0
+        while len(pool.done) < 3:             # the refilled groups finish on version 0
             await asyncio.sleep(0.05)
         await asyncio.to_thread(push_weights, [engine], weights, 2)   # same weights, new version label
         pool.set_version(2)

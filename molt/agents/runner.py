@@ -14,6 +14,7 @@ import asyncio
 from typing import Any
 
 from molt.agents.trace import Trace, failed_rollout
+from molt.rollout.sampling import train_sampling
 from molt.spec import RunSpec
 from molt.trajectory import Rollout
 
@@ -32,9 +33,8 @@ class Runner:
             from molt.agents.judge import Judge
 
             self.judge = Judge.start(spec)
-        r = spec.rollout
         # The run's sampling defaults; a turn may override them (Result.sampling_params, request fields).
-        self.sampling = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens)
+        self.sampling = train_sampling(spec.rollout)
 
     async def run(self, item: dict, rollout_id: str, group_id: str, sampler: Any) -> Rollout:
         if self.spec is None:

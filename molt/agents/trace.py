@@ -24,7 +24,6 @@ class Trace:
         self.routes = None          # MoE routed experts of a prefix of `ids`, from the latest sample
         self.sampling: list[list[float]] = []   # per turn: [first token index, temperature, top_p, top_k]
         self.finish_reason = "stop"
-        self.num_sampled_total = 0
         self.images: list[str] = []   # data URLs of the open segment's image placeholders, in order
 
     def extend_prompt(self, ids: list[int], images: list[str] = ()) -> None:
@@ -61,7 +60,6 @@ class Trace:
         self.versions += [int(v) for v in versions]
         self.routes = out.get("routed_experts")
         self.finish_reason = out.get("finish_reason") or "stop"
-        self.num_sampled_total += len(ids)
 
     def _expand(self, prompt: list[int]) -> bool:
         """Take the engine's `prompt` if it is `ids` with image placeholders expanded: each extra token

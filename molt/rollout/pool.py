@@ -71,11 +71,6 @@ class RolloutPool:
             self._fill()
 
     @property
-    def waiting(self) -> int:
-        """Finished groups not yet handed out."""
-        return len(self.done)
-
-    @property
     def in_flight(self) -> int:
         """Groups started and not yet handed out (running or waiting)."""
         return len(self.tasks) + len(self.done)

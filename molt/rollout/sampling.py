@@ -16,10 +16,9 @@ def train_sampling(rollout: Any) -> dict[str, Any]:
 
 
 def eval_sampling(rollout: Any) -> dict[str, Any]:
-    """`rollout.eval`: its own temperature, top_p, top_k, max_tokens, and `n` samples per prompt."""
+    """`rollout.eval`: its own temperature, top_p, top_k and max_tokens (`n` is rollouts per prompt)."""
     e = rollout.eval
-    return {"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_tokens": e.max_tokens,
-            "n": e.n}
+    return {"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_tokens": e.max_tokens}
 
 
 def check_trainable(sampling: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tracemalloc
+from contextlib import closing
 from pathlib import Path
 
 from faultlib import FAULTY, small_spec
@@ -66,7 +67,7 @@ def logger_spec(run_dir: Path, keep: int):
 
 
 def test_rollout_dumps_keep_the_last_n_steps(tmp_path):
-    with RunLogger(logger_spec(tmp_path / "a", 3)) as logger:
+    with closing(RunLogger(logger_spec(tmp_path / "a", 3))) as logger:
         for step in range(1, 6):   # N + 2 steps
             logger.dump_rollouts(step, [rollout(step)])
         logger.dump_rollouts(5, [rollout(6)])   # a second dump of a step still appends
@@ -74,7 +75,7 @@ def test_rollout_dumps_keep_the_last_n_steps(tmp_path):
     last = load_rollouts(tmp_path / "a" / "rollouts" / "step_000005.jsonl")
     assert [r.rollout_id for r in last] == ["r5", "r6"]
 
-    with RunLogger(logger_spec(tmp_path / "b", 0)) as logger:   # 0 keeps all
+    with closing(RunLogger(logger_spec(tmp_path / "b", 0))) as logger:   # 0 keeps all
         for step in range(1, 6):
             logger.dump_rollouts(step, [rollout(step)])
     assert len(dumps_of(tmp_path / "b")) == 5
@@ -82,7 +83,7 @@ def test_rollout_dumps_keep_the_last_n_steps(tmp_path):
 
 def test_the_logger_holds_no_per_step_memory_or_files(tmp_path):
     fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
-    with RunLogger(logger_spec(tmp_path, 2)) as logger:
+    with closing(RunLogger(logger_spec(tmp_path, 2))) as logger:
         for step in range(200):   # warm up: every buffer reaches its steady size
             logger.log(step, {"reward/mean": 0.5})
             logger.dump_rollouts(step, [rollout(step)])
