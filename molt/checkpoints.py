@@ -6,9 +6,9 @@
     checkpoints/latest         name of the newest complete checkpoint (switched atomically)
     checkpoints/best.json      the checkpoint with the best train.best_metric so far, and its value
 
-A checkpoint is written whole before `latest` names it. The last two are kept, and the best one too:
-a step whose eval improves `train.best_metric` is saved even between `train.save_every` steps, so the
-best model always exists on disk.
+A checkpoint is written whole before `latest` names it. The last `train.keep_checkpoints` are kept, and
+the best one too: a step whose eval improves `train.best_metric` is saved even between `train.save_every`
+steps, so the best model always exists on disk.
 
 A run directory is `runs/<run.name>/<start time>/` (a sweep job: `runs/sweeps/<name>_<time>/<job>/`).
 `run.resume=auto` continues the newest run of the same experiment that has a checkpoint; with none the run
@@ -30,9 +30,9 @@ from molt.config import spec_yaml
 from molt.spec import RunSpec
 
 log = logging.getLogger("molt")
-KEEP_LAST = 2
 # What may differ between a run and the run `run.resume=auto` continues (None: the whole section).
-NOT_IDENTITY = {"run": ("dir", "resume", "dry_run"), "train": ("steps",), "logging": None, "ray": None}
+NOT_IDENTITY = {"run": ("dir", "resume", "dry_run"), "train": ("steps", "keep_checkpoints"), "logging": None,
+                "ray": None}
 
 
 def checkpoints_dir(spec: RunSpec) -> Path:
@@ -139,7 +139,7 @@ def save_checkpoint(spec: RunSpec, step: int, groups: dict[str, Any], extra: dic
         tmp.write_text(text)
         os.replace(tmp, root / name)
     kept = (read_best(root) or {}).get("checkpoint")
-    for old in sorted(root.glob("step_*"))[:-KEEP_LAST]:
+    for old in sorted(root.glob("step_*"))[:-spec.train.keep_checkpoints]:
         if old.name != kept:
             shutil.rmtree(old, ignore_errors=True)
     return path

@@ -25,8 +25,6 @@ import torch
 from molt.rollout.sampling import eval_sampling
 from molt.spec import RunSpec
 
-CORRECT = 1.0   # a sample with at least this reward counts as correct for pass@k
-
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
@@ -35,10 +33,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def set_metrics(name: str, rewards: torch.Tensor) -> dict[str, float]:
-    """mean@n and pass@k (k = powers of two up to n, and n) of one set's rewards [prompts, n]."""
+def set_metrics(name: str, rewards: torch.Tensor, pass_reward: float) -> dict[str, float]:
+    """mean@n and pass@k (k = powers of two up to n, and n) of one set's rewards [prompts, n]; a sample
+    with a reward >= `pass_reward` is correct."""
     n = rewards.shape[1]
-    correct = (rewards >= CORRECT).sum(dim=1).tolist()
+    correct = (rewards >= pass_reward).sum(dim=1).tolist()
     out = {f"eval/{name}/mean@{n}": float(rewards.mean())}
     for k in sorted({1 << i for i in range(n.bit_length())} | {n}):
         out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
@@ -61,7 +60,7 @@ async def evaluate(spec: RunSpec, runner: Any, router: Any, eval_sets: dict[str,
     rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
     metrics, start = {}, 0
     for name, items in eval_sets.items():
-        metrics.update(set_metrics(name, rewards[start:start + len(items)]))
+        metrics.update(set_metrics(name, rewards[start:start + len(items)], e.pass_reward))
         start += len(items)
     return metrics
 

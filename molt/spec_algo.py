@@ -30,6 +30,8 @@ class TrainSpec(Strict):
     grad_clip: float = Field(1.0, description="clip the global gradient norm to this")
     critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
     save_every: int = Field(50, description="checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="checkpoints kept on disk: the newest N, plus the best one (train.best_metric)")
     eval_every: int = Field(25, description="evaluate on the data.eval sets every N steps (0 = never)")
     objective: Literal["rl", "sft"] = Field(
         "rl", description="rl: the agent loop; sft: NLL on assistant tokens (set by python -m molt.sft)")

@@ -110,6 +110,8 @@ class SamplingSpec(Strict):
     top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
     max_tokens: int = Field(8, description="most tokens generated per turn")
     n: int = Field(1, description="samples per eval prompt (eval/pass@n)")
+    pass_reward: float = Field(1.0, description="a sample with at least this reward counts as correct for "
+                               "eval/pass@k (mean@n averages the rewards themselves)")
 
 
 class RolloutSpec(Strict):

@@ -31,11 +31,13 @@ def test_pass_at_k_is_the_exact_subset_average() -> None:
 def test_set_metrics_names_and_values() -> None:
     # 3 prompts x 4 samples; reward >= 1 is correct, partial credit counts for mean@4 only
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    m = set_metrics("gsm", rewards)
+    m = set_metrics("gsm", rewards, 1.0)
     assert sorted(m) == ["eval/gsm/mean@4", "eval/gsm/pass@1", "eval/gsm/pass@2", "eval/gsm/pass@4"]
     assert m["eval/gsm/mean@4"] == pytest.approx(3.5 / 12)
     assert m["eval/gsm/pass@1"] == pytest.approx((1 / 4 + 2 / 4 + 0) / 3)
     assert m["eval/gsm/pass@2"] == pytest.approx((1 / 2 + 5 / 6 + 0) / 3)
     assert m["eval/gsm/pass@4"] == pytest.approx(2 / 3)
-    assert sorted(set_metrics("x", torch.zeros(2, 10))) == [
+    assert set_metrics("gsm", rewards, 0.5)["eval/gsm/pass@4"] == pytest.approx(2 / 3)   # threshold moves
+    assert set_metrics("gsm", rewards, 0.5)["eval/gsm/pass@1"] == pytest.approx((1 / 4 + 3 / 4 + 0) / 3)
+    assert sorted(set_metrics("x", torch.zeros(2, 10), 1.0)) == [
         f"eval/x/{m}" for m in ("mean@10", "pass@1", "pass@10", "pass@2", "pass@4", "pass@8")]
