@@ -59,7 +59,7 @@ def export_checkpoint(checkpoint: Path) -> Path:
     par.world_size = par.dp_size = par.tp_size = par.cp_size = par.ep_size = par.nodes = 1
     par.offload, par.trainer_nodes = "none", None
     environ = dict(os.environ)   # the rank sets torch.distributed's variables; the caller keeps its own
-    worker = TrainerWorker(spec.model_dump(), "policy", 0, model_path(spec))
+    worker = TrainerWorker(spec, "policy", 0, model_path(spec))
     try:
         worker.setup(*worker.address())
         worker.load(str(checkpoint / "policy"), weights_only=True)

@@ -8,11 +8,35 @@ compacts its context starts a new one) and exactly one reward; a group is the ro
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NotRequired, Protocol, TypedDict
 
 import numpy as np
 
 NO_VERSION = -1  # `versions` entry of a token the engine did not sample (prompt, observation)
+
+
+class Sample(TypedDict):
+    """One completion, engine -> agent (a plain dict: it crosses Ray). `EngineActor.generate` makes it,
+    the router adds `engine`, the agent layer (`Trace.add_sample`) turns it into a segment's tokens."""
+    token_ids: list[int]            # the sampled ids
+    logprobs: list[float]           # behaviour logprob of each sampled id
+    versions: list[int]             # policy version that sampled each id
+    finish_reason: str              # stop | length | abort
+    prompt_ids: list[int]           # the prompt as the engine read it (image placeholders expanded)
+    sampling: list[float]           # [temperature, top_p, top_k] the engine applied
+    prompt_logprobs: NotRequired[list[float | None]]   # when the request asked for them
+    routed_experts: NotRequired[np.ndarray]            # MoE: [len, layers, top_k] expert ids
+    engine: NotRequired[int]        # the router's index of the engine that sampled it
+
+
+class Sampler(Protocol):
+    """What an agent samples through: `molt.rollout.sampling.TrainingSampler` in training, the router
+    (with the eval sampling) in evaluation. `release(key)` forgets a finished rollout's state."""
+
+    async def generate(self, prompt_ids: list[int], sampling: dict[str, Any], key: str,
+                       images: list[str] | None = None) -> Sample: ...
+
+    def release(self, key: str) -> None: ...
 
 
 @dataclass

@@ -18,9 +18,8 @@ def engines(engine, engine_spec, tiny_model_path):
     from molt.rollout.engine import EngineActor
     from molt.rollout.engine_args import actor_options
 
-    spec = engine_spec.rollout.model_dump()
-    second = EngineActor.options(**actor_options(spec["engine"])).remote(
-        tiny_model_path, spec, engine_spec.model.model_dump(), 0, 1)
+    second = EngineActor.options(**actor_options(engine_spec.rollout.engine)).remote(
+        tiny_model_path, engine_spec.rollout, engine_spec.model, 0, 1)
     ray.get(second.ready.remote())
     yield [engine, second]
     ray.get(second.shutdown.remote())

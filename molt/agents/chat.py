@@ -15,7 +15,7 @@ from molt.agents.env import Result
 from molt.agents.runner import Runner
 from molt.agents.server import LoopbackServer
 from molt.agents.trace import Trace
-from molt.trajectory import Rollout
+from molt.trajectory import Rollout, Sampler
 
 
 @dataclass
@@ -58,7 +58,7 @@ class ChatAgentRunner(Runner):
         self.server = LoopbackServer(tokenizer, model_name, self.sampling, spec.agent.tool_parser)
         self.server.start()
 
-    async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:
+    async def _run(self, item: dict, trace: Trace, sampler: Sampler) -> Rollout:
         agent = self.spec.agent
         session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens)
         prompt = item.get(self.spec.data.prompt_key)

@@ -15,7 +15,7 @@ from typing import Any
 from molt.agents.render import continuation, encode, render, text_of
 from molt.agents.runner import Runner
 from molt.agents.trace import Trace, as_finite
-from molt.trajectory import Rollout
+from molt.trajectory import Rollout, Sampler
 from molt.vision import normalize
 
 
@@ -68,7 +68,7 @@ class StepEnvRunner(Runner):
         super().__init__()
         self.env_cls = env_cls
 
-    async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:
+    async def _run(self, item: dict, trace: Trace, sampler: Sampler) -> Rollout:
         agent, tok = self.spec.agent, self.tokenizer
         messages, images = normalize(self.messages_of(item))
         trace.extend_prompt(encode(tok, render(tok, messages)), images)

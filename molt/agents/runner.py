@@ -16,7 +16,7 @@ from typing import Any
 from molt.agents.trace import Trace, failed_rollout
 from molt.rollout.sampling import train_sampling
 from molt.spec import RunSpec
-from molt.trajectory import Rollout
+from molt.trajectory import Rollout, Sampler
 
 
 class Runner:
@@ -36,7 +36,7 @@ class Runner:
         # The run's sampling defaults; a turn may override them (Result.sampling_params, request fields).
         self.sampling = train_sampling(spec.rollout)
 
-    async def run(self, item: dict, rollout_id: str, group_id: str, sampler: Any) -> Rollout:
+    async def run(self, item: dict, rollout_id: str, group_id: str, sampler: Sampler) -> Rollout:
         if self.spec is None:
             raise RuntimeError(f"{type(self).__name__}.setup(tokenizer, spec) must be called before run()")
         trace = Trace(rollout_id, group_id)
@@ -51,7 +51,7 @@ class Runner:
                 sampler.release(rollout_id)
         return failed_rollout(rollout_id, group_id, self.label_of(item), error)
 
-    async def _run(self, item: dict, trace: Trace, sampler: Any) -> Rollout:
+    async def _run(self, item: dict, trace: Trace, sampler: Sampler) -> Rollout:
         raise NotImplementedError
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from molt.agents.session import ChatSession
 from molt.agents.tools import FORCEABLE_PARSERS, forced_call_regex, make_parser, parse_reply
 from molt.agents.trace import Trace
 from molt.spec import AgentSpec
+from molt.trajectory import Sampler
 from molt.vision import normalize
 
 MAX_BODY_BYTES = 4 << 20
@@ -127,7 +128,7 @@ class LoopbackServer:
             self._thread.join(timeout=10)
             self._server = None
 
-    def open(self, trace: Trace, sampler: Any, max_turns: int, max_total_tokens: int) -> ChatSession:
+    def open(self, trace: Trace, sampler: Sampler, max_turns: int, max_total_tokens: int) -> ChatSession:
         session = ChatSession(trace, self.tokenizer, sampler, asyncio.get_running_loop(), max_turns,
                               max_total_tokens)
         self.sessions[session.id] = session

@@ -19,6 +19,7 @@ from typing import Any
 
 from molt.agents.render import continuation, encode, render
 from molt.agents.trace import Trace
+from molt.trajectory import Sampler
 from molt.vision import normalize
 
 
@@ -31,7 +32,7 @@ class Candidate:
 
 
 class ChatSession:
-    def __init__(self, trace: Trace, tokenizer: Any, sampler: Any, loop: asyncio.AbstractEventLoop,
+    def __init__(self, trace: Trace, tokenizer: Any, sampler: Sampler, loop: asyncio.AbstractEventLoop,
                  max_turns: int, max_total_tokens: int) -> None:
         self.id, self.key = secrets.token_hex(8), "sk-molt-" + secrets.token_urlsafe(24)
         self.trace, self.tokenizer, self.sampler, self.loop = trace, tokenizer, sampler, loop

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from molt.trajectory import NO_VERSION, Rollout, Segment
+from molt.trajectory import NO_VERSION, Rollout, Sample, Segment
 
 
 class Trace:
@@ -35,8 +35,8 @@ class Trace:
         self.logprobs += [0.0] * len(ids)
         self.versions += [NO_VERSION] * len(ids)
 
-    def add_sample(self, out: dict[str, Any]) -> None:
-        """Append one sampler result ({token_ids, logprobs, versions, finish_reason}, and `sampling`: the
+    def add_sample(self, out: Sample) -> None:
+        """Append one sampler result (its token_ids, logprobs, versions, finish_reason, and `sampling`: the
         [temperature, top_p, top_k] the engine applied) with mask 1.
 
         With router replay the result also carries `routed_experts` of its prompt and output (all but

@@ -18,6 +18,8 @@ import ray
 
 from molt.rollout.engine_args import actor_options, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
+from molt.spec import ModelSpec, RolloutSpec
+from molt.trajectory import Sample
 from molt.vision import collapse, decode
 
 ENGINE_POLL_S = 0.5   # how often an engine actor checks that vLLM's engine core is alive
@@ -51,15 +53,16 @@ def per_token_versions(spans: list[Any] | None, n: int, fallback: int) -> list[i
 
 @ray.remote
 class EngineActor:
-    def __init__(self, model_path: str, rollout: dict, model: dict, seed: int = 0, index: int = 0) -> None:
+    def __init__(self, model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int = 0,
+                 index: int = 0) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.index = index
-        self.partial_rollout = rollout["partial_rollout"]
-        self.prompt_too_long = rollout["prompt_too_long"]
-        self.max_model_len = model["max_model_len"]
-        self.router_replay = model["router_replay"]
+        self.partial_rollout = rollout.partial_rollout
+        self.prompt_too_long = rollout.prompt_too_long
+        self.max_model_len = model.max_model_len
+        self.router_replay = model.router_replay
         args = AsyncEngineArgs(**engine_kwargs(model_path, rollout, model, seed + index))
         self.llm = AsyncLLM.from_engine_args(args)
         self.image_token = getattr(self.llm.model_config.hf_config, "image_token_id", None)  # VLMs only
@@ -137,7 +140,7 @@ class EngineActor:
                             multi_modal_uuids={"image": [f"{request_id}/{k}" for k in range(len(images))]})
 
     async def generate(self, prompt_ids: list[int], sampling: dict, request_id: str | None = None,
-                       images: list[str] | None = None) -> dict:
+                       images: list[str] | None = None) -> Sample:
         """One completion. Keys of `sampling`: temperature, top_p, top_k, max_tokens, and optionally
         stop_token_ids, seed, ignore_eos, structured_outputs, prompt_logprobs (0: also return the logprob
         of each prompt token, None for the first). `max_tokens` shrinks to what fits in `max_model_len`.
@@ -170,7 +173,7 @@ class EngineActor:
             # The trainer's model would read a sampled placeholder as an image slot without an image.
             raise ValueError("the model sampled the image placeholder token; a rollout holding it cannot be "
                              "trained on (the rollout fails)")
-        result = {
+        result: Sample = {
             "token_ids": ids,
             "logprobs": [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [], strict=True)],
             "versions": per_token_versions(comp.weight_versions, len(ids), version_at_start),
@@ -275,11 +278,10 @@ def start_engine(spec: Any, model_path: str, index: int) -> Any:
     """Engine actor `index` on its plan node (molt/placement.py); call `ready` on it before use."""
     from molt.placement import cluster_nodes, node_selector, plan
 
-    rollout, model = spec.rollout.model_dump(), spec.model.model_dump()
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
     [slot] = [s for s in plan(spec) if s.role == "engine" and s.index == index]
-    options = dict(actor_options(rollout["engine"]), label_selector=node_selector(ids[slot.node]))
-    return EngineActor.options(**options).remote(model_path, rollout, model, spec.run.seed, index)
+    options = dict(actor_options(spec.rollout.engine), label_selector=node_selector(ids[slot.node]))
+    return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index)
 
 
 def start_engines(spec: Any, model_path: str) -> list:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from molt.spec import LOGPROBS_MODE
+from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
 from molt.vision import is_vision_model
 
 WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
@@ -22,31 +22,30 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def engine_kwargs(model_path: str, rollout: dict[str, Any], model: dict[str, Any],
-                  seed: int) -> dict[str, Any]:
-    """`AsyncEngineArgs(**kwargs)` for one engine; `rollout`/`model` are the spec sections as dicts."""
-    eng = rollout["engine"]
+def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int) -> dict[str, Any]:
+    """`AsyncEngineArgs(**kwargs)` for one engine."""
+    eng = rollout.engine
     kwargs: dict[str, Any] = dict(
         model=model_path,
-        dtype=model["dtype"],
-        max_model_len=model["max_model_len"],
-        trust_remote_code=model["trust_remote_code"],
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        trust_remote_code=model.trust_remote_code,
         seed=seed,
-        tensor_parallel_size=eng["tp_size"],
-        data_parallel_size=eng["dp_size"],
-        enable_expert_parallel=eng["enable_expert_parallel"],
-        enforce_eager=eng["enforce_eager"],
-        enable_prefix_caching=eng["enable_prefix_caching"],
-        max_num_batched_tokens=eng["max_num_batched_tokens"],
-        max_num_seqs=eng["max_num_seqs"],
-        speculative_config=eng["speculative_config"],
+        tensor_parallel_size=eng.tp_size,
+        data_parallel_size=eng.dp_size,
+        enable_expert_parallel=eng.enable_expert_parallel,
+        enforce_eager=eng.enforce_eager,
+        enable_prefix_caching=eng.enable_prefix_caching,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_num_seqs=eng.max_num_seqs,
+        speculative_config=eng.speculative_config,
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
         # Behaviour logprobs of the distribution each token is sampled from (after temperature, top-k,
         # top-p), which the trainer recomputes; vLLM's default is the raw model distribution.
         logprobs_mode=LOGPROBS_MODE,
     )
-    if is_vision_model(model_path, model["trust_remote_code"]):
+    if is_vision_model(model_path, model.trust_remote_code):
         # Images only (the contract has no video). On CPU, vLLM's own Qwen-VL code imports torchvision,
         # which has no CPU build for the torch vLLM's CPU build pins: the transformers backend runs the
         # same Hugging Face model class without it.
@@ -55,20 +54,20 @@ def engine_kwargs(model_path: str, rollout: dict[str, Any], model: dict[str, Any
             kwargs["model_impl"] = "transformers"
     if on_cpu():
         # vLLM's CPU backend sizes the KV cache from an explicit byte budget, not a memory fraction.
-        kwargs["kv_cache_memory_bytes"] = int(eng["kv_cache_gib"] * 2**30)
-        if eng["tp_size"] * eng["dp_size"] == 1:
+        kwargs["kv_cache_memory_bytes"] = int(eng.kv_cache_gib * 2**30)
+        if eng.tp_size * eng.dp_size == 1:
             kwargs["distributed_executor_backend"] = "uni"
     else:
-        kwargs["gpu_memory_utilization"] = eng["gpu_memory_utilization"]
-        if model["router_replay"]:
+        kwargs["gpu_memory_utilization"] = eng.gpu_memory_utilization
+        if model.router_replay:
             # The engine's own route capture (needs Model Runner V2, GPU only); on CPU molt.rollout.routes
             # captures them instead.
             kwargs["enable_return_routed_experts"] = True
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return {**kwargs, **eng["extra_args"]}
+    return {**kwargs, **eng.extra_args}
 
 
-def actor_options(engine: dict[str, Any]) -> dict[str, Any]:
+def actor_options(engine: EngineSpec) -> dict[str, Any]:
     """Ray resources of one engine. On CPU a tiny fraction, so engines and trainer ranks share cores.
 
     On CPU the engine runs its worker inside vLLM's engine process (≈2× faster on few cores than a
@@ -76,9 +75,9 @@ def actor_options(engine: dict[str, Any]) -> dict[str, Any]:
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
     if not on_cpu():
-        return {"num_cpus": 1, "num_gpus": engine["tp_size"] * engine["dp_size"], "max_concurrency": 10_000}
+        return {"num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000}
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-    if engine["tp_size"] * engine["dp_size"] == 1:
+    if engine.tp_size * engine.dp_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # lets engine_args' "uni" executor stand on CPU
     return {"num_cpus": 0.01, "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}

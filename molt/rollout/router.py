@@ -20,6 +20,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from molt.trajectory import Sample
+
 
 class EngineDiedError(RuntimeError):
     """An engine actor is gone (its rollouts are restarted), or no engine is left to run (the run stops)."""
@@ -55,7 +57,7 @@ class Router:
         return self.pick(key)
 
     async def generate(self, prompt_ids: list[int], sampling: dict, key: str,
-                       images: list[str] | None = None) -> dict:
+                       images: list[str] | None = None) -> Sample:
         """`EngineActor.generate` on the engine of `key`; the result also names that engine."""
         i = await self._live_engine(key)
         engine = self.engines[i]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from molt.spec import GREEDY_BELOW
+from molt.trajectory import Sample
 
 
 def train_sampling(rollout: Any) -> dict[str, Any]:
@@ -51,7 +52,7 @@ class TrainingSampler:
         self.calls: dict[str, int] = {}     # requests so far, per rollout
 
     async def generate(self, prompt_ids: list[int], sampling: dict, key: str,
-                       images: list[str] | None = None) -> dict:
+                       images: list[str] | None = None) -> Sample:
         check_trainable(sampling)
         call = self.calls[key] = self.calls.get(key, -1) + 1
         seed = request_seed(self.run_seed, self.version(), key, call)

@@ -49,7 +49,7 @@ class TrainerGroup:
             actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               self._pg, placement_group_bundle_index=r))
-            .remote(spec.model_dump(), role, r, path)
+            .remote(spec, role, r, path)
             for r in range(par.world_size)
         ]
         host, port = ray.get(self.workers[0].address.remote())

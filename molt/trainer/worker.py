@@ -55,8 +55,8 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (
 
 
 class TrainerWorker:
-    def __init__(self, spec: dict[str, Any], role: str, rank: int, path: str) -> None:
-        self.spec = RunSpec.model_validate(spec)
+    def __init__(self, spec: RunSpec, role: str, rank: int, path: str) -> None:
+        self.spec = spec   # this rank's own copy (Ray pickles it): the SFT switch below stays here
         self.path = path   # the role's weights, resolved by the driver (molt.models)
         load_plugins(self.spec)   # this process's loss registry must hold the spec's names too
         self.role, self.rank = role, rank
