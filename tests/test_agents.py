@@ -218,12 +218,11 @@ def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_sco
 
 
 def test_loader_finds_every_configured_agent():
-    import yaml
+    from molt.config import compose
 
     for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "agent").glob("*.yaml")):
-        cfg = yaml.safe_load(path.read_text())
-        runner = load_agent_runner(AgentSpec(module=cfg["module"], kind=cfg["kind"]))
-        assert runner.kind == cfg["kind"], path.name
+        agent = compose([f"agent={path.stem}"]).agent   # an option sets only what differs from the spec
+        assert load_agent_runner(agent).kind == agent.kind, path.name
 
 
 def test_loader_errors_are_clear(tmp_path, monkeypatch):

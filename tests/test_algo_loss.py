@@ -235,7 +235,10 @@ def test_seq_mean_token_mean_by_hand():
 
 
 def test_policy_loss_names_are_checked():
-    with pytest.raises(ValueError, match="did you mean 'gspo'"):
-        algo(loss={"policy": "gpso"})
+    from molt.config import compose
+    from molt.spec import SpecError
+
+    with pytest.raises(SpecError, match="did you mean 'gspo'"):   # checked after algo.plugins load
+        compose(["algo.loss.policy=gpso"])
     with pytest.raises(ValueError, match="dual_clip"):
         algo(loss={"policy": "cispo", "dual_clip": 3.0})
