@@ -15,6 +15,13 @@ import numpy as np
 NO_VERSION = -1  # `versions` entry of a token the engine did not sample (prompt, observation)
 
 
+class AgentError(ValueError):
+    """A rollout failed for a reason on the agent's side: its code (env, agent, tools) raised, it returned
+    or asked for something Molt cannot train on, or its data row is unusable. The runner records it on the
+    rollout and the run goes on (up to agent.max_failure_rate); any other exception is a Molt bug and
+    stops the run with its traceback."""
+
+
 class Sample(TypedDict):
     """One completion, engine -> agent (a plain dict: it crosses Ray). `EngineActor.generate` makes it,
     the router adds `engine`, the agent layer (`Trace.add_sample`) turns it into a segment's tokens."""

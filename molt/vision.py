@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from molt.trajectory import AgentError
+
 # Message content parts that carry an image: our own / Hugging Face's, OpenAI's, Anthropic's.
 IMAGE_PART_TYPES = ("image", "image_url")
 
@@ -85,7 +87,7 @@ def decode(url: str) -> Any:
         with Image.open(io.BytesIO(raw)) as image:
             return image.convert("RGB")
     except Exception as err:
-        raise ValueError(f"not a readable image data URL ({url[:40]}...): {err}") from None
+        raise AgentError(f"not a readable image data URL ({url[:40]}...): {err}") from None
 
 
 def is_vision_model(path: str, trust_remote_code: bool = False) -> bool:

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from molt.agents import Env, Result, State, StepEnvRunner, load_agent_runner
+from molt.rollout.pool import RolloutPool
 from molt.spec import AgentSpec, RunSpec
-from molt.trajectory import NO_VERSION
+from molt.trajectory import NO_VERSION, AgentError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
 IM = "<|im_start|>"
@@ -184,6 +185,33 @@ def test_a_failing_env_gives_an_error_rollout(tok, sampler, env_cls, message):
     runner.setup(tok, make_spec({"timeout_s": 8.0}))  # generation must fit even on a loaded machine
     [r] = run_all(runner, [{"prompt": "a", "label": "a"}], sampler)
     assert not r.ok and message in r.error and r.segments == [] and r.label == "a"
+
+
+class BrokenSampler:
+    """A bug on Molt's side of the seam: the sampler returns fewer logprobs than tokens."""
+
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str, **kwargs) -> dict:
+        return {"token_ids": [5, 6], "logprobs": [0.0], "versions": [0, 0]}
+
+
+def test_a_bug_in_molt_stops_the_run_instead_of_failing_a_rollout(tok):
+    # Only the agent's side is caught: a Molt bug counted as "agent failures" would hide until
+    # agent.max_failure_rate tripped. The pool hands it to the loop rather than hanging on the group.
+    runner = StepEnvRunner(Raises)
+    runner.setup(tok, make_spec({}))
+    row = {"prompt": "a", "label": "a"}
+    with pytest.raises(ValueError, match="sampler returned 2 tokens, 1 logprobs") as raised:
+        asyncio.run(runner.run(row, "r0", "g0", BrokenSampler()))
+    assert not isinstance(raised.value, AgentError)
+
+    async def one_batch() -> None:
+        pool = RolloutPool(iter([row]), lambda item, group, i: runner.run(item, f"{group}-{i}", group,
+                                                                          BrokenSampler()),
+                           2, 1, 0, refill_during_batch=False)
+        await asyncio.wait_for(pool.next_batch(1), 60)
+
+    with pytest.raises(ValueError, match="sampler returned 2 tokens"):
+        asyncio.run(one_batch())
 
 
 class NextTurnSampling(Env):

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.agents.env import Result
-from molt.agents.runner import Runner
+from molt.agents.runner import Runner, agent_code
 from molt.agents.server import LoopbackServer
 from molt.agents.trace import Trace
-from molt.trajectory import Rollout, Sampler
+from molt.trajectory import AgentError, Rollout, Sampler
 
 
 @dataclass
@@ -70,11 +70,12 @@ class ChatAgentRunner(Runner):
             sampling_params=dict(self.sampling), options=dict(agent.options), max_turns=agent.max_turns,
             item=item, judge=self.judge)
         try:
-            result = await self.agent_cls(agent.options).run(ctx)
+            with agent_code():
+                result = await self.agent_cls(agent.options).run(ctx)
         finally:
             self.server.close(session)   # later requests with this key get a 404
         if not isinstance(result, Result):
-            raise TypeError(f"{self.agent_cls.__name__}.run returned {type(result).__name__}, not Result")
+            raise AgentError(f"{self.agent_cls.__name__}.run returned {type(result).__name__}, not Result")
         session.finish()
         return trace.rollout(result.reward, result.score, result.info, self.label_of(item))
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.agents.render import continuation, encode, render, text_of
-from molt.agents.runner import Runner
+from molt.agents.runner import Runner, agent_code
 from molt.agents.trace import Trace, as_finite
-from molt.trajectory import Rollout, Sampler
+from molt.trajectory import AgentError, Rollout, Sampler
 from molt.vision import normalize
 
 
@@ -72,7 +72,8 @@ class StepEnvRunner(Runner):
         agent, tok = self.spec.agent, self.tokenizer
         messages, images = normalize(self.messages_of(item))
         trace.extend_prompt(encode(tok, render(tok, messages)), images)
-        env = self.env_cls(self.spec.agent.options)
+        with agent_code():
+            env = self.env_cls(self.spec.agent.options)
         env.tokenizer, env.judge = tok, self.judge
         sampling, observation = dict(self.sampling), text_of(messages[-1].get("content"))
         reward, score, info = 0.0, None, {}
@@ -88,10 +89,11 @@ class StepEnvRunner(Runner):
             ids = list(out["token_ids"])
             action = tok.decode(ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": action})
-            result = await env.step(State(observation, action, ids, trace.finish_reason, self.label_of(item),
-                                          turn, list(messages), turn_sampling, item))
+            with agent_code():
+                result = await env.step(State(observation, action, ids, trace.finish_reason,
+                                              self.label_of(item), turn, list(messages), turn_sampling, item))
             if not isinstance(result, Result):
-                raise TypeError(f"{self.env_cls.__name__}.step returned {type(result).__name__}, not Result")
+                raise AgentError(f"{self.env_cls.__name__}.step returned {type(result).__name__}, not Result")
             reward += as_finite(result.reward, "reward")
             score, info = result.score, result.info
             if result.terminated or result.truncated or result.observation is None:

@@ -1,8 +1,10 @@
 """What the training loop calls on any agent: `setup`, `run`, `close`.
 
-`run` never raises for an agent's fault: an exception, a timeout (agent.timeout_s), a missing or
-malformed `Result` or a non-finite reward comes back as a `Rollout` with `error` set, which the loop
-counts against agent.max_failure_rate and never trains on.
+`run` never raises for an agent's fault: an exception in its code, a timeout (agent.timeout_s), a missing
+or malformed `Result`, a non-finite reward, an untrainable request or an engine that died under it comes
+back as a `Rollout` with `error` set, which the loop counts against agent.max_failure_rate and never
+trains on. Only the user's code is wrapped (`agent_code`): an exception in Molt's own code is a bug and
+propagates, so the run stops with its traceback instead of counting failures.
 
 The sampler is anything with `generate(prompt_ids, sampling, key)` (the key is the rollout id); one
 that also has `release(key)` (the router: it pins a rollout to an engine) is told when the rollout ends.
@@ -11,12 +13,27 @@ that also has `release(key)` (the router: it pins a rollout to an engine) is tol
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from molt.agents.trace import Trace, failed_rollout
+from molt.rollout.router import EngineDiedError
 from molt.rollout.sampling import train_sampling
 from molt.spec import RunSpec
-from molt.trajectory import Rollout, Sampler
+from molt.trajectory import AgentError, Rollout, Sampler
+
+
+@contextmanager
+def agent_code() -> Iterator[None]:
+    """Around the user's code (env, agent, tools): whatever it raises fails the rollout as an AgentError
+    that names the original exception ("RuntimeError: boom")."""
+    try:
+        yield
+    except AgentError:
+        raise
+    except Exception as err:
+        raise AgentError(f"{type(err).__name__}: {err}") from err
 
 
 class Runner:
@@ -44,7 +61,9 @@ class Runner:
             return await asyncio.wait_for(self._run(item, trace, sampler), self.spec.agent.timeout_s)
         except TimeoutError:
             error = f"agent timed out after {self.spec.agent.timeout_s}s"
-        except Exception as err:  # the user's code failed: report it on the rollout, keep the loop going
+        except AgentError as err:   # its message names what the agent did ("RuntimeError: boom")
+            error = str(err)
+        except EngineDiedError as err:   # the pool restarts the group
             error = f"{type(err).__name__}: {err}"
         finally:
             if hasattr(sampler, "release"):
@@ -65,7 +84,7 @@ class Runner:
             return [dict(m) for m in item[data.messages_key]]
         if item.get(data.prompt_key) is not None:
             return [{"role": "user", "content": str(item[data.prompt_key])}]
-        raise KeyError(f"dataset row has neither '{data.prompt_key}' nor '{data.messages_key}' "
+        raise AgentError(f"dataset row has neither '{data.prompt_key}' nor '{data.messages_key}' "
                        f"(keys: {sorted(item)})")
 
     def label_of(self, item: dict) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from molt.trajectory import NO_VERSION, Rollout, Sample, Segment
+from molt.trajectory import NO_VERSION, AgentError, Rollout, Sample, Segment
 
 
 class Trace:
@@ -107,7 +107,7 @@ class Trace:
         reward = as_finite(reward, "reward")
         score = reward if score is None else as_finite(score, "score")
         if not self.segments:
-            raise ValueError("the agent sampled no tokens")
+            raise AgentError("the agent sampled no tokens")
         info = {k: as_finite(v, f"info[{k!r}]") for k, v in (info or {}).items()}
         return Rollout(self.rollout_id, self.group_id, self.segments, reward, score=score, label=label,
                        info=info)
@@ -115,7 +115,7 @@ class Trace:
 
 def as_finite(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
+        raise AgentError(f"{what} must be a finite number, got {value!r}")
     return float(value)
 
 

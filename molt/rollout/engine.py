@@ -19,7 +19,7 @@ import ray
 from molt.rollout.engine_args import actor_options, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.spec import ModelSpec, RolloutSpec
-from molt.trajectory import Sample
+from molt.trajectory import AgentError, Sample
 from molt.vision import collapse, decode
 
 ENGINE_POLL_S = 0.5   # how often an engine actor checks that vLLM's engine core is alive
@@ -115,7 +115,7 @@ class EngineActor:
         if len(prompt_ids) <= room:
             return list(prompt_ids)
         if self.prompt_too_long == "reject":
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit model.max_model_len="
+            raise AgentError(f"prompt of {len(prompt_ids)} tokens does not fit model.max_model_len="
                              f"{self.max_model_len} (rollout.prompt_too_long=reject)")
         return list(prompt_ids[-room:])    # keep the most recent context; returned as prompt_ids
 

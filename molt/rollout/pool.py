@@ -61,6 +61,7 @@ class RolloutPool:
         self.started = 0
         self.counts = {"stale_requeued": 0, "engine_requeued": 0, "groups_done": 0, "failed_rollouts": 0}
         self.exhausted = False
+        self.crash: Exception | None = None   # what a rollout raised that was not the agent's fault
 
     def set_version(self, version: int) -> None:
         """The policy version the engines now run (call after each refit): groups it makes too stale are
@@ -103,16 +104,17 @@ class RolloutPool:
             self.requeued.append(entry.item)
             self.counts["stale_requeued"] += 1
 
-    async def _one(self, item: dict, group_id: str, index: int) -> Rollout:
-        try:
-            return await self.rollout_fn(item, group_id, index)
-        except Exception as err:  # an agent bug fails its rollout, not the run; the loop's policy decides
-            return Rollout(rollout_id=f"{group_id}-{index}", group_id=group_id, segments=[], reward=0.0,
-                           error=f"{type(err).__name__}: {err}")
-
     async def _group(self, item: dict, group_id: str, order: int) -> None:
-        group = list(await asyncio.gather(*[self._one(item, group_id, i) for i in range(self.n)]))
-        self.tasks.discard(asyncio.current_task())
+        # `rollout_fn` turns the agent's failures into failed rollouts itself; what it raises is a bug,
+        # handed to `next_batch`, which raises it in the loop (a background task's error is otherwise lost).
+        try:
+            group = list(await asyncio.gather(*[self.rollout_fn(item, group_id, i) for i in range(self.n)]))
+        except Exception as err:
+            self.crash = err
+            self.finished.set()
+            return
+        finally:
+            self.tasks.discard(asyncio.current_task())
         if self.lost is not None and self.lost([r.rollout_id for r in group]):
             self.group_items.pop(group_id, None)
             self.requeued.appendleft(item)
@@ -153,6 +155,8 @@ class RolloutPool:
             raise ValueError(f"a batch of {k} groups needs rollout.groups_in_flight >= {k} (is {self.depth})")
         batch: list[Finished] = []
         while len(batch) < k:
+            if self.crash is not None:
+                raise self.crash
             self._requeue_stale()
             if self.refill_during_batch or len(batch) + self.in_flight < k:
                 self._fill()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from molt.spec import GREEDY_BELOW
-from molt.trajectory import Sample
+from molt.trajectory import AgentError, Sample
 
 
 def train_sampling(rollout: Any) -> dict[str, Any]:
@@ -28,10 +28,10 @@ def check_trainable(sampling: dict[str, Any]) -> None:
     constrained decoding are not (evaluation may use both)."""
     temperature = sampling.get("temperature", 1.0)
     if temperature < GREEDY_BELOW:
-        raise ValueError(f"a training rollout asked for temperature={temperature}, i.e. greedy decoding: its "
+        raise AgentError(f"a training rollout asked for temperature={temperature}, i.e. greedy decoding: its "
                          "tokens have no sampling probability to train on (greedy is for evaluation)")
     if sampling.get("structured_outputs"):
-        raise ValueError("a training rollout asked for constrained decoding (structured_outputs, e.g. a "
+        raise AgentError("a training rollout asked for constrained decoding (structured_outputs, e.g. a "
                          "forced tool_choice): the engine samples from a grammar-masked distribution the "
                          "trainer cannot recompute, so its logprobs would be off-policy (evaluation only)")
 

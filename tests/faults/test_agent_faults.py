@@ -97,7 +97,8 @@ def test_training_goes_on_with_the_rest(batch, policy, tok, on_failure):
 def test_too_many_failures_stop_the_run_with_a_clear_message(batch, policy, tok):
     spec = small_spec(agent(max_failure_rate=0.25))
     message = (r"5/16 rollouts failed, above agent.max_failure_rate=0.25; "
-               r"first errors: \['RuntimeError: the agent crashed'")
+               r"first errors: \['FaultyEnv.step returned NoneType, not Result', "
+               r"'RuntimeError: the agent crashed'")
     with pytest.raises(RuntimeError, match=message):
         rollout_metrics(spec, batch)
     with pytest.raises(RuntimeError, match=message):   # learn stops before any trainer call
