@@ -31,11 +31,11 @@ async def generate_many(engine, n: int, tokens: int) -> tuple[int, float]:
     return sum(len(o["token_ids"]) for o in outs), time.perf_counter() - start
 
 
-async def refit_once(policy, router, version: int) -> tuple[float, float]:
+async def refit_once(policy, dispatcher, version: int) -> tuple[float, float]:
     """The loop's refit (trainer gathers and broadcasts, the engine receives and reloads), timed from
     both ends: (seconds inside the engine, seconds of the whole call)."""
     t0 = time.perf_counter()
-    engine_s, _ = await asyncio.gather(router.update_weights(version), asyncio.to_thread(policy.send_weights))
+    engine_s, _ = await asyncio.gather(dispatcher.update_weights(version), asyncio.to_thread(policy.send_weights))
     return engine_s, time.perf_counter() - t0
 
 
@@ -44,10 +44,10 @@ def bench_one(size: str, args: argparse.Namespace) -> list:
 
     from molt.fleet import Fleet
     from molt.rollout.engine import start_engines
-    from molt.rollout.router import Router
+    from molt.rollout.dispatch import Dispatcher
     from molt.spec import RunSpec
     from molt.tiny import tiny_model_path
-    from molt.trainer.group import TrainerGroup
+    from molt.trainer.ranks import TrainerRanks
 
     path = str(tiny_model_path(**SIZES[size]))
     spec = RunSpec.model_validate({"model": {"path": path, "max_model_len": args.tokens + 64},
@@ -58,9 +58,9 @@ def bench_one(size: str, args: argparse.Namespace) -> list:
     startup = time.perf_counter() - t0
     asyncio.run(generate_many(engine, 4, 8))                         # warm-up
     tokens, seconds = asyncio.run(generate_many(engine, args.requests, args.tokens))
-    policy, router = TrainerGroup(spec), Router([engine])
+    policy, dispatcher = TrainerRanks(spec), Dispatcher([engine])
     asyncio.run(Fleet(spec, path, engines=[engine]).connect(policy))
-    times = [asyncio.run(refit_once(policy, router, v)) for v in range(1, args.refits + 1)]
+    times = [asyncio.run(refit_once(policy, dispatcher, v)) for v in range(1, args.refits + 1)]
     policy.shutdown()
     ray.get(engine.shutdown.remote())
     ray.kill(engine)

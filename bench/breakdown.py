@@ -3,7 +3,7 @@
 For each size: (1) a real Molt run; its per-step `time/*` metrics, medians after warm-up; (2) the
 engine alone: one engine generating the same number of requests x tokens with nothing else running
 (bench_generator.generate_many); (3) the trainer alone: the policy trainer doing `logprobs` +
-`train_step` on a fixed batch of the same shape. Loop throughput / limit says how much of each
+`update` on a fixed batch of the same shape. Loop throughput / limit says how much of each
 component's speed the loop delivers; the rest is waiting and framework overhead.
 
     python bench/breakdown.py --quick
@@ -28,7 +28,7 @@ STAGES = ("time/wait_batch", "time/logprobs", "time/train", "time/refit")
 
 
 def limits(size: str, length: int, args: argparse.Namespace, repeats: int = 3) -> dict[str, float]:
-    """Engine alone (sampled tok/s) and trainer alone (trained tok/s; logprobs and train_step seconds)."""
+    """Engine alone (sampled tok/s) and trainer alone (trained tok/s; logprobs and update seconds)."""
     import ray
     import torch
     from bench_generator import generate_many
@@ -36,7 +36,7 @@ def limits(size: str, length: int, args: argparse.Namespace, repeats: int = 3) -
     from molt.config import compose
     from molt.placement import init_ray
     from molt.rollout.engine import start_engines
-    from molt.trainer import TrainerGroup, make_batch
+    from molt.trainer import TrainerRanks, make_batch
     from molt.trajectory import Segment
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -51,7 +51,7 @@ def limits(size: str, length: int, args: argparse.Namespace, repeats: int = 3) -
         ray.get(engine.shutdown.remote())
         ray.kill(engine)
 
-        policy = TrainerGroup(spec, "policy")
+        policy = TrainerRanks(spec, "policy")
         g = torch.Generator().manual_seed(0)
         prompt = 8
         segments = []
@@ -67,7 +67,7 @@ def limits(size: str, length: int, args: argparse.Namespace, repeats: int = 3) -
             t0 = time.perf_counter()
             old = policy.logprobs(batch)
             t1 = time.perf_counter()
-            policy.train_step({**batch, "old_logp": old})
+            policy.update({**batch, "old_logp": old})
             logp_s.append(t1 - t0)
             train_s.append(time.perf_counter() - t1)
         policy.shutdown()
@@ -113,7 +113,7 @@ def main() -> None:
     head = ["model", "max tokens", "mode", "step s", "engine busy s",
             "wait_batch / logprobs / train / refit / other (s)",
             "sampled tok/s: loop / engine alone", "trained tok/s: loop / trainer alone",
-            "trainer alone: logprobs + train_step (s)"]
+            "trainer alone: logprobs + update (s)"]
     body = intro("Where the time goes", args) + "\n".join([table(head, rows), "", "![stages](breakdown.png)"])
     if not args.quick and bars:
         draw(bars)

@@ -37,13 +37,13 @@ def ragged_batch(rows: int, low: int, high: int, seed: int = 0):
 
 
 def step_seconds(spec, batch, steps: int) -> list[float]:
-    from molt.trainer import TrainerGroup
+    from molt.trainer import TrainerRanks
 
-    group = TrainerGroup(spec)
+    group = TrainerRanks(spec)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        group.train_step(batch)
+        group.update(batch)
         times.append(time.perf_counter() - t0)
     group.shutdown()
     return times[1:]

@@ -44,15 +44,15 @@ def set_metrics(name: str, rewards: torch.Tensor, pass_reward: float) -> dict[st
     return out
 
 
-async def evaluate(spec: RunSpec, runner: Any, router: Any, eval_sets: dict[str, Any],
+async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[str, Any],
                    step: int) -> dict[str, float]:
     """Every set's metrics; all prompts of all sets are in flight at once."""
     e, params = spec.rollout.eval, eval_sampling(spec.rollout)
 
     async def generate(prompt_ids: list[int], sampling: dict, key: str, images: list | None = None) -> dict:
-        return await router.generate(prompt_ids, {**sampling, **params}, key, images)
+        return await dispatcher.generate(prompt_ids, {**sampling, **params}, key, images)
 
-    sampler = SimpleNamespace(generate=generate, release=router.release)
+    sampler = SimpleNamespace(generate=generate, release=dispatcher.release)
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
     results = await asyncio.gather(*[
         runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", sampler)
@@ -76,7 +76,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     from molt.models import model_path
     from molt.placement import init_ray
     from molt.rollout.engine import start_engines
-    from molt.rollout.router import Router
+    from molt.rollout.dispatch import Dispatcher
 
     if spec.model.path is not None:
         spec.model.path = as_hf_folder(spec.model.path)
@@ -92,7 +92,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     try:
         engines = start_engines(spec, path)
         try:
-            return asyncio.run(evaluate(spec, runner, Router(engines), eval_sets, 0))
+            return asyncio.run(evaluate(spec, runner, Dispatcher(engines), eval_sets, 0))
         finally:
             runner.close()
             for engine in engines:

@@ -1,10 +1,10 @@
 """The run's engines over its life: they die, come back, and always serve the current policy.
 
 An engine dies when its actor is killed or when vLLM's engine core dies under it (an OOM kill; the actor
-then exits itself, `EngineActor._exit_when_engine_dies`). The router stops routing to it and the pool
-restarts the groups it was sampling (`Router.take_lost`). The fleet restarts the engine on its plan node,
+then exits itself, `EngineActor._exit_when_engine_dies`). The dispatcher stops routing to it and the pool
+restarts the groups it was sampling (`Dispatcher.take_lost`). The fleet restarts the engine on its plan node,
 at most `rollout.engine.max_restarts` times; a restarted engine joins a re-formed refit group
-(`molt.refit`) and receives the current weights before the router gives it work. With its restarts used
+(`molt.refit`) and receives the current weights before the dispatcher gives it work. With its restarts used
 up an engine stays down and the run goes on with the others; with none left, and none coming back, the
 run stops with one message.
 
@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from molt.rollout.engine import start_engine, start_engines
-from molt.rollout.router import EngineDiedError, Router
+from molt.rollout.dispatch import EngineDiedError, Dispatcher
 
 PING_TIMEOUT_S = 60.0   # an engine actor that does not answer a trivial call for this long is treated as dead
 REFIT_GRACE_S = 30.0    # after a failed refit, how long the other engines get to finish theirs
@@ -34,28 +34,28 @@ class Fleet:
     def __init__(self, spec: Any, model_path: str, engines: list | None = None) -> None:
         """Starts the spec's engines, or takes `engines` already started from this spec."""
         self.spec, self.model_path = spec, model_path
-        self.router = Router(engines or start_engines(spec, model_path), on_death=self._died)
+        self.dispatcher = Dispatcher(engines or start_engines(spec, model_path), on_death=self._died)
         self.policy: Any = None
         self.trainer = asyncio.Lock()    # one user of the policy's rank 0 at a time: a step, a refit
         self.version = 0                 # the policy version the engines hold
         self.members: list[int] = []     # engines in the refit group now
-        self.restarts = [0] * len(self.router.engines)
+        self.restarts = [0] * len(self.dispatcher.engines)
         self.restarting: dict[int, asyncio.Task] = {}
         self.deaths = 0
 
     async def connect(self, policy: Any) -> None:
-        """Open the refit group between `policy` (a TrainerGroup; also a rebuilt one) and the live engines."""
+        """Open the refit group between `policy` (a TrainerRanks; also a rebuilt one) and the live engines."""
         async with self.trainer:
             self.policy = policy
-            await self._connect(sorted(self.router.live))
+            await self._connect(sorted(self.dispatcher.live))
 
     async def _connect(self, members: list[int]) -> None:
         self.members = []
         host, port = await asyncio.to_thread(self.policy.refit_address)
-        size = await self.router.refit_size(members)
+        size = await self.dispatcher.refit_size(members)
         await asyncio.gather(asyncio.to_thread(self.policy.join_refit, host, port, size),
-                             self.router.join_refit(host, port, members))
-        self.members = [self.router.engines[i] for i in members]   # the actors: a restart changes them
+                             self.dispatcher.join_refit(host, port, members))
+        self.members = [self.dispatcher.engines[i] for i in members]   # the actors: a restart changes them
 
     async def refit(self, version: int) -> float:
         """Trainer weights → every live engine, as `version`; returns the seconds. An engine that dies
@@ -65,13 +65,13 @@ class Fleet:
 
     async def _refit(self, version: int, admit: int | None = None) -> float:
         """Refit the live engines and `admit` (a restarted engine, not live yet; dropped if it dies)."""
-        for _ in range(len(self.router.engines) + 1):   # every retry follows an engine's death
+        for _ in range(len(self.dispatcher.engines) + 1):   # every retry follows an engine's death
             await self._ping()
-            members = sorted(self.router.live | ({admit} if admit is not None else set()))
+            members = sorted(self.dispatcher.live | ({admit} if admit is not None else set()))
             if not members:
                 self.version = version   # a restarted engine gets it when it comes back
                 return 0.0
-            if [self.router.engines[i] for i in members] != self.members:
+            if [self.dispatcher.engines[i] for i in members] != self.members:
                 await self._connect(members)
             t0 = time.perf_counter()
             died = await self._broadcast(version, members)
@@ -86,7 +86,7 @@ class Fleet:
         """One transfer to `members`; returns the engines that died in it (dropped). After a failure the
         other receivers get `REFIT_GRACE_S` to finish; one still waiting for a stream that will not come
         is dropped too (restarted), so nothing waits for the transfer's own long timeout."""
-        engines = self.router.engines
+        engines = self.dispatcher.engines
         calls = {asyncio.ensure_future(engines[i].update_weights.remote(version)): i for i in members}
         sender = asyncio.ensure_future(asyncio.to_thread(self.policy.send_weights))
         done, pending = await asyncio.wait([*calls, sender], return_when=asyncio.FIRST_EXCEPTION)
@@ -109,21 +109,21 @@ class Fleet:
 
     async def _ping(self) -> None:
         """Liveness of the live engines before a refit: a dead one would stall the broadcast."""
-        live = sorted(self.router.live)
-        pings = [asyncio.wait_for(asyncio.wrap_future(self.router.engines[i].refit_workers.remote().future()),
+        live = sorted(self.dispatcher.live)
+        pings = [asyncio.wait_for(asyncio.wrap_future(self.dispatcher.engines[i].refit_workers.remote().future()),
                                   PING_TIMEOUT_S) for i in live]
         for i, answer in zip(live, await asyncio.gather(*pings, return_exceptions=True), strict=True):
             if isinstance(answer, (RayActorError, TimeoutError)):
                 self._drop(i, f"{type(answer).__name__} on a liveness check")
 
     def _drop(self, i: int, why: str) -> None:
-        self.router.mark_dead(i, why)   # (an engine being admitted is not live: only killed)
-        ray.kill(self.router.engines[i], no_restart=True)
+        self.dispatcher.mark_dead(i, why)   # (an engine being admitted is not live: only killed)
+        ray.kill(self.dispatcher.engines[i], no_restart=True)
 
     def _died(self, i: int) -> None:
-        """Router callback: engine `i` is dead. Restart it while its budget lasts."""
+        """Dispatcher callback: engine `i` is dead. Restart it while its budget lasts."""
         self.deaths += 1
-        why = self.router.dead.get(i, "")
+        why = self.dispatcher.dead.get(i, "")
         print(f"molt: engine {i} died ({why}); its rollouts are restarted", flush=True)
         if i not in self.restarting:
             self.restarting[i] = asyncio.get_running_loop().create_task(self._restart(i))
@@ -140,20 +140,20 @@ class Fleet:
             print(f"molt: engine {i} stays down: rollout.engine.max_restarts={limit} used up", flush=True)
         finally:
             self.restarting.pop(i, None)
-        if not self.router.live and not self.restarting:
-            self.router.give_up(f"all {len(self.router.engines)} rollout engine(s) died and their restarts "
+        if not self.dispatcher.live and not self.restarting:
+            self.dispatcher.give_up(f"all {len(self.dispatcher.engines)} rollout engine(s) died and their restarts "
                                 f"(rollout.engine.max_restarts={limit}) are used up; last: engine {i}: "
-                                f"{self.router.dead.get(i)}. Resume from the last checkpoint with "
+                                f"{self.dispatcher.dead.get(i)}. Resume from the last checkpoint with "
                                 "run.resume=auto")
 
     async def _start(self, i: int) -> bool:
         """One restart of engine `i`: start it, wait until ready, refit it (with the others); True if live."""
         try:
-            ray.kill(self.router.engines[i], no_restart=True)
+            ray.kill(self.dispatcher.engines[i], no_restart=True)
         except Exception:   # noqa: BLE001 - already gone
             pass
         engine = start_engine(self.spec, self.model_path, i)
-        self.router.engines[i] = engine   # in its slot, but not live: no work until refitted
+        self.dispatcher.engines[i] = engine   # in its slot, but not live: no work until refitted
         try:
             await asyncio.wait_for(asyncio.wrap_future(engine.ready.remote().future()),
                                    self.spec.rollout.engine.start_timeout_s)
@@ -166,19 +166,19 @@ class Fleet:
             print(f"molt: engine {i} restart failed: {type(err).__name__}: {why}", flush=True)
             ray.kill(engine, no_restart=True)
             return False
-        self.router.set_live(i, engine)
+        self.dispatcher.set_live(i, engine)
         return True
 
     def metrics(self) -> dict[str, float]:
         return {"engine/deaths": float(self.deaths), "engine/restarts": float(sum(self.restarts)),
-                "engine/live": float(len(self.router.live))}
+                "engine/live": float(len(self.dispatcher.live))}
 
     async def close(self) -> None:
         """Stop restarts in progress and every engine (dead ones are only killed)."""
         for task in list(self.restarting.values()):
             task.cancel()
         await asyncio.gather(*self.restarting.values(), return_exceptions=True)
-        for engine in self.router.engines:
+        for engine in self.dispatcher.engines:
             try:
                 ray.get(engine.shutdown.remote(), timeout=PING_TIMEOUT_S)
             except (RayActorError, ray.exceptions.GetTimeoutError):

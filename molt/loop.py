@@ -35,7 +35,7 @@ from molt.rollout.sampling import TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
 from molt.spec import GREEDY_BELOW, RunSpec
 from molt.trainer.batch import add_images, make_batch
-from molt.trainer.group import TrainerGroup
+from molt.trainer.ranks import TrainerRanks
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
 from molt.vision import processor
 
@@ -60,7 +60,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     trainers = start_trainers(spec)
     logger = RunLogger(spec)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
-    sampler = TrainingSampler(fleet.router, spec.run.seed, lambda: at.pool.version)
+    sampler = TrainingSampler(fleet.dispatcher, spec.run.seed, lambda: at.pool.version)
 
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
@@ -78,12 +78,12 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     stop, metrics = install_stop_handler(), {}
     try:
         if eval_sets and at.step == 0:   # the starting model's scores, logged as step 0
-            logger.log(0, await evaluate(spec, runner, fleet.router, eval_sets, 0))
+            logger.log(0, await evaluate(spec, runner, fleet.dispatcher, eval_sets, 0))
         while at.step < spec.train.steps and not stop.is_set():
             try:
-                metrics = await train_step(spec, at, trainers, fleet, tokenizer.pad_token_id, logger)
+                metrics = await rl_step(spec, at, trainers, fleet, tokenizer.pad_token_id, logger)
                 if eval_sets and (at.step % spec.train.eval_every == 0 or at.step == spec.train.steps):
-                    metrics.update(await evaluate(spec, runner, fleet.router, eval_sets, at.step))
+                    metrics.update(await evaluate(spec, runner, fleet.dispatcher, eval_sets, at.step))
                 logger.log(at.step, metrics)
                 best = new_best(spec, at.step, metrics)
                 if best is not None or (spec.train.save_every and at.step % spec.train.save_every == 0):
@@ -117,10 +117,10 @@ class Position:
     trainer_restarts: int = 0
 
 
-def start_trainers(spec: RunSpec) -> tuple[TrainerGroup, TrainerGroup | None, TrainerGroup | None]:
+def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:
     """(policy, reference, critic) trainer groups; the last two only when the spec has them."""
-    return (TrainerGroup(spec, "policy"), TrainerGroup(spec, "reference") if spec.model.reference else None,
-            TrainerGroup(spec, "critic") if spec.model.critic else None)
+    return (TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference else None,
+            TrainerRanks(spec, "critic") if spec.model.critic else None)
 
 
 def stop_trainers(trainers: tuple) -> None:
@@ -156,8 +156,8 @@ async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, c
     sync = spec.rollout.mode == "sync"
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
                        spec.train.prompts_per_step if sync else spec.rollout.groups_in_flight,
-                       spec.rollout.max_staleness, fleet.router.engines, refill_during_batch=not sync,
-                       lost=fleet.router.take_lost)
+                       spec.rollout.max_staleness, fleet.dispatcher.engines, refill_during_batch=not sync,
+                       lost=fleet.dispatcher.take_lost)
     pool.set_version(version)
     return Position(step, version, data, pool, saved=step, kl_coef=kl_coef)
 
@@ -184,15 +184,15 @@ async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trai
     return trainers, at
 
 
-async def train_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pad_id: int,
+async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pad_id: int,
                      logger: RunLogger) -> dict[str, float]:
     """One step: a batch from the pool → learn → refit; advances `at` and returns the step's metrics."""
     t_step = time.perf_counter()
     groups, batch_metrics = await take_batch(at.pool, spec)
-    fleet.router.check()   # no engine left (restarts used up): stop with a clear error
+    fleet.dispatcher.check()   # no engine left (restarts used up): stop with a clear error
     t_batch = time.perf_counter()
     rollouts = [r for g in groups for r in g]
-    live = [fleet.router.engines[i] for i in sorted(fleet.router.live)]
+    live = [fleet.dispatcher.engines[i] for i in sorted(fleet.dispatcher.live)]
     warmup = at.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
     try:
         async with fleet.trainer:
@@ -230,8 +230,8 @@ async def train_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet,
     return metrics
 
 
-async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, reference: TrainerGroup | None,
-                critic: TrainerGroup | None, pad_id: int, version: int, engines: list | None = None,
+async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, reference: TrainerRanks | None,
+                critic: TrainerRanks | None, pad_id: int, version: int, engines: list | None = None,
                 kl_coef: float | None = None, train_policy: bool = True) -> dict[str, float]:
     """One training step on finished rollouts (also how a dumped batch is replayed).
 
@@ -260,7 +260,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerGroup, re
 
     t0 = time.perf_counter()
     batch = token_batch(spec, segments, pad_id, version, metrics)
-    # Without a reference nothing before the update needs the policy's logprobs: train_step takes
+    # Without a reference nothing before the update needs the policy's logprobs: update takes
     # them from its own forward (one update per batch, so old == current), saving a forward pass, or
     # computes them itself before its first update (train.minibatches / train.epochs > 1).
     old_logp = await asyncio.to_thread(policy.logprobs, batch) if reference else None
@@ -302,20 +302,20 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
     return batch
 
 
-async def update(batch: dict[str, torch.Tensor], policy: TrainerGroup | None, critic: TrainerGroup | None,
+async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, critic: TrainerRanks | None,
                  values: torch.Tensor | None, returns: torch.Tensor | None,
                  kl_coef: float | None) -> dict[str, float]:
     """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch`; their metrics
     under train/ and critic/, the trainer/engine gap under its own mismatch/ names."""
     metrics: dict[str, float] = {}
     if policy is not None:
-        for key, value in (await asyncio.to_thread(policy.train_step, batch, kl_coef)).items():
+        for key, value in (await asyncio.to_thread(policy.update, batch, kl_coef)).items():
             metrics[key if key.startswith("mismatch/") else f"train/{key}"] = value
     else:
         metrics["train/critic_warmup"] = 1.0
     if critic is not None:
         critic_batch = dict(batch, old_values=values, returns=returns)
-        critic_metrics = await asyncio.to_thread(critic.train_step, critic_batch)
+        critic_metrics = await asyncio.to_thread(critic.update, critic_batch)
         metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     return metrics
 

@@ -83,7 +83,7 @@ class ParallelSpec(Strict):
 
 
 class EngineSpec(Strict):
-    num_engines: int = Field(1, description="vLLM engine actors (the router spreads requests over them)")
+    num_engines: int = Field(1, description="vLLM engine actors (the dispatcher spreads requests over them)")
     tp_size: int = Field(1, description="tensor-parallel GPUs per engine")
     dp_size: int = Field(1, description="data-parallel replicas inside one engine")
     enable_expert_parallel: bool = Field(False, description="MoE: shard experts over the engine's GPUs")

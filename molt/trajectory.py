@@ -24,7 +24,7 @@ class AgentError(ValueError):
 
 class Sample(TypedDict):
     """One completion, engine -> agent (a plain dict: it crosses Ray). `EngineActor.generate` makes it,
-    the router adds `engine`, the agent layer (`Trace.add_sample`) turns it into a segment's tokens."""
+    the dispatcher adds `engine`, the agent layer (`Trace.add_sample`) turns it into a segment's tokens."""
     token_ids: list[int]            # the sampled ids
     logprobs: list[float]           # behaviour logprob of each sampled id
     versions: list[int]             # policy version that sampled each id
@@ -33,11 +33,11 @@ class Sample(TypedDict):
     sampling: list[float]           # [temperature, top_p, top_k] the engine applied
     prompt_logprobs: NotRequired[list[float | None]]   # when the request asked for them
     routed_experts: NotRequired[np.ndarray]            # MoE: [len, layers, top_k] expert ids
-    engine: NotRequired[int]        # the router's index of the engine that sampled it
+    engine: NotRequired[int]        # the dispatcher's index of the engine that sampled it
 
 
 class Sampler(Protocol):
-    """What an agent samples through: `molt.rollout.sampling.TrainingSampler` in training, the router
+    """What an agent samples through: `molt.rollout.sampling.TrainingSampler` in training, the dispatcher
     (with the eval sampling) in evaluation. `release(key)` forgets a finished rollout's state."""
 
     async def generate(self, prompt_ids: list[int], sampling: dict[str, Any], key: str,

@@ -74,7 +74,7 @@ def engine(ray_session, tiny_model_path, engine_spec):
 def push_weights(ray_session):
     """`push(engines, state_dict, version, chunk_bytes)`: this test process stands in for trainer rank 0.
 
-    It hosts a refit group (`molt.refit`) that the engines join through the Router, then broadcasts the
+    It hosts a refit group (`molt.refit`) that the engines join through the Dispatcher, then broadcasts the
     state dict in chunks while every engine receives it through `update_weights(version)`, the path a
     run takes. With `version=None` the workers only load (no pause, cache reset or relabel). Returns
     each engine's result.
@@ -85,7 +85,7 @@ def push_weights(ray_session):
     import torch
 
     from molt import refit
-    from molt.rollout.router import Router
+    from molt.rollout.dispatch import Dispatcher
 
     def chunked(state_dict: dict, chunk_bytes: int):
         chunk, size = {}, 0
@@ -101,12 +101,12 @@ def push_weights(ray_session):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        router, cpu = Router(engines), torch.device("cpu")
+        dispatcher, cpu = Dispatcher(engines), torch.device("cpu")
 
         async def connect():
-            size = await router.refit_size()
+            size = await dispatcher.refit_size()
             opened = asyncio.to_thread(refit.open_group, "127.0.0.1", port, 0, size, cpu)
-            group, _ = await asyncio.gather(opened, router.join_refit("127.0.0.1", port))
+            group, _ = await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", port))
             return group
 
         group = asyncio.run(connect())
@@ -120,15 +120,15 @@ def push_weights(ray_session):
 
 @pytest.fixture(scope="session")
 def trainer(ray_session, tiny_model_path, tmp_path_factory):
-    """One policy TrainerGroup on the tiny model (one rank) for tests that train a step on their rollouts.
+    """One policy TrainerRanks on the tiny model (one rank) for tests that train a step on their rollouts.
 
     `trainer.initial` is a checkpoint of its starting weights (those of the shared engine): a test loads
     it before its step, so the trainer/engine gap of the step measures its own rollouts.
     """
     from molt.spec import RunSpec
-    from molt.trainer.group import TrainerGroup
+    from molt.trainer.ranks import TrainerRanks
 
-    group = TrainerGroup(RunSpec.model_validate({"train": {"micro_batch_size": 8}}), "policy")
+    group = TrainerRanks(RunSpec.model_validate({"train": {"micro_batch_size": 8}}), "policy")
     group.initial = str(tmp_path_factory.mktemp("trainer") / "initial")
     group.save(group.initial, {})
     yield group

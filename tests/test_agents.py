@@ -26,18 +26,18 @@ END = "<|im_end|>"
 
 
 class Recorder:
-    """The sampler the runners get: the generator's Router over the shared engine, with every call and
+    """The sampler the runners get: the generator's Dispatcher over the shared engine, with every call and
     the engine's result kept for checking. `override` replaces sampling fields of every request (e.g.
     greedy decoding, which training rollouts refuse)."""
 
     def __init__(self, engine, **override) -> None:
-        from molt.rollout.router import Router
+        from molt.rollout.dispatch import Dispatcher
 
-        self.router, self.calls, self.override = Router([engine]), [], override
+        self.dispatcher, self.calls, self.override = Dispatcher([engine]), [], override
 
     async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
         sampling = {**sampling, **self.override}
-        out = await self.router.generate(list(prompt_ids), sampling, key)
+        out = await self.dispatcher.generate(list(prompt_ids), sampling, key)
         self.calls.append({"key": key, "prompt_ids": list(prompt_ids), "sampling": dict(sampling),
                            "out": out})
         return out
@@ -227,12 +227,12 @@ class NextTurnSampling(Env):
 def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_scored(tok, engine):
     """Through the loop's TrainingSampler: a per-turn temperature / top-k override is recorded for the
     trainer to match; greedy decoding and constrained decoding fail the rollout with the reason."""
-    from molt.rollout.router import Router
+    from molt.rollout.dispatch import Dispatcher
     from molt.rollout.sampling import TrainingSampler, check_trainable
 
     runner = StepEnvRunner(NextTurnSampling)
     runner.setup(tok, make_spec({"max_turns": 2}, temperature=0.7))
-    sampler = TrainingSampler(Router([engine]), 0, lambda: 0)
+    sampler = TrainingSampler(Dispatcher([engine]), 0, lambda: 0)
     rows = [{"prompt": "a", "label": "a", "next": n} for n in ({"temperature": 1.3, "top_k": 7},
                                                                {"temperature": 0.0})]
     ok, greedy = run_all(runner, rows, sampler)
@@ -241,7 +241,7 @@ def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_sco
     with pytest.raises(ValueError, match="constrained decoding"):
         check_trainable({"temperature": 1.0, "structured_outputs": {"regex": "a+"}})
     # every request got its own seed, and the same rollout id and turn get the same one again
-    again = run_all(runner, rows[:1], TrainingSampler(Router([engine]), 0, lambda: 0))[0]
+    again = run_all(runner, rows[:1], TrainingSampler(Dispatcher([engine]), 0, lambda: 0))[0]
     assert again.segments[0].token_ids == ok.segments[0].token_ids
 
 

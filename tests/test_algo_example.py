@@ -42,16 +42,16 @@ def test_a_trainer_rank_imports_the_plugins(ray_session, tmp_path):
     """A policy loss registered by a plugin is looked up inside the trainer's rank, another process."""
     from test_trainer import batch_of
 
-    from molt.trainer.group import TrainerGroup
+    from molt.trainer.ranks import TrainerRanks
 
     plugin = tmp_path / "twin_loss.py"
     plugin.write_text("from molt.algo.surrogates import POLICY_LOSSES\n"
                       "POLICY_LOSSES['ppo_twin'] = POLICY_LOSSES['ppo']\n")
     spec = RunSpec.model_validate({"algo": {"plugins": [str(plugin)], "loss": {"policy": "ppo_twin"}},
                                    "train": {"micro_batch_size": 8}})
-    group = TrainerGroup(spec, "policy")
+    group = TrainerRanks(spec, "policy")
     try:
-        metrics = group.train_step(batch_of(0))
+        metrics = group.update(batch_of(0))
     finally:
         group.shutdown()
     assert torch.isfinite(torch.tensor(metrics["loss"]))

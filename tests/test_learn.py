@@ -16,7 +16,7 @@ import torch
 
 from molt.config import compose
 from molt.loop import learn
-from molt.trainer import TrainerGroup
+from molt.trainer import TrainerRanks
 from molt.trajectory import NO_VERSION, Rollout, Segment
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,9 +25,9 @@ SMALL = ["train.prompts_per_step=3", "rollout.samples_per_prompt=3", "train.micr
 
 
 class Recording:
-    """A real TrainerGroup whose calls (arguments and answers) are kept."""
+    """A real TrainerRanks whose calls (arguments and answers) are kept."""
 
-    def __init__(self, group: TrainerGroup) -> None:
+    def __init__(self, group: TrainerRanks) -> None:
         self.group, self.calls = group, {}
 
     def __getattr__(self, name: str):
@@ -67,7 +67,7 @@ def rows_by_rollout(batch: dict[str, torch.Tensor], kept: list[Rollout]) -> dict
 def trainers(ray_session):
     """A policy and a critic (one spec: the trainer's loss settings do not change what `learn` feeds it)."""
     spec = compose([*SMALL, "algo=gae", "model.critic=true"])
-    groups = TrainerGroup(spec), TrainerGroup(spec, "critic")
+    groups = TrainerRanks(spec), TrainerRanks(spec, "critic")
     yield groups
     for group in groups:
         group.shutdown()
@@ -78,7 +78,7 @@ def test_learn_trains_exactly_the_estimators_advantages(trainers):
     policy = Recording(trainers[0])
     batch_in = rollouts()
     metrics = asyncio.run(learn(spec, batch_in, policy, None, None, 0, 0))
-    [((batch, *_), _)] = policy.calls["train_step"]   # (batch, kl_coef)
+    [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
     kept = [r for r in batch_in if r.group_id != "g1"]
     assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == 7
     rows = rows_by_rollout(batch, kept)
@@ -99,9 +99,9 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainers
     policy, critic = Recording(trainers[0]), Recording(trainers[1])
     batch_in = rollouts()
     asyncio.run(learn(spec, batch_in, policy, None, critic, 0, 0))
-    [((batch, *_), _)] = policy.calls["train_step"]   # (batch, kl_coef)
+    [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
     [(_, values)] = critic.calls["values"]
-    [((critic_batch,), _)] = critic.calls["train_step"]
+    [((critic_batch,), _)] = critic.calls["update"]
     kept = [r for r in batch_in if r.group_id != "g1"]
     rows = rows_by_rollout(batch, kept)
     advantages, returns = torch.zeros_like(values), torch.zeros_like(values)

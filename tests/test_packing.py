@@ -7,7 +7,7 @@ import pytest
 from test_trainer import batch_of, make_spec, reference_run
 
 from molt.spec import RunSpec
-from molt.trainer import TrainerGroup
+from molt.trainer import TrainerRanks
 from molt.trainer.packing import token_budget_groups
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,9 +32,9 @@ def test_packed_equals_padded(ray_session, tiny_model_path) -> None:
     lengths = batches[0]["attention_mask"].sum(-1).tolist()
     assert len(token_budget_groups(lengths[:4], BUDGET)) != len(token_budget_groups(lengths[4:], BUDGET))
     spec = make_spec(tiny_model_path, 2, lr=1e-4, micro_batch_tokens=BUDGET)
-    group = TrainerGroup(spec)
+    group = TrainerRanks(spec)
     logp = group.logprobs(batches[0])
-    metrics = [group.train_step(b) for b in batches]
+    metrics = [group.update(b) for b in batches]
     group.shutdown()
     padded, _ = reference_run(tiny_model_path, batches, spec)
     assert float((logp - padded[0][1]).abs().max()) < 1e-6

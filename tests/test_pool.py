@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from molt.rollout.pool import RolloutPool
-from molt.rollout.router import Router
+from molt.rollout.dispatch import Dispatcher
 from molt.trajectory import NO_VERSION, Rollout, Segment
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 6}
 N = 2
 
 
-def make_rollout_fn(router: Router, live: dict):
+def make_rollout_fn(dispatcher: Dispatcher, live: dict):
     """A one-turn agent: generate once, reward = fraction of sampled tokens equal to the prompt's last id.
 
     `live` tracks how many groups have a rollout running, to observe the pool's depth from outside.
@@ -24,10 +24,10 @@ def make_rollout_fn(router: Router, live: dict):
         rid = f"{group_id}-{index}"
         prompt = item["prompt_ids"]
         try:
-            out = await router.generate(prompt, {**SAMPLING, "seed": index}, key=rid)
+            out = await dispatcher.generate(prompt, {**SAMPLING, "seed": index}, key=rid)
         finally:
             live[group_id] -= 1
-            router.release(rid)
+            dispatcher.release(rid)
         ids = out["token_ids"]
         seg = Segment(token_ids=prompt + ids, loss_mask=[0] * len(prompt) + [1] * len(ids),
                       logprobs=[0.0] * len(prompt) + out["logprobs"],
@@ -46,7 +46,7 @@ def items(count: int):
 def test_pool_depth_batches_and_exhaustion(engine):
     async def main():
         live: dict = {}
-        pool = RolloutPool(items(7), make_rollout_fn(Router([engine]), live), samples_per_prompt=N,
+        pool = RolloutPool(items(7), make_rollout_fn(Dispatcher([engine]), live), samples_per_prompt=N,
                            groups_in_flight=3, max_staleness=1, engines=[engine])
         first = await pool.next_batch(2)
         assert pool.in_flight == 3          # refilled at once: the engine does not run dry
@@ -74,7 +74,7 @@ def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path
     weights = load_file(f"{tiny_model_path}/model.safetensors")
 
     async def main():
-        pool = RolloutPool(items(100), make_rollout_fn(Router([engine]), {}), samples_per_prompt=N,
+        pool = RolloutPool(items(100), make_rollout_fn(Dispatcher([engine]), {}), samples_per_prompt=N,
                            groups_in_flight=4, max_staleness=1, engines=[engine])
         await pool.stats()                  # start a fresh measurement window
         await pool.next_batch(1)
@@ -119,7 +119,7 @@ def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engin
         pool.set_version(version)
 
     async def main():
-        pool = RolloutPool(items(100), make_rollout_fn(Router([engine]), {}), samples_per_prompt=N,
+        pool = RolloutPool(items(100), make_rollout_fn(Dispatcher([engine]), {}), samples_per_prompt=N,
                            groups_in_flight=4, max_staleness=1, engines=[engine])
         try:
             await pool.next_batch(2)

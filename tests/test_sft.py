@@ -104,7 +104,7 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
     from test_trainer import full_weights
     from transformers import AutoModelForCausalLM
 
-    from molt.trainer import TrainerGroup
+    from molt.trainer import TrainerRanks
 
     rng = random.Random(0)
     convs = [[{"role": "user", "content": f"What is {a}+{b}?"},
@@ -116,9 +116,9 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
         "model": {"path": tiny_model_path}, "parallel": {"world_size": 2, "dp_size": 2},
         "rollout": {"temperature": 0.5}, "algo": {"loss": {"norm": "seq"}},
         "train": {"objective": "sft", "micro_batch_size": 2, "lr": 1e-4, "prompts_per_step": 7}})
-    group = TrainerGroup(spec)
+    group = TrainerRanks(spec)
     try:
-        metrics = group.train_step(batch)
+        metrics = group.update(batch)
         weights = full_weights(group)
     finally:
         group.shutdown()

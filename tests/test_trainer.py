@@ -9,7 +9,7 @@ import torch
 
 from molt.algo import loss_normalizer, policy_loss
 from molt.spec import RunSpec
-from molt.trainer import TrainerGroup, make_batch
+from molt.trainer import TrainerRanks, make_batch
 from molt.trainer.model import token_logprobs
 from molt.trajectory import Segment
 
@@ -45,7 +45,7 @@ def batch_of(seed: int) -> dict[str, torch.Tensor]:
     return make_batch(segs, advantages=adv)
 
 
-def full_weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
+def full_weights(group: TrainerRanks) -> dict[str, torch.Tensor]:
     """The group's full weights in checkpoint names, read back from an exported folder."""
     import tempfile
     from pathlib import Path
@@ -173,8 +173,8 @@ def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp
     for ws, mbs in ((2, 2), (1, 3)):
         spec = make_spec(tiny_model_path, ws, mbs, lr=1e-4)
         spec.parallel.offload = "full" if ws == 2 else "none"
-        group = TrainerGroup(spec)
-        metrics = [group.train_step(b) for b in batches]
+        group = TrainerRanks(spec)
+        metrics = [group.update(b) for b in batches]
         weights = full_weights(group)
         if ws == 2:  # the exported folder loads in transformers and scores like the trainer
             from transformers import AutoModelForCausalLM
@@ -209,9 +209,9 @@ def test_tensor_parallel_with_optimizer_offload_equals_one_process(ray_session, 
     base = make_spec(tiny_model_path, mbs=64, lr=1e-4)
     ref_losses, ref_weights = reference_run(tiny_model_path, batches, base)
     layout = dict(world_size=2, dp_size=1, tp_size=2, offload="optimizer")
-    group = TrainerGroup(base.model_copy(update={"parallel": base.parallel.model_copy(update=layout)}))
+    group = TrainerRanks(base.model_copy(update={"parallel": base.parallel.model_copy(update=layout)}))
     logp = group.logprobs(batches[0])
-    metrics = [group.train_step(b) for b in batches]
+    metrics = [group.update(b) for b in batches]
     weights = full_weights(group)
     group.shutdown()
     mask = batches[0]["attention_mask"] > 0
@@ -230,15 +230,15 @@ def test_resume_is_exact(ray_session, tiny_model_path, tmp_path) -> None:
     spec = make_spec(tiny_model_path, 2, 4, lr_schedule="cosine", warmup_steps=2, weight_decay=0.01)
     spec.parallel.offload, spec.parallel.activation_checkpointing = "optimizer", True
     batches = [batch_of(10 + s) for s in range(4)]
-    first = TrainerGroup(spec)
-    lrs = [first.train_step(b)["lr"] for b in batches[:2]]
+    first = TrainerRanks(spec)
+    lrs = [first.update(b)["lr"] for b in batches[:2]]
     first.save(str(tmp_path / "mid"), {"data": 2, "note": "x"})
-    lrs += [first.train_step(b)["lr"] for b in batches[2:]]  # saving must not disturb the run
+    lrs += [first.update(b)["lr"] for b in batches[2:]]  # saving must not disturb the run
     first.save(str(tmp_path / "straight"), {"data": 4})
     first.shutdown()
-    second = TrainerGroup(spec)  # new actors = new processes
+    second = TrainerRanks(spec)  # new actors = new processes
     assert second.load(str(tmp_path / "mid")) == {"data": 2, "note": "x"}
-    resumed_lrs = [second.train_step(b)["lr"] for b in batches[2:]]
+    resumed_lrs = [second.update(b)["lr"] for b in batches[2:]]
     second.save(str(tmp_path / "resumed"), {"data": 4})
     second.shutdown()
     assert resumed_lrs == lrs[2:] and lrs[0] < lrs[1]
@@ -268,26 +268,26 @@ def test_critic_fits_returns_and_reference_is_frozen(ray_session, tiny_model_pat
     spec = make_spec(tiny_model_path, critic_lr=1e-3)
     spec.parallel.activation_checkpointing = True
     b = batch_of(5)
-    critic = TrainerGroup(spec, "critic")
+    critic = TrainerRanks(spec, "critic")
     batch = {**b, "returns": b["loss_mask"] * 1.0}
     errors = []
     for _ in range(6):
         values = critic.values(b)
-        errors.append(critic.train_step({**batch, "old_values": values})["value_error"])
+        errors.append(critic.update({**batch, "old_values": values})["value_error"])
     assert values.shape == b["input_ids"].shape and values[b["attention_mask"] == 0].abs().sum() == 0
     assert errors[-1] < errors[0] / 2
     with pytest.raises(ValueError, match="critic"):
         critic.logprobs(b)
     critic.shutdown()
 
-    reference = TrainerGroup(make_spec(tiny_model_path), "reference")
+    reference = TrainerRanks(make_spec(tiny_model_path), "reference")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
     expected, _ = token_logprobs(logits, b["input_ids"], b["attention_mask"], 0.7)
     assert float((reference.logprobs(b) - expected).abs().max()) < 1e-5
     with pytest.raises(ValueError, match="frozen"):
-        reference.train_step(b)
+        reference.update(b)
     reference.shutdown()
 
 
@@ -311,12 +311,12 @@ def test_gae_with_a_real_critic_learns_the_right_baseline(ray_session, tiny_mode
             rewards.append(float(response[0] < 108))
         return make_batch(segs), torch.tensor(rewards)
 
-    critic = TrainerGroup(spec, "critic")
+    critic = TrainerRanks(spec, "critic")
     for _ in range(STEPS_GAE):
         b, r = batch(32)
         values = critic.values(b)
         adv = compute_advantages(r, torch.arange(32), torch.arange(32), b["loss_mask"], spec.algo, values)
-        critic.train_step({**b, "old_values": values, "returns": adv.returns})
+        critic.update({**b, "old_values": values, "returns": adv.returns})
     b, r = batch(64)
     values = critic.values(b)
     critic.shutdown()
@@ -373,8 +373,8 @@ def test_minibatches_and_epochs_match_a_single_process_reference(ray_session, ti
     ref, ref_weights = reference_updates(tiny_model_path, b, spec)
     assert ref[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-7) and ref[0]["approx_kl"] < 1e-12
     assert abs(ref[-1]["ratio_mean"] - 1) > 1e-4 and ref[-1]["approx_kl"] > 1e-9
-    group = TrainerGroup(spec)
-    m = group.train_step(b)
+    group = TrainerRanks(spec)
+    m = group.update(b)
     weights = full_weights(group)
     group.shutdown()
     assert m["updates"] == 4 and m["tokens"] == float(b["loss_mask"].sum())
@@ -399,7 +399,7 @@ def test_critic_warmup_trains_the_critic_alone(ray_session, tiny_model_path) -> 
     spec.model.critic, spec.algo.estimator = True, "gae"
     segs = segments(11)
     rollouts = [Rollout(s.rollout_id, s.group_id, [s], reward=float(i % 2)) for i, s in enumerate(segs)]
-    critic = TrainerGroup(spec, "critic")
+    critic = TrainerRanks(spec, "critic")
     b = make_batch(segs)
     before = critic.values(b)
     metrics = asyncio.run(learn(spec, rollouts, None, None, critic, 0, 0, train_policy=False))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from test_trainer import full_weights
 
 from molt.spec import RunSpec
-from molt.trainer import TrainerGroup, make_batch
+from molt.trainer import TrainerRanks, make_batch
 from molt.trajectory import NO_VERSION, Segment
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,9 +48,9 @@ def policy(ray_session):
     """A tiny MoE policy on 2 ranks, trained 2 steps (without replay: the batch has no routes)."""
     from molt.tiny import tiny_model_path
 
-    group = TrainerGroup(moe_spec(str(tiny_model_path(**MOE)), ws=2))
+    group = TrainerRanks(moe_spec(str(tiny_model_path(**MOE)), ws=2))
     for _ in range(2):
-        group.train_step(random_batch())
+        group.update(random_batch())
     yield group
     group.shutdown()
 
@@ -180,7 +180,7 @@ def test_router_replay_beats_a_perturbed_router(across_refit, exported, tmp_path
             if k.endswith("mlp.gate.weight"):
                 tensors[k] = tensors[k] + 0.02 * torch.randn(tensors[k].shape, generator=g)
         save_file(tensors, str(perturbed / name), metadata={"format": "pt"})
-    group = TrainerGroup(moe_spec(str(perturbed), freeze_router=True))
+    group = TrainerRanks(moe_spec(str(perturbed), freeze_router=True))
     try:
         with_replay = float((group.logprobs(batch) - batch["behaviour_logp"]).abs()[current].mean())
         without = float((group.logprobs(plain) - batch["behaviour_logp"]).abs()[current].mean())
@@ -188,7 +188,7 @@ def test_router_replay_beats_a_perturbed_router(across_refit, exported, tmp_path
         assert without > 1e-3 and with_replay < without / 2
 
         before = full_weights(group)
-        group.train_step(dict(batch, advantages=torch.ones_like(batch["loss_mask"])))
+        group.update(dict(batch, advantages=torch.ones_like(batch["loss_mask"])))
         after = full_weights(group)
     finally:
         group.shutdown()

@@ -89,15 +89,15 @@ def test_placeholder_count_must_match_the_images(vlm_path) -> None:
 
 
 class ImageSampler:
-    """The Router over the VLM engine, keeping every request's images and the engine's result."""
+    """The Dispatcher over the VLM engine, keeping every request's images and the engine's result."""
 
     def __init__(self, engine) -> None:
-        from molt.rollout.router import Router
+        from molt.rollout.dispatch import Dispatcher
 
-        self.router, self.calls = Router([engine]), []
+        self.dispatcher, self.calls = Dispatcher([engine]), []
 
     async def generate(self, prompt_ids, sampling, key, images=None) -> dict:
-        out = await self.router.generate(prompt_ids, {**sampling, "seed": len(self.calls)}, key, images)
+        out = await self.dispatcher.generate(prompt_ids, {**sampling, "seed": len(self.calls)}, key, images)
         self.calls.append({"images": list(images or []), "out": out})
         return out
 
@@ -164,7 +164,7 @@ def run_image_env(vlm_engine, vlm_spec, vlm_path) -> tuple[list, list[dict]]:
     from transformers import AutoTokenizer
 
     from molt.agents.env import Env, Result, StepEnvRunner
-    from molt.rollout.router import Router
+    from molt.rollout.dispatch import Dispatcher
 
     class LookAgain(Env):
         async def step(self, state):
@@ -174,11 +174,11 @@ def run_image_env(vlm_engine, vlm_spec, vlm_path) -> tuple[list, list[dict]]:
                     {"type": "text", "text": "and now?"}]}, terminated=False)
             return Result(1.0)
 
-    router, results = Router([vlm_engine]), []
+    dispatcher, results = Dispatcher([vlm_engine]), []
 
     class Sampler:
         async def generate(self, prompt_ids, sampling, key, images=None):
-            out = await router.generate(prompt_ids, {**sampling, "seed": len(results)}, key, images)
+            out = await dispatcher.generate(prompt_ids, {**sampling, "seed": len(results)}, key, images)
             results.append(out)
             return out
 
@@ -202,7 +202,7 @@ def test_image_prompt_engine_matches_trainer(ray_session, vlm_engine, vlm_spec, 
     logprob (fp32, max). With model.freeze_vision a train step moves the language model only."""
     from molt.trainer import make_batch
     from molt.trainer.batch import add_images
-    from molt.trainer.group import TrainerGroup
+    from molt.trainer.ranks import TrainerRanks
 
     rollouts, results = run_image_env(vlm_engine, vlm_spec, vlm_path)
     proc = processor(vlm_path, True)
@@ -228,13 +228,13 @@ def test_image_prompt_engine_matches_trainer(ray_session, vlm_engine, vlm_spec, 
     spec = vlm_spec.model_copy(deep=True)
     spec.model.freeze_vision, spec.train.lr = True, 1e-2
     spec.rollout.temperature = 0.7
-    group = TrainerGroup(spec)
+    group = TrainerRanks(spec)
     try:
         logp = group.logprobs(batch)
         assert (logp - batch["behaviour_logp"])[sampled].abs().max().item() <= 1e-5
         before = full_weights(group)
         batch["advantages"] = torch.where(sampled, 1.0, 0.0)
-        metrics = group.train_step(batch)
+        metrics = group.update(batch)
         after = full_weights(group)
     finally:
         group.shutdown()

@@ -3,7 +3,7 @@
 `agent.judge.path` names the judge (a Hugging Face folder, or "policy": the policy's starting weights).
 The agent runner starts its engines at setup and stops them at close; they are never trained and never
 refitted, because the training loop refits only the policy's engines and never sees these. An agent asks
-through the same `Router` the policy's rollouts use: `await self.judge.p_yes(messages)` (an `Env`) or
+through the same `Dispatcher` the policy's rollouts use: `await self.judge.p_yes(messages)` (an `Env`) or
 `await ctx.judge.p_yes(messages)` (a `ChatAgent`).
 
 The verdict is read from the judge's logprobs, not from text it writes: the messages are rendered with the
@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from molt.agents.render import encode, render
-from molt.rollout.router import Router
+from molt.rollout.dispatch import Dispatcher
 from molt.spec import RunSpec
 
 YES, NO = "yes", "no"
@@ -30,7 +30,7 @@ YES, NO = "yes", "no"
 
 class Judge:
     def __init__(self, engines: list, tokenizer: Any, temperature: float) -> None:
-        self.engines, self.router = engines, Router(engines)
+        self.engines, self.dispatcher = engines, Dispatcher(engines)
         self.tokenizer, self.temperature = tokenizer, temperature
         self.words = (encode(tokenizer, YES), encode(tokenizer, NO))
 
@@ -56,9 +56,9 @@ class Judge:
     async def _logprob(self, prompt: list[int], word: list[int]) -> float:
         key = f"judge-{uuid.uuid4().hex}"
         try:
-            out = await self.router.generate(prompt + word, {"max_tokens": 1, "prompt_logprobs": 0}, key)
+            out = await self.dispatcher.generate(prompt + word, {"max_tokens": 1, "prompt_logprobs": 0}, key)
         finally:
-            self.router.release(key)
+            self.dispatcher.release(key)
         return float(sum(out["prompt_logprobs"][-len(word):]))   # the word's tokens close the prompt
 
     def shutdown(self) -> None:

@@ -7,7 +7,7 @@ trains on. Only the user's code is wrapped (`agent_code`): an exception in Molt'
 propagates, so the run stops with its traceback instead of counting failures.
 
 The sampler is anything with `generate(prompt_ids, sampling, key)` (the key is the rollout id); one
-that also has `release(key)` (the router: it pins a rollout to an engine) is told when the rollout ends.
+that also has `release(key)` (the dispatcher: it pins a rollout to an engine) is told when the rollout ends.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from molt.agents.trace import Trace, failed_rollout
-from molt.rollout.router import EngineDiedError
+from molt.rollout.dispatch import EngineDiedError
 from molt.rollout.sampling import train_sampling
 from molt.spec import RunSpec
 from molt.trajectory import AgentError, Rollout, Sampler

@@ -88,7 +88,7 @@ class EngineActor:
     async def _exit_when_engine_dies(self) -> None:
         """vLLM's engine-core runs in a child process; when it dies (an OOM kill) this actor would live on
         with every call raising or waiting on a dead engine. Exiting turns it into a dead actor, which Ray
-        reports to every caller at once: the one failure the router handles (and restarts)."""
+        reports to every caller at once: the one failure the dispatcher handles (and restarts)."""
         while not self.llm.errored:
             await asyncio.sleep(ENGINE_POLL_S)
         self._exit()

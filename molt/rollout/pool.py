@@ -192,7 +192,7 @@ class RolloutPool:
                 "generated_tokens": sum(s["generated_tokens"] for s in engine_stats)}
 
     async def close(self) -> None:
-        """Cancel the running groups (the router aborts their requests on the engines)."""
+        """Cancel the running groups (the dispatcher aborts their requests on the engines)."""
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

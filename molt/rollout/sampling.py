@@ -44,11 +44,11 @@ def request_seed(run_seed: int, version: int, key: str, call: int) -> int:
 
 
 class TrainingSampler:
-    """What training rollouts sample through: `check_trainable` on every request, then the router, with a
+    """What training rollouts sample through: `check_trainable` on every request, then the dispatcher, with a
     seed from `request_seed` unless the request brings its own (`version` reads the current policy)."""
 
-    def __init__(self, router: Any, run_seed: int, version: Callable[[], int]) -> None:
-        self.router, self.run_seed, self.version = router, run_seed, version
+    def __init__(self, dispatcher: Any, run_seed: int, version: Callable[[], int]) -> None:
+        self.dispatcher, self.run_seed, self.version = dispatcher, run_seed, version
         self.calls: dict[str, int] = {}     # requests so far, per rollout
 
     async def generate(self, prompt_ids: list[int], sampling: dict, key: str,
@@ -56,9 +56,9 @@ class TrainingSampler:
         check_trainable(sampling)
         call = self.calls[key] = self.calls.get(key, -1) + 1
         seed = request_seed(self.run_seed, self.version(), key, call)
-        return await self.router.generate(prompt_ids, {"seed": seed, **sampling}, key, images)
+        return await self.dispatcher.generate(prompt_ids, {"seed": seed, **sampling}, key, images)
 
     def release(self, key: str) -> None:
         """Forget rollout `key` (it ended; `Runner.run` calls this)."""
         self.calls.pop(key, None)
-        self.router.release(key)
+        self.dispatcher.release(key)

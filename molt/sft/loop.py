@@ -2,7 +2,7 @@
 
     setup      model path → tokenizer → conversations → examples (molt/sft/data.py) → policy trainer ranks
     each step  train.prompts_per_step examples (seeded, resumable epochs) → sorted by length, dealt to
-               the data-parallel ranks → policy.train_step: token-mean NLL on the assistant tokens
+               the data-parallel ranks → policy.update: token-mean NLL on the assistant tokens
                (molt.algo.sft_loss) through the same micro-batching and global normalization as RL
                → log; eval loss of every data.eval set at step 0 and every train.eval_every;
                checkpoints, HF exports and the best checkpoint exactly as in RL (molt/checkpoints.py)
@@ -24,7 +24,7 @@ from molt.metrics import RunLogger
 from molt.models import model_path
 from molt.sft.data import Example, load_conversations, sft_batch, tokenize_rows
 from molt.spec import RunSpec, eval_names
-from molt.trainer.group import TrainerGroup
+from molt.trainer.ranks import TrainerRanks
 
 
 def train(spec: RunSpec) -> dict[str, float]:
@@ -47,7 +47,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
                  for name, path in zip(eval_names(spec.data.eval), spec.data.eval, strict=True)
                  } if spec.train.eval_every else {}
     pad, ranks = tokenizer.pad_token_id, spec.parallel.dp_size
-    policy = TrainerGroup(spec, "policy")
+    policy = TrainerRanks(spec, "policy")
     logger = RunLogger(spec)
     step, metrics = 0, {}
     checkpoint = find_checkpoint(spec)
@@ -73,7 +73,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         while step < spec.train.steps and not stop.is_set():
             t0 = time.perf_counter()
             batch = sft_batch(data.take(spec.train.prompts_per_step), pad, ranks)
-            trained = await asyncio.to_thread(policy.train_step, batch)
+            trained = await asyncio.to_thread(policy.update, batch)
             step += 1
             metrics = {f"train/{k}": v for k, v in trained.items()}
             metrics.update({"tokens/trained": float(batch["loss_mask"].sum()),
@@ -98,7 +98,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     return metrics
 
 
-def eval_losses(policy: TrainerGroup, eval_sets: dict[str, list[Example]], pad_id: int, ranks: int,
+def eval_losses(policy: TrainerRanks, eval_sets: dict[str, list[Example]], pad_id: int, ranks: int,
                 rows_per_call: int) -> dict[str, float]:
     """eval/NAME/loss: the token-mean NLL of each set's assistant tokens under the current weights."""
     out = {}

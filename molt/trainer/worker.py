@@ -1,6 +1,6 @@
 """One trainer rank: a Ray actor that owns a shard of one role's model (policy, reference or critic).
 
-`TrainerGroup` starts one per rank; together they form one torch.distributed group (gloo on CPU, NCCL
+`TrainerRanks` starts one per rank; together they form one torch.distributed group (gloo on CPU, NCCL
 on GPU). Every public method here is collective: the group calls it on all ranks at once with each
 rank's row shard of the batch, and rank 0's return value is the group's answer.
 """
@@ -113,7 +113,7 @@ class TrainerWorker:
     def _micro_batches(self, shard: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Consecutive row slices of `shard` on the device, each trimmed to its longest row (right padding
         never influences earlier tokens): `train.micro_batch_size` rows each, or with
-        `train.micro_batch_tokens` as many rows as fit that many real tokens (`_scores` packs them)."""
+        `train.micro_batch_tokens` as many rows as fit that many real tokens (`_forward` packs them)."""
         train = self.spec.train
         rows = shard["input_ids"].shape[0]
         if train.micro_batch_tokens is None:
@@ -134,16 +134,16 @@ class TrainerWorker:
             out += [inert_rows({k: v[:1, :1] for k, v in out[0].items()}, 1)] * (int(count) - len(out))
         return out
 
-    def _scores(self, mb: dict[str, torch.Tensor], entropy: bool = False):
+    def _forward(self, mb: dict[str, torch.Tensor], entropy: bool = False):
         """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device;
         with `train.micro_batch_tokens` computed on its packed row and returned in the padded layout."""
         if self.spec.train.micro_batch_tokens is None:
-            return self._row_scores(mb, entropy)
+            return self._row_forward(mb, entropy)
         packed, real = pack(mb)
-        scores, ent = self._row_scores(packed, entropy)
+        scores, ent = self._row_forward(packed, entropy)
         return unpack(scores, real), None if ent is None else unpack(ent, real)
 
-    def _row_scores(self, mb: dict[str, torch.Tensor], entropy: bool):
+    def _row_forward(self, mb: dict[str, torch.Tensor], entropy: bool):
         routes = mb.get("routed_experts") if self.spec.model.router_replay else None
         images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
         # A packed row has no attention mask: position ids restart per sequence and the packing's
@@ -166,13 +166,13 @@ class TrainerWorker:
                               mb.get("top_p", r.top_p), mb.get("top_k", r.top_k), entropy)
 
     @torch.no_grad()
-    def scores(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         start = 0
         for mb in self._micro_batches(shard):
             rows, length = mb["input_ids"].shape
-            scores = self._scores(mb)[0].cpu()
+            scores = self._forward(mb)[0].cpu()
             if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
                 out[start:start + rows, :length] = scores
             start += rows
@@ -188,7 +188,7 @@ class TrainerWorker:
         dist.all_reduce(t)
         return (t / self._replicas()).tolist()
 
-    def train_step(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+    def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
         """train.epochs passes over this rank's shard split into train.minibatches row chunks, one
         optimizer step per chunk; returns globally reduced metrics (same on all ranks). `kl_coef` replaces
         algo.kl.coef for this batch (the adaptive KL controller's current value).
@@ -198,7 +198,7 @@ class TrainerWorker:
         spec, algo = self.spec, with_kl_coef(self.spec.algo, kl_coef)
         updates = spec.train.minibatches * spec.train.epochs
         if updates > 1 and self.role == "policy" and not self.sft and "old_logp" not in shard:
-            shard = dict(shard, old_logp=self.scores(shard))
+            shard = dict(shard, old_logp=self.forward(shard))
         rows = shard["input_ids"].shape[0]
         # equal row shards on every rank give equal chunks, so every rank steps (or skips) together
         bounds = [rows * i // spec.train.minibatches for i in range(spec.train.minibatches + 1)]
@@ -213,7 +213,7 @@ class TrainerWorker:
                 if grad_norm is not None:
                     grad_norms.append(grad_norm)
         if not grad_norms:  # the same on every rank: all of them raise
-            raise ValueError("train_step got a batch without sampled tokens (loss_mask is all 0)")
+            raise ValueError("update got a batch without sampled tokens (loss_mask is all 0)")
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()  # the schedule counts generated batches (train.steps), not updates
         self.step += 1
@@ -238,12 +238,12 @@ class TrainerWorker:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
             if self.role == "critic":
-                values, _ = self._scores(mb)
+                values, _ = self._forward(mb)
                 loss, metrics = value_loss(values, mb, algo, norm)
             elif self.sft:
-                loss, metrics = sft_loss(self._scores(mb)[0], mb, norm)
+                loss, metrics = sft_loss(self._forward(mb)[0], mb, norm)
             else:
-                logp, ent = self._scores(mb, entropy=algo.loss.entropy_coef != 0)
+                logp, ent = self._forward(mb, entropy=algo.loss.entropy_coef != 0)
                 lb = dict(mb)
                 lb.setdefault("old_logp", logp.detach())  # one update per batch: old == current
                 if ent is not None:

@@ -32,4 +32,4 @@ def train_once(group: Any) -> None:
                       prompt_len=5)
     batch = make_batch([segment], 0)
     batch.update(old_logp=group.logprobs(batch), advantages=torch.ones_like(batch["loss_mask"]))
-    group.train_step(batch)
+    group.update(batch)

@@ -16,7 +16,7 @@ from faultlib import FAULTY, small_spec
 from molt.agents import load_agent_runner
 from molt.loop import learn
 from molt.rollout.pool import RolloutPool
-from molt.rollout.router import Router
+from molt.rollout.dispatch import Dispatcher
 from molt.select import drop_failed, rollout_metrics
 
 ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 15.0s",
@@ -36,11 +36,11 @@ async def run_batch(spec, tok, engine) -> list:
     """One batch of GROUPS through the loop's pool; sample i of a group gets that group's i-th fault."""
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
-    router = Router([engine])
+    dispatcher = Dispatcher([engine])
 
     async def rollout_fn(item: dict, group_id: str, index: int):
         row = {"prompt": item["prompt"], "label": item["label"], "fault": item["faults"][index]}
-        return await runner.run(row, f"{group_id}-{index}", group_id, router)
+        return await runner.run(row, f"{group_id}-{index}", group_id, dispatcher)
 
     items = [{"prompt": "a", "label": "a", "faults": faults} for faults in GROUPS]
     pool = RolloutPool(iter(items), rollout_fn, 4, len(items), 1, [engine], refill_during_batch=False)
@@ -56,9 +56,9 @@ def batch(tok, engine):
 
 @pytest.fixture(scope="module")
 def policy(ray_session):
-    from molt.trainer.group import TrainerGroup
+    from molt.trainer.ranks import TrainerRanks
 
-    group = TrainerGroup(small_spec(agent()), "policy")
+    group = TrainerRanks(small_spec(agent()), "policy")
     yield group
     group.shutdown()
 

@@ -1,4 +1,4 @@
-"""Nothing the driver keeps per rollout or per step grows with the length of the run: the router forgets a
+"""Nothing the driver keeps per rollout or per step grows with the length of the run: the dispatcher forgets a
 rollout's engine when the rollout ends (however it ends), rollout dumps rotate, and the logger holds no
 per-step state or file. (Chat sessions: tests/faults/test_server_faults.py checks the server keeps none
 after hundreds of sessions that finished, failed, timed out or were cancelled.)"""
@@ -18,7 +18,7 @@ from molt.data import PromptDataset
 from molt.eval import evaluate
 from molt.metrics import RunLogger, load_rollouts
 from molt.rollout.pool import RolloutPool
-from molt.rollout.router import Router
+from molt.rollout.dispatch import Dispatcher
 from molt.trajectory import Rollout, Segment
 
 FAULTS = ["raise", "hang", "nan", None]
@@ -29,11 +29,11 @@ def test_the_router_forgets_every_rollout_when_it_ends(tok, engine, tmp_path):
     spec = small_spec({"module": FAULTY, "timeout_s": 3.0})
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
-    router = Router([engine])
+    dispatcher = Dispatcher([engine])
 
     async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:   # as molt.loop's
         row = {"prompt": item["prompt"], "label": "a", "fault": FAULTS[index]}
-        return await runner.run(row, f"{group_id}-{index}", group_id, router)
+        return await runner.run(row, f"{group_id}-{index}", group_id, dispatcher)
 
     async def main() -> list:
         items = [{"prompt": "a"}] * 6
@@ -44,11 +44,11 @@ def test_the_router_forgets_every_rollout_when_it_ends(tok, engine, tmp_path):
 
     rollouts = asyncio.run(main())
     assert len(rollouts) == 24 and sum(r.ok for r in rollouts) >= 1 and sum(not r.ok for r in rollouts) >= 12
-    assert router.sticky == {}
+    assert dispatcher.sticky == {}
     data = tmp_path / "eval.jsonl"
     data.write_text('{"prompt": "a", "label": "a"}\n{"prompt": "b", "label": "b"}\n')
-    asyncio.run(evaluate(spec, runner, router, {"set": PromptDataset(str(data), spec.data)}, 1))
-    assert router.sticky == {}
+    asyncio.run(evaluate(spec, runner, dispatcher, {"set": PromptDataset(str(data), spec.data)}, 1))
+    assert dispatcher.sticky == {}
 
 
 def dumps_of(run_dir: Path) -> list[str]:

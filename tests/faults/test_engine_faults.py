@@ -21,8 +21,8 @@ from molt.agents import load_agent_runner
 from molt.fleet import Fleet
 from molt.rollout.engine import start_engine, start_engines
 from molt.rollout.pool import RolloutPool
-from molt.rollout.router import EngineDiedError, Router
-from molt.trainer.group import TrainerGroup
+from molt.rollout.dispatch import EngineDiedError, Dispatcher
+from molt.trainer.ranks import TrainerRanks
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 0}
 REPEAT = {"module": "examples/agents/repeat.py", "max_total_tokens": 4096}
@@ -52,15 +52,15 @@ def test_reject_raises_for_that_request_and_the_engine_keeps_serving(engine, tok
     spec = small_spec(REPEAT)
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
-    router = Router([engine])
-    long, short = asyncio.run(_both(runner, router, [{"prompt": "x" * 2000, "label": "x"},
+    dispatcher = Dispatcher([engine])
+    long, short = asyncio.run(_both(runner, dispatcher, [{"prompt": "x" * 2000, "label": "x"},
                                                      {"prompt": "a", "label": "a"}]))
     assert not long.ok and "does not fit model.max_model_len=512" in long.error
     assert short.ok and short.num_sampled > 0
 
 
-async def _both(runner, router, items):
-    return await asyncio.gather(*[runner.run(item, f"r{i}", "g", router) for i, item in enumerate(items)])
+async def _both(runner, dispatcher, items):
+    return await asyncio.gather(*[runner.run(item, f"r{i}", "g", dispatcher) for i, item in enumerate(items)])
 
 
 def test_truncate_keeps_the_most_recent_context(spare, tok):
@@ -73,7 +73,7 @@ def test_truncate_keeps_the_most_recent_context(spare, tok):
     spec = small_spec(REPEAT, model={"max_model_len": 128}, rollout={"prompt_too_long": "truncate"})
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
-    [r] = asyncio.run(_both(runner, Router([spare]), [{"prompt": "x" * 400, "label": "x"}]))
+    [r] = asyncio.run(_both(runner, Dispatcher([spare]), [{"prompt": "x" * 400, "label": "x"}]))
     # The trained segment is what the engine actually read: its truncated prompt, then the sample.
     [segment] = r.segments
     assert r.ok and len(segment.token_ids) == 128 and segment.prompt_len == 127
@@ -108,28 +108,28 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
     path = ray.get(spare.__ray_call__.remote(lambda self: self.llm.model_config.model))
     second = start_engine(spec, path, 1)
     ray.get(second.ready.remote())
-    policy = TrainerGroup(spec, "policy")
+    policy = TrainerRanks(spec, "policy")
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
     runner.sampling.update(max_tokens=60, ignore_eos=True)   # long enough that kills land mid-request
 
     async def scenario() -> None:
         fleet = Fleet(spec, path, engines=[spare, second])
-        router = fleet.router
+        dispatcher = fleet.dispatcher
 
         async def rollout_fn(item: dict, group_id: str, index: int):
-            return await runner.run(item, f"{group_id}-{index}", group_id, router)
+            return await runner.run(item, f"{group_id}-{index}", group_id, dispatcher)
 
         def pool() -> RolloutPool:
             items = iter([{"prompt": c, "label": c} for c in "abcdefgh"])
-            return RolloutPool(items, rollout_fn, 4, 4, 1, router.engines, refill_during_batch=False,
-                               lost=router.take_lost)
+            return RolloutPool(items, rollout_fn, 4, 4, 1, dispatcher.engines, refill_during_batch=False,
+                               lost=dispatcher.take_lost)
 
         async def batch_while(kill) -> RolloutPool:
             """A batch of 4 groups; `kill()` runs once both engines have requests in flight."""
             p = pool()
             task = asyncio.create_task(p.next_batch(4))
-            await until(lambda: min(router.load) > 0, "requests on both engines")
+            await until(lambda: min(dispatcher.load) > 0, "requests on both engines")
             kill()
             groups = await asyncio.wait_for(task, 300)
             # every group complete and clean: the dead engine's groups were restarted whole
@@ -140,7 +140,7 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
             return p
 
         async def same_weights_everywhere(version: int) -> None:
-            outs = [await e.generate.remote(PROBE, GREEDY) for e in router.engines]
+            outs = [await e.generate.remote(PROBE, GREEDY) for e in dispatcher.engines]
             assert [o["versions"] for o in outs] == [[version] * 6] * 2
             assert outs[0]["token_ids"] == outs[1]["token_ids"]
             gaps = [abs(a - b) for a, b in zip(outs[0]["logprobs"], outs[1]["logprobs"], strict=True)]
@@ -149,37 +149,37 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
         await fleet.connect(policy)
         await asyncio.to_thread(train_once, policy)   # the trainer's weights now differ from the model's
         await fleet.refit(1)
-        before = await router.engines[0].generate.remote(PROBE, GREEDY)
+        before = await dispatcher.engines[0].generate.remote(PROBE, GREEDY)
 
         # 1. the actor is killed: engine 0 comes back with version 1's weights
-        await batch_while(lambda: ray.kill(router.engines[0]))
-        await until(lambda: router.live == {0, 1}, "engine 0 to come back")
+        await batch_while(lambda: ray.kill(dispatcher.engines[0]))
+        await until(lambda: dispatcher.live == {0, 1}, "engine 0 to come back")
         await same_weights_everywhere(1)
-        assert (await router.engines[0].generate.remote(PROBE, GREEDY))["logprobs"] == pytest.approx(
+        assert (await dispatcher.engines[0].generate.remote(PROBE, GREEDY))["logprobs"] == pytest.approx(
             before["logprobs"], abs=1e-5)
 
         # 2. the engine-core process is killed (the actor stays up): the actor exits, engine 1 comes back
-        await batch_while(lambda: os.kill(engine_core_pid(router.engines[1]), signal.SIGKILL))
-        await until(lambda: router.live == {0, 1}, "engine 1 to come back")
+        await batch_while(lambda: os.kill(engine_core_pid(dispatcher.engines[1]), signal.SIGKILL))
+        await until(lambda: dispatcher.live == {0, 1}, "engine 1 to come back")
         assert fleet.metrics() == {"engine/deaths": 2.0, "engine/restarts": 2.0, "engine/live": 2.0}
         await asyncio.to_thread(train_once, policy)
         await fleet.refit(2)   # through a refit group re-formed with both new engines
         await same_weights_everywhere(2)
 
         # 3. restarts used up (max_restarts=1): the run goes on with engine 1 alone ...
-        await batch_while(lambda: ray.kill(router.engines[0]))
+        await batch_while(lambda: ray.kill(dispatcher.engines[0]))
         await until(lambda: 0 not in fleet.restarting, "engine 0's restart budget to be checked")
-        assert router.live == {1} and fleet.metrics()["engine/restarts"] == 2.0
-        router.check()
+        assert dispatcher.live == {1} and fleet.metrics()["engine/restarts"] == 2.0
+        dispatcher.check()
         await fleet.refit(3)   # the group is re-formed without the dead engine: no hang
         # ... and stops with one message when the last engine dies
-        ray.kill(router.engines[1])
+        ray.kill(dispatcher.engines[1])
         p = pool()
         groups = await asyncio.wait_for(p.next_batch(4), 120)
         assert all(not r.ok for g in groups for r in g)
         with pytest.raises(EngineDiedError, match=r"all 2 rollout engine\(s\) died and their restarts "
                                                   r"\(rollout.engine.max_restarts=1\) are used up"):
-            router.check()
+            dispatcher.check()
         await p.close()
         await fleet.close()
 

@@ -24,7 +24,7 @@ from faultlib import REPO, small_spec
 from molt.agents import StepEnvRunner, load_agent_runner
 from molt.agents import sandbox as sandbox_module
 from molt.agents.sandbox import SandboxUnavailable, run_python
-from molt.rollout.router import Router
+from molt.rollout.dispatch import Dispatcher
 from molt.select import drop_failed, rollout_metrics
 from molt.spec import AgentSpec
 
@@ -221,11 +221,11 @@ def test_escapes_through_the_reference_tool_agent_become_tool_errors_and_trainin
     spec = small_spec({"module": TOOL_ENV, "max_turns": 2, "options": {"tool_timeout_s": 6.0}})
     runner = StepEnvRunner(Escaping)
     runner.setup(tok, spec)
-    router = Router([engine])
+    dispatcher = Dispatcher([engine])
 
     async def main():
         return await asyncio.gather(*[runner.run({"prompt": "What is 2+3?", "label": "5", "escape": name},
-                                                 f"r-{name}", "g", router) for name in cases])
+                                                 f"r-{name}", "g", dispatcher) for name in cases])
 
     with listener:
         rollouts = dict(zip(cases, asyncio.run(main()), strict=True))
@@ -239,5 +239,5 @@ def test_escapes_through_the_reference_tool_agent_become_tool_errors_and_trainin
     # A sandbox that cannot start is not the model's doing: the rollout fails with the reason.
     monkeypatch.setenv("PATH", "/nonexistent")
     sandbox_module.sandbox_command.cache_clear()
-    failed = asyncio.run(runner.run({"prompt": "q", "label": "5", "escape": "network"}, "r-x", "g", router))
+    failed = asyncio.run(runner.run({"prompt": "q", "label": "5", "escape": "network"}, "r-x", "g", dispatcher))
     assert not failed.ok and "SandboxUnavailable: tool code runs in a bubblewrap sandbox" in failed.error

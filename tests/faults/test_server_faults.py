@@ -3,7 +3,7 @@ engine: loopback-only binding, unknown model, parameters the server does not imp
 prompts raise the SDK's own readable exception; another session's key or a guessed session id gets
 nothing; slow (slowloris), malformed and oversized requests are answered or dropped while other sessions
 go on; a client that disconnects aborts its engine request; hundreds of concurrent sessions with client
-timeouts, cancellations and abandoned streams all end token-exact, leaving no session, router entry or
+timeouts, cancellations and abandoned streams all end token-exact, leaving no session, dispatcher entry or
 engine request behind.
 
 (Malformed JSON and body size limits through each wire: tests/test_agents_chat.py.)
@@ -27,7 +27,7 @@ from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
 from molt.agents import server as server_module
 from molt.agents.server import LoopbackServer
 from molt.agents.trace import Trace
-from molt.rollout.router import Router
+from molt.rollout.dispatch import Dispatcher
 
 LONG = "word " * 600   # far more than agent.max_total_tokens=256 once tokenized
 
@@ -89,7 +89,7 @@ def test_bad_requests_raise_readable_sdk_errors(tok, engine):
         url_host = runner.server.url.split("//")[1].split(":")[0]
         assert url_host == "127.0.0.1" and listening_hosts(int(runner.server.url.rsplit(":", 1)[1])) == {
             "127.0.0.1"}
-        rollout = asyncio.run(runner.run({"prompt": "hi", "label": "x"}, "r0", "g", Router([engine])))
+        rollout = asyncio.run(runner.run({"prompt": "hi", "label": "x"}, "r0", "g", Dispatcher([engine])))
     finally:
         runner.close()
     assert rollout.ok and rollout.num_sampled > 0 and seen["untouched"] is True
@@ -134,8 +134,8 @@ def test_a_session_cannot_touch_another_with_its_key_or_a_guessed_id(tok, engine
     server = started(tok)
 
     async def main() -> tuple:
-        router = Router([engine])
-        a, b = server.open(Trace("a", "g"), router, 4, 256), server.open(Trace("b", "g"), router, 4, 256)
+        dispatcher = Dispatcher([engine])
+        a, b = server.open(Trace("a", "g"), dispatcher, 4, 256), server.open(Trace("b", "g"), dispatcher, 4, 256)
         await ask(server, a)
         reply = (await ask(server, b)).choices[0]
         before = state(b)
@@ -197,8 +197,8 @@ def test_slow_malformed_and_oversized_requests_do_not_block_other_sessions(tok, 
     port = int(server.url.rsplit(":", 1)[1])
 
     async def main() -> dict:
-        router = Router([engine])
-        a = server.open(Trace("a", "g"), router, 4, 256)
+        dispatcher = Dispatcher([engine])
+        a = server.open(Trace("a", "g"), dispatcher, 4, 256)
         head = (f"POST /s/{a.id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {a.key}\r\n"
                 "Content-Type: application/json\r\n")
         body_head = (head + "Content-Length: 1000\r\n\r\n").encode() + b'{"model": '
@@ -209,7 +209,7 @@ def test_slow_malformed_and_oversized_requests_do_not_block_other_sessions(tok, 
         slow = [asyncio.create_task(raw_exchange(port, head.encode(), b"X-Slow: " + b"a" * 500, stop)),
                 asyncio.create_task(raw_exchange(port, body_head, b" " * 500, stop))]
         await asyncio.sleep(1.0)   # both are connected and dripping
-        others = [server.open(Trace(f"o{i}", "g"), router, 1, 256) for i in range(3)]
+        others = [server.open(Trace(f"o{i}", "g"), dispatcher, 1, 256) for i in range(3)]
         replies = await asyncio.gather(*[ask(server, o) for o in others])
         out["served_while_slow"] = [r.choices[0].finish_reason for r in replies]
         out["slow_still_open"] = not any(t.done() for t in slow)
@@ -267,12 +267,12 @@ def test_a_client_disconnect_aborts_its_engine_request(tok, engine):
     server = started(tok, max_tokens=480, ignore_eos=True)
 
     async def main() -> tuple:
-        router = Router([engine])
-        # The router: cancelling a generate call aborts the engine's request (the Env path, agent timeouts).
+        dispatcher = Dispatcher([engine])
+        # The dispatcher: cancelling a generate call aborts the engine's request (the Env path, agent timeouts).
         via_router = await abort_while_running(asyncio.create_task(
-            router.generate([1, 2, 3], {**SAMPLING, "max_tokens": 480, "ignore_eos": True}, "k")))
+            dispatcher.generate([1, 2, 3], {**SAMPLING, "max_tokens": 480, "ignore_eos": True}, "k")))
         # The chat server: a client that goes away mid-turn.
-        a = server.open(Trace("a", "g"), router, 1, 512)
+        a = server.open(Trace("a", "g"), dispatcher, 1, 512)
         async with httpx.AsyncClient(timeout=60) as http:
             post = http.post(f"{server.url}/s/{a.id}/v1/chat/completions", json={"messages": HI},
                              headers={"authorization": f"Bearer {a.key}"})
@@ -323,7 +323,7 @@ def test_hundreds_of_concurrent_sessions_with_timeouts_and_cancellations(tok, en
 
     class Sampler(Recorder):
         def release(self, key: str) -> None:
-            self.router.release(key)
+            self.dispatcher.release(key)
 
     spec = small_spec({"kind": "chat", "max_turns": 2, "max_total_tokens": 256, "timeout_s": 300.0},
                       rollout={"max_tokens": 4})
@@ -348,7 +348,7 @@ def test_hundreds_of_concurrent_sessions_with_timeouts_and_cancellations(tok, en
         runner.close()
     for r in rollouts:
         assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])   # ok, and token-exact
-    assert gave_up and sessions_left == {} and sampler.router.sticky == {}
+    assert gave_up and sessions_left == {} and sampler.dispatcher.sticky == {}
     deadline = time.time() + 60
     while ray_in_flight(engine) and time.time() < deadline:
         time.sleep(0.1)

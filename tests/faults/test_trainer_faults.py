@@ -23,11 +23,11 @@ from molt.checkpoints import find_checkpoint, save_checkpoint
 from molt.data import PromptDataset, PromptIterator
 from molt.rollout.pool import RolloutPool
 from molt.trainer.batch import make_batch
-from molt.trainer.group import TrainerGroup
+from molt.trainer.ranks import TrainerRanks
 from molt.trajectory import Segment
 
 
-def weights(group: TrainerGroup) -> dict[str, torch.Tensor]:
+def weights(group: TrainerRanks) -> dict[str, torch.Tensor]:
     """Full weights in checkpoint names, read back from an exported folder."""
     with tempfile.TemporaryDirectory() as tmp:
         group.export_hf(f"{tmp}/export")
@@ -39,7 +39,7 @@ def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_sessi
     spec = small_spec(run={"dir": str(tmp_path), "resume": "auto"})
     data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=0)
     pool = RolloutPool(iter([]), None, 1, 1, 0)
-    policy = TrainerGroup(spec, "policy")
+    policy = TrainerRanks(spec, "policy")
     train_once(policy)
     saved = weights(policy)
     def extra(step: int) -> dict:
@@ -75,7 +75,7 @@ def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_sessi
         policy.logprobs(make_batch([Segment([3, 4], [0, 1], [0.0, -1.0], [-1, 0], "r", "g")], 0))
     policy.shutdown()                    # tolerates the dead rank
 
-    fresh = TrainerGroup(spec, "policy")
+    fresh = TrainerRanks(spec, "policy")
     try:
         extra = fresh.load(str(first / "policy"))
         assert extra["step"] == 1 and extra["version"] == 1

@@ -26,7 +26,7 @@ ROLES = ("policy", "reference", "critic")
 SHUTDOWN_TIMEOUT_S = 30.0   # how long ranks get to leave their process group before they are killed
 
 
-class TrainerGroup:
+class TrainerRanks:
     def __init__(self, spec: RunSpec, role: str = "policy") -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
@@ -37,7 +37,7 @@ class TrainerGroup:
         par = spec.parallel
         bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
         # Each rank's bundle is pinned to its plan node; a role the spec does not configure (a direct
-        # TrainerGroup call) goes where the policy goes.
+        # TrainerRanks call) goes where the policy goes.
         slots = plan(spec)
         mine = [s for s in slots if s.role == role] or [s for s in slots if s.role == "policy"]
         ids = [n["NodeID"] for n in cluster_nodes(spec)]
@@ -65,9 +65,9 @@ class TrainerGroup:
                   for r in range(par.world_size)]
         return shards, rows
 
-    def _scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards, rows = self._shards(batch)
-        outs = ray.get([w.scores.remote(s) for w, s in zip(self.workers, shards, strict=True)])
+        outs = ray.get([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
         replicas = self.spec.parallel.tp_size * self.spec.parallel.cp_size
         return torch.cat(outs[::replicas])[:rows]
 
@@ -76,22 +76,22 @@ class TrainerGroup:
         temperature / top_p / top_k, else the run's); 0 at t = 0 and on padding."""
         if self.role == "critic":
             raise ValueError("the critic has no logprobs; use values()")
-        return self._scores(batch)
+        return self._forward(batch)
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] V(tokens < t) at position t, the baseline of the action at t (critic only); 0 at t = 0 and
         on padding."""
         if self.role != "critic":
             raise ValueError(f"values() needs the critic, this group is the {self.role}")
-        return self._scores(batch)
+        return self._forward(batch)
 
-    def train_step(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+    def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
         """train.minibatches x train.epochs optimizer steps over the batch (policy: policy_loss; critic:
         value_loss); `kl_coef` replaces algo.kl.coef for this batch."""
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
         shards, _ = self._shards(batch)
-        return ray.get([w.train_step.remote(s, kl_coef)
+        return ray.get([w.update.remote(s, kl_coef)
                         for w, s in zip(self.workers, shards, strict=True)])[0]
 
     def _all(self, method: str, *args: Any) -> Any:

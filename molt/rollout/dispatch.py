@@ -4,7 +4,7 @@ A multi-turn rollout resends its whole history every turn; on the engine that se
 turn that history is a prefix-cache hit, anywhere else it is recomputed. So the first request of a
 key (a rollout id) picks the live engine with the fewest requests in flight, and later ones follow it.
 
-Engines die (a killed actor, an OOM-killed engine core: the engine actor then exits itself). The router
+Engines die (a killed actor, an OOM-killed engine core: the engine actor then exits itself). The dispatcher
 stops sending work to a dead engine, remembers which rollouts were on it (`take_lost`: the pool restarts
 their groups whole) and tells `on_death` (the fleet, which restarts it). A restarted engine takes work
 again only once `set_live` says it holds the current weights.
@@ -27,12 +27,12 @@ class EngineDiedError(RuntimeError):
     """An engine actor is gone (its rollouts are restarted), or no engine is left to run (the run stops)."""
 
 
-class Router:
+class Dispatcher:
     def __init__(self, engines: list[Any], on_death: Callable[[int], None] | None = None) -> None:
         if not engines:
-            raise ValueError("Router needs at least one engine")
+            raise ValueError("Dispatcher needs at least one engine")
         self.engines = engines
-        self.load = [0] * len(engines)      # requests in flight per engine, from this router
+        self.load = [0] * len(engines)      # requests in flight per engine, from this dispatcher
         self.sticky: dict[str, int] = {}
         self.dead: dict[int, str] = {}      # engine index -> why its actor died (until it is live again)
         self.live = set(range(len(engines)))
@@ -90,7 +90,7 @@ class Router:
         self.changed.set()
         if self.on_death:
             self.on_death(i)
-        elif not self.live:   # nobody restarts engines here (a router without a fleet)
+        elif not self.live:   # nobody restarts engines here (a dispatcher without a fleet)
             self.give_up(f"all {len(self.engines)} rollout engine(s) died (engine {i}: {why})")
 
     def set_live(self, i: int, engine: Any) -> None:
@@ -138,7 +138,7 @@ class Router:
 
     async def update_weights(self, version: int, members: list[int] | None = None) -> float:
         """Every `members` engine (all) receives the weights the trainer broadcasts meanwhile
-        (`TrainerGroup.send_weights`) and switches to `version`; returns the slowest engine's seconds."""
+        (`TrainerRanks.send_weights`) and switches to `version`; returns the slowest engine's seconds."""
         members = range(len(self.engines)) if members is None else members
         seconds = await asyncio.gather(*[self.engines[i].update_weights.remote(version) for i in members])
         return max(seconds)
