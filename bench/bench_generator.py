@@ -35,7 +35,8 @@ async def refit_once(policy, dispatcher, version: int) -> tuple[float, float]:
     """The loop's refit (trainer gathers and broadcasts, the engine receives and reloads), timed from
     both ends: (seconds inside the engine, seconds of the whole call)."""
     t0 = time.perf_counter()
-    engine_s, _ = await asyncio.gather(dispatcher.update_weights(version), asyncio.to_thread(policy.send_weights))
+    engine_s, _ = await asyncio.gather(dispatcher.update_weights(version),
+                                       asyncio.to_thread(policy.send_weights))
     return engine_s, time.perf_counter() - t0
 
 
@@ -43,8 +44,8 @@ def bench_one(size: str, args: argparse.Namespace) -> list:
     import ray
 
     from molt.fleet import Fleet
-    from molt.rollout.engine import start_engines
     from molt.rollout.dispatch import Dispatcher
+    from molt.rollout.engine import start_engines
     from molt.spec import RunSpec
     from molt.tiny import tiny_model_path
     from molt.trainer.ranks import TrainerRanks

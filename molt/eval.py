@@ -75,8 +75,8 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     from molt.export import as_hf_folder
     from molt.models import model_path
     from molt.placement import init_ray
-    from molt.rollout.engine import start_engines
     from molt.rollout.dispatch import Dispatcher
+    from molt.rollout.engine import start_engines
 
     if spec.model.path is not None:
         spec.model.path = as_hf_folder(spec.model.path)

@@ -23,8 +23,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from molt.rollout.dispatch import Dispatcher, EngineDiedError
 from molt.rollout.engine import start_engine, start_engines
-from molt.rollout.dispatch import EngineDiedError, Dispatcher
 
 PING_TIMEOUT_S = 60.0   # an engine actor that does not answer a trivial call for this long is treated as dead
 REFIT_GRACE_S = 30.0    # after a failed refit, how long the other engines get to finish theirs
@@ -110,7 +110,8 @@ class Fleet:
     async def _ping(self) -> None:
         """Liveness of the live engines before a refit: a dead one would stall the broadcast."""
         live = sorted(self.dispatcher.live)
-        pings = [asyncio.wait_for(asyncio.wrap_future(self.dispatcher.engines[i].refit_workers.remote().future()),
+        engines = self.dispatcher.engines
+        pings = [asyncio.wait_for(asyncio.wrap_future(engines[i].refit_workers.remote().future()),
                                   PING_TIMEOUT_S) for i in live]
         for i, answer in zip(live, await asyncio.gather(*pings, return_exceptions=True), strict=True):
             if isinstance(answer, (RayActorError, TimeoutError)):
@@ -141,10 +142,10 @@ class Fleet:
         finally:
             self.restarting.pop(i, None)
         if not self.dispatcher.live and not self.restarting:
-            self.dispatcher.give_up(f"all {len(self.dispatcher.engines)} rollout engine(s) died and their restarts "
-                                f"(rollout.engine.max_restarts={limit}) are used up; last: engine {i}: "
-                                f"{self.dispatcher.dead.get(i)}. Resume from the last checkpoint with "
-                                "run.resume=auto")
+            self.dispatcher.give_up(f"all {len(self.dispatcher.engines)} rollout engine(s) died and their "
+                                    f"restarts (rollout.engine.max_restarts={limit}) are used up; last: engine "
+                                    f"{i}: {self.dispatcher.dead.get(i)}. Resume from the last checkpoint with "
+                                    "run.resume=auto")
 
     async def _start(self, i: int) -> bool:
         """One restart of engine `i`: start it, wait until ready, refit it (with the others); True if live."""

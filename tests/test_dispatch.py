@@ -1,4 +1,4 @@
-"""Dispatcher on two real engines: new rollouts go to the least-loaded engine, a rollout sticks to its engine."""
+"""The dispatcher on two real engines: new rollouts go to the least-loaded engine, a rollout sticks to it."""
 
 from __future__ import annotations
 

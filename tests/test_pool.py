@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from molt.rollout.pool import RolloutPool
 from molt.rollout.dispatch import Dispatcher
+from molt.rollout.pool import RolloutPool
 from molt.trajectory import NO_VERSION, Rollout, Segment
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 6}

@@ -15,8 +15,8 @@ from faultlib import FAULTY, small_spec
 
 from molt.agents import load_agent_runner
 from molt.loop import learn
-from molt.rollout.pool import RolloutPool
 from molt.rollout.dispatch import Dispatcher
+from molt.rollout.pool import RolloutPool
 from molt.select import drop_failed, rollout_metrics
 
 ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 15.0s",

@@ -17,8 +17,8 @@ from molt.agents import load_agent_runner
 from molt.data import PromptDataset
 from molt.eval import evaluate
 from molt.metrics import RunLogger, load_rollouts
-from molt.rollout.pool import RolloutPool
 from molt.rollout.dispatch import Dispatcher
+from molt.rollout.pool import RolloutPool
 from molt.trajectory import Rollout, Segment
 
 FAULTS = ["raise", "hang", "nan", None]

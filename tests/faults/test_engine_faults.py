@@ -19,9 +19,9 @@ from faultlib import small_spec, train_once
 
 from molt.agents import load_agent_runner
 from molt.fleet import Fleet
+from molt.rollout.dispatch import Dispatcher, EngineDiedError
 from molt.rollout.engine import start_engine, start_engines
 from molt.rollout.pool import RolloutPool
-from molt.rollout.dispatch import EngineDiedError, Dispatcher
 from molt.trainer.ranks import TrainerRanks
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 0}

@@ -239,5 +239,6 @@ def test_escapes_through_the_reference_tool_agent_become_tool_errors_and_trainin
     # A sandbox that cannot start is not the model's doing: the rollout fails with the reason.
     monkeypatch.setenv("PATH", "/nonexistent")
     sandbox_module.sandbox_command.cache_clear()
-    failed = asyncio.run(runner.run({"prompt": "q", "label": "5", "escape": "network"}, "r-x", "g", dispatcher))
+    row = {"prompt": "q", "label": "5", "escape": "network"}
+    failed = asyncio.run(runner.run(row, "r-x", "g", dispatcher))
     assert not failed.ok and "SandboxUnavailable: tool code runs in a bubblewrap sandbox" in failed.error

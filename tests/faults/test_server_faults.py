@@ -135,7 +135,8 @@ def test_a_session_cannot_touch_another_with_its_key_or_a_guessed_id(tok, engine
 
     async def main() -> tuple:
         dispatcher = Dispatcher([engine])
-        a, b = server.open(Trace("a", "g"), dispatcher, 4, 256), server.open(Trace("b", "g"), dispatcher, 4, 256)
+        a = server.open(Trace("a", "g"), dispatcher, 4, 256)
+        b = server.open(Trace("b", "g"), dispatcher, 4, 256)
         await ask(server, a)
         reply = (await ask(server, b)).choices[0]
         before = state(b)
@@ -268,7 +269,7 @@ def test_a_client_disconnect_aborts_its_engine_request(tok, engine):
 
     async def main() -> tuple:
         dispatcher = Dispatcher([engine])
-        # The dispatcher: cancelling a generate call aborts the engine's request (the Env path, agent timeouts).
+        # The dispatcher: cancelling a generate call aborts the engine's request (Env path, agent timeouts).
         via_router = await abort_while_running(asyncio.create_task(
             dispatcher.generate([1, 2, 3], {**SAMPLING, "max_tokens": 480, "ignore_eos": True}, "k")))
         # The chat server: a client that goes away mid-turn.
