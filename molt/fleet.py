@@ -142,10 +142,11 @@ class Fleet:
         finally:
             self.restarting.pop(i, None)
         if not self.dispatcher.live and not self.restarting:
-            self.dispatcher.give_up(f"all {len(self.dispatcher.engines)} rollout engine(s) died and their "
-                                    f"restarts (rollout.engine.max_restarts={limit}) are used up; last: engine "
-                                    f"{i}: {self.dispatcher.dead.get(i)}. Resume from the last checkpoint with "
-                                    "run.resume=auto")
+            dispatcher = self.dispatcher
+            dispatcher.give_up(f"all {len(dispatcher.engines)} rollout engine(s) died and their restarts "
+                               f"(rollout.engine.max_restarts={limit}) are used up; last: engine {i}: "
+                               f"{dispatcher.dead.get(i)}. Resume from the last checkpoint with "
+                               "run.resume=auto")
 
     async def _start(self, i: int) -> bool:
         """One restart of engine `i`: start it, wait until ready, refit it (with the others); True if live."""
