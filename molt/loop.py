@@ -19,6 +19,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 from ray.exceptions import RayActorError
 
@@ -30,6 +31,7 @@ from molt.eval import evaluate
 from molt.fleet import Fleet
 from molt.metrics import RunLogger
 from molt.models import model_path
+from molt.rollout.engine import start_engine
 from molt.rollout.pool import RolloutPool
 from molt.rollout.sampling import TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
@@ -56,8 +58,13 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     PromptDataset(spec.data.train_path, spec.data)   # a bad dataset fails before any actor starts
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
 
-    fleet = Fleet(spec, policy_path)
+    # Engines load (vLLM import, weights, KV cache) while the trainer ranks start: start-up is the slower
+    # of the two instead of their sum.
+    engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
+    ready = [engine.ready.remote() for engine in engines]
     trainers = start_trainers(spec)
+    ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
+    fleet = Fleet(spec, policy_path, engines)
     logger = RunLogger(spec)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
     sampler = TrainingSampler(fleet.dispatcher, spec.run.seed, lambda: at.pool.version)

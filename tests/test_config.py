@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import molt.__main__ as cli
@@ -293,3 +294,45 @@ def test_an_invalid_sweep_job_fails_before_any_job_starts(tmp_path, monkeypatch,
     code, _, _ = _main(monkeypatch, capsys, "-m", "algo=grpo,gae", f"hydra.sweep.dir={tmp_path / 's'}")
     assert isinstance(code, str) and code.startswith("molt: sweep job 1 (algo=gae")
     assert "needs a critic" in code and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("overrides, threads", [
+    ([], {"engine": 1, "policy": 1}),   # the default: one thread per process
+    # null, sync: generation and training take turns, so each takes the node's 8 cores (split over its ranks)
+    (["parallel.cpu_threads=null"], {"engine": 8, "policy": 8}),
+    (["parallel.cpu_threads=null", "parallel=cpu2"], {"engine": 8, "policy": 4}),
+    (["parallel=cpu2", "parallel.cpu_threads=null", "rollout.engine.num_engines=2"],
+     {"engine": 4, "policy": 4}),
+    # null, async: the engines and the policy's ranks compute at once and split the cores
+    (["parallel.cpu_threads=null", "rollout.mode=async", "algo=tis"], {"engine": 4, "policy": 4}),
+    (["parallel=cpu2", "parallel.cpu_threads=null", "rollout.mode=async", "algo=tis",
+      "rollout.engine.num_engines=2"], {"engine": 2, "policy": 2}),
+    (["rollout.mode=async", "algo=tis", "parallel.cpu_threads=3"], {"engine": 3, "policy": 3}),
+])
+def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
+    from molt.placement import cpu_threads
+    from molt.rollout.engine_args import actor_options
+    from molt.trainer.worker import TrainerWorker
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    spec = compose(overrides)
+    assert {role: cpu_threads(spec, role, 0) for role in threads} == threads
+    # what the processes are given: the engine's OpenMP environment, the trainer rank's torch threads
+    env = actor_options(spec.rollout.engine, cpu_threads(spec, "engine", 0))["runtime_env"]
+    assert env["env_vars"]["OMP_NUM_THREADS"] == str(threads["engine"])
+    before = torch.get_num_threads()
+    try:
+        TrainerWorker(spec, "policy", 0, "(no model is loaded before setup)")
+        assert torch.get_num_threads() == threads["policy"]
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})   # never below one thread
+    assert cpu_threads(spec, "engine", 0) == (spec.parallel.cpu_threads or 1)
+
+
+def test_the_driver_does_not_import_automodel():
+    """Start-up: the driver imports the loop (and the trainer's actor class) but not AutoModel, whose import
+    costs seconds there; only the trainer ranks need it."""
+    code = "import sys, molt.loop; print(sorted(m for m in sys.modules if m.startswith('nemo_automodel')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -267,3 +267,17 @@ def test_eval_sampling_uses_eval_params(direct, engine, engine_spec):
     assert "n" not in sampling and train_sampling(spec)["temperature"] == 1.0
     out = ray.get(engine.generate.remote(PROMPTS[1], sampling))
     assert out["token_ids"] == ray.get(direct)[0][1][1][0][:5]      # greedy, 5 tokens
+
+
+def test_engine_core_runs_with_the_planned_threads(engine, engine_spec):
+    """`molt.placement.cpu_threads` reaches the process that generates: vLLM's engine core, a child of the
+    engine actor (the rule itself and the trainer's side: tests/test_config.py)."""
+    from molt.placement import cpu_threads
+
+    def core_threads(_actor) -> list[str]:
+        import psutil
+
+        return [p.environ().get("OMP_NUM_THREADS") for p in psutil.Process().children(recursive=True)]
+
+    cores = ray.get(engine.__ray_call__.remote(core_threads))
+    assert cores and set(cores) == {str(cpu_threads(engine_spec, "engine", 0))}

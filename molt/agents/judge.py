@@ -44,7 +44,11 @@ class Judge:
 
         judge = spec.agent.judge
         path = model_path(spec) if judge.path == "policy" else judge.path
-        own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": judge.engine})})
+        # The judge scores while the policy's engines generate: one thread each unless parallel.cpu_threads
+        # says otherwise, rather than a second claim on every core.
+        threads = spec.parallel.cpu_threads or 1
+        own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": judge.engine}),
+                                      "parallel": spec.parallel.model_copy(update={"cpu_threads": threads})})
         return cls(start_engines(own, path), AutoTokenizer.from_pretrained(path), judge.temperature)
 
     async def p_yes(self, messages: list[dict]) -> float:

@@ -276,11 +276,12 @@ class EngineActor:
 
 def start_engine(spec: Any, model_path: str, index: int) -> Any:
     """Engine actor `index` on its plan node (molt/placement.py); call `ready` on it before use."""
-    from molt.placement import cluster_nodes, node_selector, plan
+    from molt.placement import cluster_nodes, cpu_threads, node_selector, plan
 
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
     [slot] = [s for s in plan(spec) if s.role == "engine" and s.index == index]
-    options = dict(actor_options(spec.rollout.engine), label_selector=node_selector(ids[slot.node]))
+    options = dict(actor_options(spec.rollout.engine, cpu_threads(spec, "engine", index)),
+                   label_selector=node_selector(ids[slot.node]))
     return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index)
 
 

@@ -67,16 +67,17 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
     return {**kwargs, **eng.extra_args}
 
 
-def actor_options(engine: EngineSpec) -> dict[str, Any]:
+def actor_options(engine: EngineSpec, threads: int = 1) -> dict[str, Any]:
     """Ray resources of one engine. On CPU a tiny fraction, so engines and trainer ranks share cores.
 
     On CPU the engine runs its worker inside vLLM's engine process (≈2× faster on few cores than a
-    separate worker process) and does not pin OpenMP threads, so several engines can share cores.
+    separate worker process) with `threads` OpenMP threads (`molt.placement.cpu_threads`), not pinned,
+    so several engines can share cores.
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
     if not on_cpu():
         return {"num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000}
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    env = {"OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
     if engine.tp_size * engine.dp_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # lets engine_args' "uni" executor stand on CPU
