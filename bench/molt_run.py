@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common import LR, OUT, REPO, SIZES
+from memory import RssWatch
 
 # Everything a benchmark run does not need is off: W&B, plots, progress bar, rollout dumps, evals.
 QUIET = ["logging.wandb.mode=disabled", "logging.plots=false", "logging.progress=false",
@@ -60,21 +61,30 @@ def run_molt(args: list[str], run_dir: Path, timeout: float = 1800) -> dict[str,
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "molt", *args, f"hydra.run.dir={run_dir}"]
-    start, load = time.perf_counter(), os.getloadavg()[0]  # the 1-minute load when the run starts
+    start, epoch, load = time.perf_counter(), time.time(), os.getloadavg()[0]  # 1-minute load at the start
     with (run_dir / "molt.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        watch = RssWatch(proc.pid).start()
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             rc = 124
+        watch.stop()
     wall = time.perf_counter() - start
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
         if metrics.exists() else []
-    steps = step_records([r for r in rows if "time/step" in r])
+    timed = [r for r in rows if "time/step" in r]
+    steps = step_records(timed)
     tail = (run_dir / "molt.log").read_text()[-3000:] if rc else ""
-    return {"cmd": " ".join(cmd), "rc": rc, "rows": rows, "steps": steps, "wall_s": wall, "load": load,
-            "setup_s": wall - sum(s["time"] for s in steps), "log": tail}
+    out = {"cmd": " ".join(cmd), "rc": rc, "rows": rows, "steps": steps, "wall_s": wall, "load": load,
+           "setup_s": wall - sum(s["time"] for s in steps), "log": tail}
+    if timed:   # from the process start to the start of the first step; memory from step 2's end on
+        out["startup_s"] = timed[0]["time"] - timed[0]["time/step"] - epoch
+        out["memory"] = watch.summary(timed[min(1, len(timed) - 1)]["time"], timed[-1]["time"])
+    return out
 
 
 def run_cached(args: list[str], reuse: bool, timeout: float = 1800) -> dict[str, Any]:
@@ -156,7 +166,8 @@ def sweep(args: argparse.Namespace, variants: dict[str, list[str]]) -> list[dict
                                      args.samples_per_prompt, extra=[f"run.name=bench-r{r}", *extra])
                 result = run_cached(run_args, args.reuse, args.timeout)
                 rec = {"size": size, "length": length, "variant": name, "repeat": r, "rc": result["rc"],
-                       "setup_s": result["setup_s"], "cmd": result["cmd"]}
+                       "setup_s": result["setup_s"], "cmd": result["cmd"],
+                       **{k: result[k] for k in ("startup_s", "memory") if k in result}}
                 if result["rc"] == 0 and result["steps"]:
                     rec["summary"] = summarize(result["steps"], args.warmup)
                     timed = [x for x in result["rows"] if "time/step" in x]

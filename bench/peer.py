@@ -53,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--modes", default="sync", help="Molt rollout.mode(s) to run: sync, async or sync,async")
+    p.add_argument("--trl-threads", default="1,2",
+                   help="torch thread counts TRL runs with; ratios take TRL's fastest per repeat")
     p.add_argument("--molt-extra", default="",
                    help="more Hydra overrides for every Molt run, space-separated (e.g. 'rollout.top_p=1.0')")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -67,11 +69,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_trl(model: str, max_tokens: int, steps: int, args: argparse.Namespace, lr: float,
-            out: Path) -> dict[str, Any]:
+            out: Path, threads: int) -> dict[str, Any]:
     cmd = [str(TRL_PYTHON), str(BENCH / "trl_peer.py"), "--model", model, "--out", str(out),
            "--steps", str(steps), "--warmup", str(args.warmup), "--max-tokens", str(max_tokens),
            "--prompts-per-step", str(args.prompts_per_step), "--samples-per-prompt",
-           str(args.samples_per_prompt), "--lr", str(lr), "--threads", "1"]
+           str(args.samples_per_prompt), "--lr", str(lr), "--threads", str(threads)]
     start, load = time.perf_counter(), os.getloadavg()[0]
     log = out.with_suffix(".log")
     with log.open("w") as f:
@@ -98,12 +100,12 @@ def run_all(args: argparse.Namespace, folder: Path) -> None:
     for r in range(args.repeats):
         for size in sizes:
             for length in [n for n in lengths if f"{size}:{n}" not in skip]:
-                jobs = [("molt", m) for m in modes] + [("trl", "")]
+                jobs = [("molt", m) for m in modes] + [("trl", t) for t in args.trl_threads.split(",")]
                 for fw, mode in jobs if r % 2 == 0 else jobs[::-1]:  # alternate who goes first
                     if fw == "trl":
-                        name = f"trl-{size}-{length}-r{r}"
+                        name = f"trl{mode}-{size}-{length}-r{r}"
                         result = run_trl(paths[size], length, steps[size], args, LR[size],
-                                         folder / f"{name}.json")
+                                         folder / f"{name}.json", int(mode))
                     else:
                         name = f"molt-{size}-{length}-{mode}-r{r}"
                         extra = [f"rollout.mode={mode}", f"run.name=peer-{name}", *args.molt_extra.split()]
@@ -152,6 +154,15 @@ def compare(pairs: list[tuple[dict, dict]]) -> tuple[list[str], list[float], lis
     return cells, step_ratio, trained
 
 
+def trl_runs(runs: dict[tuple, dict], size: str, length: str, r: int) -> dict[int, dict]:
+    """TRL's runs of one repeat and cell by torch threads (folders from before --trl-threads: 1 thread)."""
+    out = {}
+    for key, run in runs.items():
+        if key[0].startswith("trl") and key[1:] == (size, length, f"r{r}"):
+            out[int(key[0][3:] or 1)] = run
+    return out
+
+
 def report(folder: Path, write_results: bool) -> str:
     meta, runs = load(folder)
     a = meta["args"]
@@ -161,19 +172,24 @@ def report(folder: Path, write_results: bool) -> str:
     for size in sizes:
         for length in [n for n in lengths if f"{size}:{n}" not in skip]:
             for mode in modes:
-                pairs = []
+                pairs, by_threads = [], {}
                 for r in range(int(a["repeats"])):
                     molt = runs.get(("molt", size, length, mode, f"r{r}"))
-                    trl = runs.get(("trl", size, length, f"r{r}"))
-                    if molt and trl:
-                        pairs.append((molt, trl))
+                    trls = trl_runs(runs, size, length, r)
+                    for threads, run in trls.items():
+                        by_threads.setdefault(threads, []).append(run["summary"]["step_s"])
+                    if molt and trls:   # against TRL's fastest setting of this repeat
+                        pairs.append((molt, min(trls.values(), key=lambda t: t["summary"]["step_s"])))
                 if not pairs:
-                    rows.append([size, length, mode, "—", "—", "—", "—", "—", "—", "no complete pair"])
+                    rows.append([size, length, mode, "—", "—", "—", "—", "—", "—", "—", "no complete pair"])
                     continue
                 row, step_ratio, trained = compare(pairs)
-                rows.append([f"{size} ({meta['params'][size] / 1e6:.1f}M)", length, mode, *row])
+                trl_steps = " / ".join(f"{statistics.median(v):.3g} ({t})"
+                                       for t, v in sorted(by_threads.items()))
+                rows.append([f"{size} ({meta['params'][size] / 1e6:.1f}M)", length, mode, trl_steps, *row])
                 plot.append((f"{size}\n{length} tok\n{mode}", step_ratio, trained))
-    head = ["model", "max tokens", "Molt mode", "step s Molt / TRL", "generate s Molt / TRL",
+    head = ["model", "max tokens", "Molt mode", "TRL step s (threads)", "step s Molt / best TRL",
+            "generate s Molt / TRL",
             "step time ratio Molt/TRL", "trained tok/s ratio", "sampled tok/s ratio",
             "trained tok/s Molt / TRL",
             "reward first (Molt / TRL) → last", "repeats; setup Molt / TRL; 1-min load"]
@@ -183,7 +199,9 @@ def report(folder: Path, write_results: bool) -> str:
         f"- work per step: {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples, GRPO, "
         f"steps per run {a['steps']} (first {a['warmup']} untimed), lr per size {LR}",
         f"- command: `{meta.get('command', 'python bench/peer.py')}`",
-        "- ratios: per repeat (adjacent runs), median (min–max); step time < 1 and tok/s > 1 favour Molt.",
+        "- ratios: per repeat (adjacent runs) against TRL's fastest thread count in that repeat, median "
+        "(min–max); step time < 1 and tok/s > 1 favour Molt. Molt's extra overrides: "
+        f"`{a.get('molt_extra') or 'none'}` (default `parallel.cpu_threads: 1`).",
         "",
         table(head, rows), "", "![peer](peer.png)",
     ])

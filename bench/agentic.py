@@ -1,0 +1,157 @@
+"""Agentic path: what the loopback chat server adds per turn, against the same turns through `Env`.
+
+N concurrent multi-turn rollouts run the same conversation twice, in one process: through `Env` (the
+framework samples, renders and decodes) and as a `ChatAgent` talking to the loopback server with the
+stock OpenAI SDK (HTTP, wire validation, history re-encoding, reply parsing). Both sample from the same
+stand-in engine: it answers every request after a fixed delay with the same tokens, so the engine's
+own speed and noise drop out and the difference per turn is the server path's cost. A turn's latency
+is, for the chat agent, the SDK call; for `Env`, from the previous `step()`'s return (or the rollout's
+start) to the next `step()` call. Paths alternate per repeat.
+
+    python bench/agentic.py --quick
+    python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import header, table, write_section  # noqa: E402
+
+
+class StandInEngine:
+    """A sampler answering every request after `delay` seconds with `reply` (ids) and logprob -1."""
+
+    def __init__(self, reply: list[int], delay: float) -> None:
+        self.reply, self.delay = reply, delay
+
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str,
+                       images: list | None = None) -> dict:
+        await asyncio.sleep(self.delay)
+        n = len(self.reply)
+        return {"token_ids": list(self.reply), "logprobs": [-1.0] * n, "versions": [0] * n,
+                "finish_reason": "stop", "prompt_ids": list(prompt_ids),
+                "sampling": [sampling.get("temperature", 1.0), sampling.get("top_p", 1.0),
+                             sampling.get("top_k", -1)]}
+
+
+def runners(turns: int, latencies: dict[str, list[float]]):
+    """(Env runner, chat runner) doing `turns` turns each and appending per-turn seconds to `latencies`."""
+    import openai
+
+    from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Env, Result, State, StepEnvRunner
+
+    class TurnsEnv(Env):
+        async def step(self, state: State) -> Result:
+            latencies["env"].append(time.perf_counter() - getattr(self, "since", state.item["start"]))
+            done = state.turn + 1 >= turns
+            result = Result(reward=0.0, observation=None if done else "again", terminated=done)
+            self.since = time.perf_counter()
+            return result
+
+    class TurnsChat(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            messages = list(ctx.messages)
+            for _ in range(turns):
+                t0 = time.perf_counter()
+                reply = await client.chat.completions.create(model=ctx.model_name, messages=messages)
+                latencies["chat"].append(time.perf_counter() - t0)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                             {"role": "user", "content": "again"}]
+            await client.close()
+            return Result(reward=0.0)
+
+    class TimedEnvRunner(StepEnvRunner):
+        async def _run(self, item, trace, sampler):
+            # the first turn counts from here, before the prompt is rendered (as the chat path's first call)
+            return await super()._run({**item, "start": time.perf_counter()}, trace, sampler)
+
+    return TimedEnvRunner(TurnsEnv), ChatAgentRunner(TurnsChat)
+
+
+async def run_path(runner, engine: StandInEngine, sessions: int) -> list:
+    rollouts = await asyncio.gather(*[runner.run({"prompt": "a", "label": "a"}, f"r{i}", f"g{i}", engine)
+                                      for i in range(sessions)])
+    failed = [r.error for r in rollouts if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} rollouts failed, e.g. {failed[0]}")
+    return rollouts
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=256, help="concurrent rollouts")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--delay-ms", type=float, default=20.0, help="the stand-in engine's answer time")
+    p.add_argument("--reply-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="16 sessions, 2 turns, 1 repeat; prints only")
+    args = p.parse_args()
+    if args.quick:
+        args.sessions, args.turns, args.repeats = 16, 2, 1
+    from transformers import AutoTokenizer
+
+    from molt.config import compose
+    from molt.tiny import tiny_model_path
+
+    path = str(tiny_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    spec = compose([f"agent.max_turns={args.turns}", "agent.max_total_tokens=4096",
+                    "model.max_model_len=4096", f"rollout.max_tokens={args.reply_tokens}"])
+    reply = (tok.encode("b" * args.reply_tokens, add_special_tokens=False)[:args.reply_tokens - 1]
+             + [tok.eos_token_id])
+    engine = StandInEngine(reply, args.delay_ms / 1000)
+    latencies: dict[str, list[float]] = {"env": [], "chat": []}
+    env_runner, chat_runner = runners(args.turns, latencies)
+    medians = {"env": [], "chat": []}
+    p99 = {"env": [], "chat": []}
+
+    async def measure() -> None:
+        for runner in (env_runner, chat_runner):
+            runner.setup(tok, spec)
+            await run_path(runner, engine, min(16, args.sessions))   # warm-up: imports, first connections
+        for r in range(args.repeats):
+            order = ["env", "chat"] if r % 2 == 0 else ["chat", "env"]
+            for name in order:
+                latencies[name].clear()
+                await run_path(env_runner if name == "env" else chat_runner, engine, args.sessions)
+                medians[name].append(statistics.median(latencies[name]))
+                p99[name].append(percentile(latencies[name], 0.99))
+                print(f"[agentic] r{r} {name}: median {medians[name][-1] * 1e3:.1f} ms, p99 "
+                      f"{p99[name][-1] * 1e3:.1f} ms over {len(latencies[name])} turns", flush=True)
+        for runner in (env_runner, chat_runner):
+            runner.close()
+
+    asyncio.run(measure())
+    ms = lambda x: f"{statistics.median(x) * 1e3:.1f} ({min(x) * 1e3:.1f}–{max(x) * 1e3:.1f})"  # noqa: E731
+    added = lambda d: [c - e for c, e in zip(d["chat"], d["env"], strict=True)]  # noqa: E731
+    rows = [["median", ms(medians["env"]), ms(medians["chat"]), ms(added(medians)), "≤ 2 ms"],
+            ["p99", ms(p99["env"]), ms(p99["chat"]), ms(added(p99)), "≤ 10 ms"]]
+    command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
+    body = "\n".join([
+        "## Agentic path: loopback server vs Env", "", header(),
+        f"- work: {args.sessions} concurrent rollouts x {args.turns} turns, a stand-in engine answering "
+        f"{args.reply_tokens} tokens after {args.delay_ms:g} ms; {args.repeats} repeat(s), paths alternating",
+        f"- command: `{command}`",
+        "- ms per turn, median over repeats (min–max); added = chat − Env per repeat",
+        "", table(["per turn", "Env", "chat (OpenAI SDK → server)", "added by the server", "target"], rows)])
+    if not args.quick:
+        write_section("agentic", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
