@@ -58,13 +58,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     PromptDataset(spec.data.train_path, spec.data)   # a bad dataset fails before any actor starts
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
 
-    # Engines load (vLLM import, weights, KV cache) while the trainer ranks start: start-up is the slower
-    # of the two instead of their sum.
-    engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
-    ready = [engine.ready.remote() for engine in engines]
-    trainers = start_trainers(spec)
-    ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
-    fleet = Fleet(spec, policy_path, engines)
+    fleet, trainers = start_actors(spec, policy_path)
     logger = RunLogger(spec)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
     sampler = TrainingSampler(fleet.dispatcher, spec.run.seed, lambda: at.pool.version)
@@ -122,6 +116,16 @@ class Position:
     saved: int              # the step of the last checkpoint written (or loaded)
     kl_coef: float          # the KL weight in use (algo.kl.coef, moved by the adaptive controller)
     trainer_restarts: int = 0
+
+
+def start_actors(spec: RunSpec, policy_path: str) -> tuple[Fleet, tuple]:
+    """The engines (as a `Fleet`) and the trainer roles. Engines load (vLLM import, weights, KV cache)
+    while the trainer ranks start: start-up is the slower of the two instead of their sum."""
+    engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
+    ready = [engine.ready.remote() for engine in engines]
+    trainers = start_trainers(spec)
+    ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
+    return Fleet(spec, policy_path, engines), trainers
 
 
 def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:

@@ -232,7 +232,6 @@ class TrainerWorker:
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + float(value)
-
         for mb in mbs:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
@@ -268,14 +267,12 @@ class TrainerWorker:
                     add(f"l/{key}", float(value) * n_tok)
             if last:
                 add("l/weight", n_tok)
-        # Imported here, in the rank's process: the driver imports this module for the actor class, and
-        # AutoModel's import would add seconds to its start-up (measured: 2.5-7 s of a 15 s import).
-        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
-        from nemo_automodel.components.training.utils import clip_grad_norm
-
         # Parameters replicated over tensor-parallel ranks (norms) got each rank's part of the gradient:
         # reduce them once; then clip with AutoModel, which groups gradients by mesh (TP and FSDP
-        # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix).
+        # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix). Imported here:
+        # the driver imports this module for the actor class, and AutoModel's import costs it seconds.
+        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+        from nemo_automodel.components.training.utils import clip_grad_norm
         synchronize_tp_replica_gradients([self.model], self.mesh)
         grad_norm = clip_grad_norm(spec.train.grad_clip, [self.model])
         self.optimizer.step()
