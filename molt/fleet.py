@@ -42,6 +42,7 @@ class Fleet:
         self.restarts = [0] * len(self.dispatcher.engines)
         self.restarting: dict[int, asyncio.Task] = {}
         self.deaths = 0
+        self.refit_bytes = 0             # what the last refit sent (the LoRA adapter alone with model.lora)
 
     async def connect(self, policy: Any) -> None:
         """Open the refit group between `policy` (a TrainerRanks; also a rebuilt one) and the live engines."""
@@ -105,6 +106,8 @@ class Fleet:
             raise sender.exception()
         if not sender.done():
             await sender   # the trainer's own bound: molt.refit.TIMEOUT
+        if not died:
+            self.refit_bytes = sender.result()
         return died
 
     async def _ping(self) -> None:

@@ -219,6 +219,7 @@ async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pa
     if not warmup:
         at.version += 1
         metrics["time/refit"] = await fleet.refit(at.version)
+        metrics["refit/bytes"] = float(fleet.refit_bytes)
         at.pool.set_version(at.version)
     at.step += 1
 

@@ -30,6 +30,19 @@ class RunSection(Strict):
     dry_run: bool = Field(False, description="validate, print the placement plan and exit; starts nothing")
 
 
+class LoRASpec(Strict):
+    rank: int = Field(
+        0, ge=0, le=512, description="LoRA adapter rank: > 0 trains adapters on the frozen policy and refits "
+                                     "only them into the engines; 0 = full fine-tuning")
+    alpha: float = Field(16.0, gt=0, description="adapter scale numerator: a layer adds alpha / rank * B @ A")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the adapter's input in training (the engine has none)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["*_proj"], min_length=1,
+        description="linear layers that get adapters: module-name patterns ('*' wildcards; '*_proj' = the "
+                    "attention and MLP projections of Qwen / Llama models)")
+
+
 class ModelSpec(Strict):
     path: str | None = Field(None, description="Hugging Face folder or hub id; null builds the tiny model")
     tiny: dict[str, int] = Field(
@@ -50,6 +63,7 @@ class ModelSpec(Strict):
     freeze_router: bool = Field(False, description="MoE: do not train the router weights")
     freeze_vision: bool = Field(False, description="VLM: train the language model only, not the vision tower")
     trust_remote_code: bool = Field(False, description="run the model repository's own Python code")
+    lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters instead of full fine-tuning")
 
 
 class ParallelSpec(Strict):

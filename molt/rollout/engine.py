@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -75,6 +77,12 @@ class EngineActor:
         self.moe_layers: list[int] | None = None  # with router replay: the layers whose routes are kept
         self.capture = False                       # routes come from our capture (CPU), not from vLLM
         self.closing = False
+        # LoRA (model.lora): each refit is a new adapter; version 0 is the base model (no adapter)
+        self.lora = model.lora.model_dump() if model.lora.rank else None
+        self.adapter: Any = None                   # the LoRARequest new requests get
+        self.adapter_users: dict[Any, int] = {}    # loaded adapters -> requests in flight on each
+        self.adapter_dir = tempfile.mkdtemp(prefix="molt-lora-", dir="/dev/shm" if os.path.isdir(
+            "/dev/shm") else None) if self.lora else None
 
     async def ready(self) -> int:
         self.watchdog = asyncio.create_task(self._exit_when_engine_dies())
@@ -98,12 +106,16 @@ class EngineActor:
             print(f"molt: engine {self.index}: vLLM's engine core died; exiting the engine actor", flush=True)
             os._exit(1)
 
-    def _enter(self) -> None:
+    def _enter(self, adapter: Any) -> None:
         if self.in_flight == 0:
             self.busy_since = time.monotonic()
         self.in_flight += 1
+        if adapter is not None:
+            self.adapter_users[adapter] += 1
 
-    def _leave(self) -> None:
+    def _leave(self, adapter: Any) -> None:
+        if adapter is not None:
+            self.adapter_users[adapter] -= 1
         self.in_flight -= 1
         if self.in_flight == 0 and self.busy_since is not None:
             self.busy += time.monotonic() - self.busy_since
@@ -151,20 +163,20 @@ class EngineActor:
 
         request_id = request_id or uuid.uuid4().hex
         prompt = self._prompt(prompt_ids, images, request_id)
-        version_at_start = self.version
+        version_at_start, adapter = self.version, self.adapter
         final = None
-        self._enter()
+        self._enter(adapter)
         try:
             # With images the expanded length is known only once vLLM has processed them.
             params = sampling_params(sampling, max(1, min(sampling["max_tokens"], self.max_model_len - len(
                 prompt["prompt_token_ids"]))))
-            async for out in self.llm.generate(prompt, params, request_id):
+            async for out in self.llm.generate(prompt, params, request_id, lora_request=adapter):
                 final = out
         except EngineDeadError:
             self._exit()   # before answering: the caller must see a dead engine, not a failed request
             raise
         finally:
-            self._leave()
+            self._leave(adapter)
         comp = final.outputs[0]
         prompt = list(final.prompt_token_ids)
         ids = list(comp.token_ids)
@@ -176,7 +188,9 @@ class EngineActor:
         result: Sample = {
             "token_ids": ids,
             "logprobs": [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [], strict=True)],
-            "versions": per_token_versions(comp.weight_versions, len(ids), version_at_start),
+            # a request keeps its adapter across a LoRA refit: all its tokens are the start's version
+            "versions": [version_at_start] * len(ids) if self.lora else
+                        per_token_versions(comp.weight_versions, len(ids), version_at_start),
             "finish_reason": comp.finish_reason or "abort",
             "prompt_ids": prompt,
             "sampling": [params.temperature, params.top_p, params.top_k],   # what the logprobs describe
@@ -238,10 +252,12 @@ class EngineActor:
         """Receive the weights the trainer broadcasts now and switch to `version`; returns the seconds.
 
         Pause (keep or wait) -> load through the workers' reload path -> reset the prefix cache ->
-        label later tokens `version` -> resume.
+        label later tokens `version` -> resume. With LoRA a new adapter instead (`_load_adapter`).
         """
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if self.lora:
+            return await self._load_adapter(version)
         start = time.perf_counter()
         try:
             await self._pause()
@@ -253,6 +269,33 @@ class EngineActor:
             await self.llm.resume_generation()
             raise
         await self._commit(version)
+        return time.perf_counter() - start
+
+    async def _load_adapter(self, version: int) -> float:
+        """LoRA refit: receive the adapter into a new folder, load it as a new adapter and give it to new
+        requests as `version`; returns the seconds. Nothing pauses: requests in flight keep the adapter
+        they started with, and prefix-cache entries are keyed by adapter, so none goes stale. Adapters
+        that no request uses any more are unloaded (and their folders removed), so memory stays bounded.
+        """
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        start = time.perf_counter()
+        serial = max((a.lora_int_id for a in self.adapter_users), default=0) + 1   # unique per load
+        folder = os.path.join(self.adapter_dir, str(serial))
+        try:
+            await self.llm.collective_rpc("molt_refit_receive_adapter", args=(folder, self.lora))
+            adapter = LoRARequest(f"molt-{serial}", serial, folder)
+            await self.llm.add_lora(adapter)
+        except EngineDeadError:
+            self._exit()
+            raise
+        self.adapter, self.version = adapter, version
+        self.adapter_users[adapter] = 0
+        for old in [a for a, users in self.adapter_users.items() if users == 0 and a != adapter]:
+            del self.adapter_users[old]
+            await self.llm.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
         return time.perf_counter() - start
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
@@ -272,6 +315,8 @@ class EngineActor:
     def shutdown(self) -> None:
         self.closing = True
         self.llm.shutdown()
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
 def start_engine(spec: Any, model_path: str, index: int) -> Any:

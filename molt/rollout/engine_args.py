@@ -8,7 +8,7 @@ values, so a new vLLM flag never needs a code change.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, get_args
 
 from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
 from molt.vision import is_vision_model
@@ -45,6 +45,8 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
         # top-p), which the trainer recomputes; vLLM's default is the raw model distribution.
         logprobs_mode=LOGPROBS_MODE,
     )
+    if model.lora.rank:
+        kwargs.update(lora_kwargs(model.lora.rank, rollout.max_staleness))
     if is_vision_model(model_path, model.trust_remote_code):
         # Images only (the contract has no video). On CPU, vLLM's own Qwen-VL code imports torchvision,
         # which has no CPU build for the torch vLLM's CPU build pins: the transformers backend runs the
@@ -82,3 +84,12 @@ def actor_options(engine: EngineSpec, threads: int = 1) -> dict[str, Any]:
     if engine.tp_size * engine.dp_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # lets engine_args' "uni" executor stand on CPU
     return {"num_cpus": 0.01, "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
+
+
+def lora_kwargs(rank: int, max_staleness: int) -> dict[str, Any]:
+    """vLLM's LoRA serving for `model.lora`: each refit loads a new adapter, and requests keep the adapter
+    they started with, so up to max_staleness + 1 versions may be sampling at once."""
+    from vllm.config.lora import MaxLoRARanks
+
+    ranks = [r for r in get_args(MaxLoRARanks) if r >= rank]   # vLLM sizes its buffers for these only
+    return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": max_staleness + 1}

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from molt.spec import RunSpec
+from molt.trainer.lora import apply_lora, check_adapted, peft_config
 from molt.trainer.packing import VARLEN
 from molt.trainer.router_replay import freeze_router, install_replay
 from molt.vision import is_vision_model
@@ -54,6 +55,7 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
     cuda = spec.parallel.device == "cuda"
+    adapted = role == "policy" and spec.model.lora.rank > 0
     # fp32 master weights everywhere; on GPU the FSDP2 policy computes in model.dtype (bf16).
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
     attention = VARLEN if spec.train.micro_batch_tokens else "sdpa"   # packed rows need their attention
@@ -78,7 +80,11 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         moe_switch = spec.model.router_replay or spec.model.freeze_router
         auto = nemo_automodel.NeMoAutoModelForImageTextToText if is_vision_model(
             path, spec.model.trust_remote_code) else nemo_automodel.NeMoAutoModelForCausalLM
-        model = auto.from_pretrained(path, distributed_setup=setup, force_hf=moe_switch, **common)
+        # LoRA: AutoModel's loader applies the adapters itself, before it shards (molt/trainer/lora.py)
+        peft = {"peft_config": peft_config(spec)} if adapted else {}
+        model = auto.from_pretrained(path, distributed_setup=setup, force_hf=moe_switch, **peft, **common)
+        if adapted:
+            check_adapted(model, spec)
         _prepare(model, spec, role)
         return model
     else:
@@ -87,6 +93,8 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         auto = transformers.AutoModelForImageTextToText if is_vision_model(
             path, spec.model.trust_remote_code) else transformers.AutoModelForCausalLM
         model = auto.from_pretrained(path, attn_implementation=attention, **common)
+    if adapted:
+        apply_lora(model, spec)   # before sharding: FSDP2 then shards adapters and frozen weights alike
     if cuda:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     _prepare(model, spec, role)

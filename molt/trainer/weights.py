@@ -4,7 +4,8 @@ Parameters are gathered one at a time (a collective every rank joins in the same
 keeps them, so rank 0 never holds more than one chunk beyond its shard. Names are converted back to the
 checkpoint's layout (transformers' reverse weight conversion, e.g. fused MoE experts → per-expert
 tensors; AutoModel's own model classes through their state-dict adapter); a tied output head is
-skipped exactly as `save_pretrained` skips it, since the engine ties it back on load.
+skipped exactly as `save_pretrained` skips it, since the engine ties it back on load. LoRA adapters are
+folded into their layers' weights, or streamed alone (`adapter_chunks`, molt/trainer/lora.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from molt.trainer.lora import PEFT_PREFIX, is_adapter
+
 
 def _full(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(tensor, DTensor):
@@ -28,28 +31,59 @@ def _full(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor
 
 
-def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: torch.device,
-              out: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield dicts of full tensors on `out` (on rank 0; empty dicts elsewhere) of about `chunk_bytes` each."""
-    from transformers.core_model_loading import revert_weight_conversion
-
+def _chunks(named: Iterator[tuple[str, torch.Tensor]], chunk_bytes: int, dtype: torch.dtype,
+            device: torch.device, out: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Full tensors of `named` gathered in order (every rank), kept on rank 0 in dicts of ~`chunk_bytes`
+    (the other ranks yield nothing but must run the generator to its end: they join every gather)."""
     rank0 = dist.get_rank() == 0
-    named = list(model.named_parameters())  # shared (tied) parameters appear once, under the first name
-    persistent = model.state_dict(keep_vars=True).keys()
-    named += [(n, b) for n, b in model.named_buffers() if n in persistent]
-    adapter = getattr(model, "state_dict_adapter", None)
     chunk: dict[str, torch.Tensor] = {}
     size = 0
-    for i, (name, tensor) in enumerate(named):
+    for name, tensor in named:
         full = _full(tensor.detach(), device)
         if rank0:
             chunk[name] = full.to(dtype=dtype, device=out)
             size += chunk[name].numel() * chunk[name].element_size()
-        if size >= chunk_bytes or (i == len(named) - 1):
-            if rank0:
-                chunk = adapter.to_hf(chunk) if adapter else revert_weight_conversion(model, chunk)
+        if size >= chunk_bytes:
             yield chunk
             chunk, size = {}, 0
+    if chunk:
+        yield chunk
+
+
+def _merged(model: nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers; a LoRA layer's weight with its adapter folded in (and the
+    adapter itself left out), so the names and tensors are those of a model without adapters."""
+    adapted = {name: module for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    named = list(model.named_parameters())  # shared (tied) parameters appear once, under the first name
+    persistent = model.state_dict(keep_vars=True).keys()
+    named += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    for name, tensor in named:
+        owner, _, leaf = name.rpartition(".")
+        if is_adapter(name):
+            continue
+        if owner in adapted and leaf == "weight":
+            layer = adapted[owner]
+            delta = _full(layer.lora_B.weight.detach(), device) @ _full(layer.lora_A.weight.detach(), device)
+            tensor = _full(tensor.detach(), device) + layer.scale * delta.to(tensor.dtype)
+        yield name, tensor
+
+
+def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: torch.device,
+              out: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield dicts of full tensors on `out` of about `chunk_bytes` each (rank 0; see `_chunks`), LoRA
+    adapters merged into their layers."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    adapter = getattr(model, "state_dict_adapter", None)
+    for chunk in _chunks(_merged(model, device), chunk_bytes, dtype, device, out):
+        yield adapter.to_hf(chunk) if adapter else revert_weight_conversion(model, chunk)
+
+
+def adapter_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: torch.device,
+                   out: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """`hf_chunks` of the LoRA adapter alone, in PEFT names (`base_model.model.<parameter name>`)."""
+    named = ((PEFT_PREFIX + n, p) for n, p in model.named_parameters() if is_adapter(n))
+    yield from _chunks(named, chunk_bytes, dtype, device, out)
 
 
 def export_hf(model: nn.Module, source: str, path: str, dtype: torch.dtype, device: torch.device) -> None:

@@ -313,10 +313,12 @@ class TrainerWorker:
         self.refit_group = refit.open_group(host, port, 0, world_size, self.device)
 
     def send_weights(self) -> int:
-        """Full weights to every engine worker (all ranks gather, rank 0 broadcasts); returns bytes sent."""
+        """Full weights (or the LoRA adapter) to every engine worker (all ranks gather, rank 0 broadcasts);
+        returns the bytes sent."""
         chunk_bytes = int(self.spec.rollout.refit_chunk_mb * 2**20)
-        chunks = weights.hf_chunks(self.model, chunk_bytes, DTYPES[self.spec.model.dtype], self.device,
-                                   self.device)
+        # with LoRA only the adapter changes: the engines keep the base weights and load a new adapter
+        stream = weights.adapter_chunks if self.spec.model.lora.rank else weights.hf_chunks
+        chunks = stream(self.model, chunk_bytes, DTYPES[self.spec.model.dtype], self.device, self.device)
         if self.rank == 0:
             return refit.send(self.refit_group, chunks, self.device)
         for _ in chunks:  # the other ranks only take part in the gathers

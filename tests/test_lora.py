@@ -1,0 +1,179 @@
+"""LoRA (model.lora): AutoModel's adapters on the policy, refit as an adapter into vLLM's LoRA serving.
+
+The trainer test runs one rank in this process and checks the adapter by hand: only lora_A / lora_B move
+and only they are in the optimizer, and the export is W + alpha / rank * B @ A. The loop test runs the
+loop's own steps (pool → learn → refit) against an engine serving adapters and compares what the engine
+samples with the merged model the trainer exports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+from test_trainer import batch_of
+
+from molt.spec import RunSpec
+
+RANK, ALPHA = 8, 16.0
+
+
+def lora_spec(path: str | None = None, **sections) -> RunSpec:
+    data = {"model": {"path": path, "max_model_len": 128, "lora": {"rank": RANK, "alpha": ALPHA}},
+            "rollout": {"samples_per_prompt": 4, "max_tokens": 8, "temperature": 0.7,
+                        "engine": {"kv_cache_gib": 0.1}},
+            "train": {"prompts_per_step": 2, "micro_batch_size": 8, "lr": 1e-2, "steps": 2},
+            "logging": {"progress": False, "dump_rollouts": False, "plots": False}}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return RunSpec.model_validate(data)
+
+
+def adapter_bytes(model_path: str) -> int:
+    """fp32 bytes of rank-8 adapters on every *_proj layer, from the model's config alone."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = [(c.hidden_size, q), (c.hidden_size, kv), (c.hidden_size, kv), (q, c.hidden_size),
+              (c.hidden_size, c.intermediate_size), (c.hidden_size, c.intermediate_size),
+              (c.intermediate_size, c.hidden_size)]
+    return c.num_hidden_layers * sum(RANK * (i + o) for i, o in shapes) * 4
+
+
+def hf_forward(folder: str, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, greedy next-token ids) of a plain transformers forward of an exported folder."""
+    from transformers import AutoModelForCausalLM
+
+    from molt.trainer.model import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = token_logprobs(logits, batch["input_ids"], batch["attention_mask"], temperature)[0]
+    return logp, logits.argmax(-1)
+
+
+def test_only_the_adapter_trains_and_the_export_merges_it(tiny_model_path, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from molt.trainer.weights import adapter_chunks
+    from molt.trainer.worker import TrainerWorker
+
+    environ = dict(os.environ)   # the rank sets torch.distributed's variables
+    worker = TrainerWorker(lora_spec(tiny_model_path).model_dump(), "policy", 0)
+    try:
+        worker.setup(*worker.address())
+        before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+        adapter = {n for n in before if ".lora_A." in n or ".lora_B." in n}
+        held = {id(p) for g in worker.optimizer.param_groups for p in g["params"]}
+        assert held == {id(p) for n, p in worker.model.named_parameters() if n in adapter} and held
+        b = batch_of(7)
+        worker.train_step(b)
+        after = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+        assert max(float((after[n] - before[n]).abs().max()) for n in before if n not in adapter) == 0.0
+        assert min(float((after[n] - before[n]).abs().max()) for n in adapter if ".lora_B." in n) > 1e-4
+        trained = worker.scores(b)
+        [chunk] = adapter_chunks(worker.model, 1 << 30, torch.float32, worker.device, worker.device)
+        worker.export_hf(str(tmp_path / "hf"))
+    finally:
+        worker.shutdown()
+        os.environ.clear()
+        os.environ.update(environ)
+    assert sorted(chunk) == sorted(f"base_model.model.{n}" for n in adapter)
+    assert sum(t.numel() * t.element_size() for t in chunk.values()) == adapter_bytes(tiny_model_path)
+
+    exported = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+    assert not any("lora" in n for n in exported)
+    for name, weight in exported.items():   # W + alpha / rank * B @ A, by hand
+        owner = name.removesuffix(".weight")
+        want = after[name]
+        if f"{owner}.lora_A.weight" in after:
+            want = want + ALPHA / RANK * after[f"{owner}.lora_B.weight"] @ after[f"{owner}.lora_A.weight"]
+        assert torch.allclose(weight, want, atol=1e-6), name
+    gap = (hf_forward(str(tmp_path / "hf"), b, 0.7)[0] - trained)[b["attention_mask"] > 0]
+    assert float(gap.abs().max()) < 1e-5
+
+
+def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_session, tiny_model_path, tok,
+                                                                       tmp_path) -> None:
+    from molt.agents import load_agent_runner
+    from molt.fleet import Fleet
+    from molt.loop import begin, train_step
+    from molt.metrics import RunLogger
+    from molt.rollout.engine import start_engines
+    from molt.rollout.sampling import TrainingSampler
+    from molt.trainer.batch import make_batch
+    from molt.trainer.group import TrainerGroup
+    from molt.trajectory import Segment
+
+    spec = lora_spec(tiny_model_path, run={"dir": str(tmp_path / "run")})
+    engines = start_engines(spec, tiny_model_path)
+    policy = TrainerGroup(spec, "policy")
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tok, spec)
+
+    async def scenario() -> tuple[list[dict], dict]:
+        fleet = Fleet(spec, tiny_model_path, engines=engines)
+        sampler = TrainingSampler(fleet.router, 0, lambda: at.pool.version)
+
+        async def rollout_fn(item: dict, group_id: str, index: int):
+            return await runner.run(item, f"{group_id}-{index}", group_id, sampler)
+
+        at = await begin(spec, (policy, None, None), fleet, rollout_fn, None, refit_engines=False)
+        logger = RunLogger(spec)
+        steps = [await train_step(spec, at, (policy, None, None), fleet, tok.pad_token_id, logger)
+                 for _ in range(3)]
+        await at.pool.close()
+        logger.close()
+        greedy = await engines[0].generate.remote(PROBE, {"temperature": 0.0, "max_tokens": 12,
+                                                                     "ignore_eos": True})
+        return steps, greedy
+
+    try:
+        steps, greedy = asyncio.run(scenario())
+        policy.export_hf(str(tmp_path / "hf"))
+        held = ray.get(engines[0].__ray_call__.remote(
+            lambda self: (len(self.adapter_users), os.listdir(self.adapter_dir))))
+    finally:
+        policy.shutdown()
+        for e in engines:
+            ray.get(e.shutdown.remote())
+            ray.kill(e)
+
+    # a refit moves the adapter alone
+    assert [s["refit/bytes"] for s in steps] == [adapter_bytes(tiny_model_path)] * 3
+    # steps 2 and 3 trained tokens that adapters sampled: the trainer's logprobs match the engine's
+    assert [s["policy/version"] for s in steps] == [1, 2, 3]
+    assert all(s["mismatch/stale_frac"] == 0 and s["mismatch/max_abs"] < 1e-4 for s in steps)
+    # old adapters are unloaded: only the current one stays
+    assert held[0] == 1 and len(held[1]) == 1
+    # the engine with adapter 3 decodes greedily what the merged (exported) model computes
+    ids, n = PROBE + greedy["token_ids"], len(greedy["token_ids"])
+    b = make_batch([Segment(ids, [0] * len(PROBE) + [1] * n, [0.0] * len(ids), [0] * len(ids), "r", "g")], 0)
+    logp, argmax = hf_forward(str(tmp_path / "hf"), b, 1.0)
+    assert greedy["versions"] == [3] * n and n == 12
+    assert float((logp[0, len(PROBE):] - torch.tensor(greedy["logprobs"])).abs().max()) < 1e-4
+    assert argmax[0, len(PROBE) - 1:-1].tolist() == greedy["token_ids"]
+
+
+PROBE = [1, 40, 41, 42, 43]
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ({"target_modules": ["nothing_here"]}, "matched no linear layer"),
+    ({"target_modules": ["lm_head"]}, "leave the output head"),
+])
+def test_bad_targets_are_refused_by_name(tiny_model_path, override, fragment) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from molt.trainer.lora import apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    spec = lora_spec(tiny_model_path)
+    spec.model.lora = spec.model.lora.model_copy(update=override)
+    with pytest.raises(ValueError, match=fragment):
+        apply_lora(model, spec)
