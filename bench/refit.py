@@ -5,6 +5,7 @@ reset the prefix cache) in real runs, so it is what a user pays per step.
 
     python bench/refit.py --quick
     python bench/refit.py --sizes tiny,30m,100m --lengths 16 [--reuse]
+    python bench/refit.py --lora 8 --sizes tiny,30m     (LoRA adapter refit vs full refit, same command)
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from molt_run import add_flags, apply_quick, cells, finish, intro, metric, model
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, sizes="tiny,30m,100m", lengths="16")
+    p.add_argument("--lora", type=int, default=0, help="also run model.lora.rank=N and compare (section "
+                   "refit_lora)")
     args = p.parse_args()
     apply_quick(args)
+    if args.lora:
+        return compare_lora(args)
     records = [r for r in sweep(args, {"sync": ["rollout.mode=sync"]}) if "summary" in r]
     rows, points = [], []
     params = {size: param_count(model_path(size)) for size in args.sizes.split(",")}
@@ -42,6 +47,28 @@ def main() -> None:
     if not args.quick and points:
         draw(points)
     finish(args, "refit", body)
+
+
+def compare_lora(args: argparse.Namespace) -> None:
+    """Full-weight refit against a LoRA adapter refit, runs alternated in one sweep."""
+    variants = {"full": ["rollout.mode=sync"], f"lora r{args.lora}": ["rollout.mode=sync",
+                                                                      f"model.lora.rank={args.lora}"]}
+    records = sweep(args, variants)
+    rows = []
+    for size, length in cells(args):
+        for name in variants:
+            runs = [r for r in records if (r["size"], r["length"], r["variant"]) == (size, length, name)]
+            ok = [r for r in runs if "rows" in r]
+            if not ok:
+                rows.append([size, name, "failed", "", "", ""])
+                continue
+            refit = [statistics.median(x["time/refit"] for x in r["rows"]) for r in ok]
+            sent = statistics.median(x["refit/bytes"] for r in ok for x in r["rows"])
+            rows.append([size, name, f"{sent / 2**20:.3g}", fmt_spread(refit, 3),
+                         f"{statistics.median(metric(r['medians'], 'time/train') for r in ok):.3g}",
+                         f"{statistics.median(metric(r['medians'], 'time/step') for r in ok):.3g}"])
+    head = ["model", "refit", "MB per refit", "refit s median (min–max)", "train s", "step s"]
+    finish(args, "refit_lora", intro("Refit cost: LoRA adapter vs full weights", args) + table(head, rows))
 
 
 def draw(points: list[tuple[str, float, float]]) -> None:

@@ -177,3 +177,14 @@ def test_bad_targets_are_refused_by_name(tiny_model_path, override, fragment) ->
     spec.model.lora = spec.model.lora.model_copy(update=override)
     with pytest.raises(ValueError, match=fragment):
         apply_lora(model, spec)
+
+
+def test_moe_and_vision_models_are_refused_before_an_engine_starts(vlm_path) -> None:
+    from molt.rollout.engine import start_engines
+    from molt.tiny import tiny_model_path
+
+    moe = str(tiny_model_path(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
+    with pytest.raises(ValueError, match="model.lora with a MoE model is not supported"):
+        start_engines(lora_spec(moe), moe)
+    with pytest.raises(ValueError, match="model.lora with a vision-language model is not supported"):
+        start_engines(lora_spec(vlm_path), vlm_path)

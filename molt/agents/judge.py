@@ -23,7 +23,7 @@ from typing import Any
 
 from molt.agents.render import encode, render
 from molt.rollout.dispatch import Dispatcher
-from molt.spec import RunSpec
+from molt.spec import LoRASpec, RunSpec
 
 YES, NO = "yes", "no"
 
@@ -47,8 +47,10 @@ class Judge:
         # The judge scores while the policy's engines generate: one thread each unless parallel.cpu_threads
         # says otherwise, rather than a second claim on every core.
         threads = spec.parallel.cpu_threads or 1
+        # The judge is never refitted: it serves its model as is, without the policy's LoRA adapters.
         own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": judge.engine}),
-                                      "parallel": spec.parallel.model_copy(update={"cpu_threads": threads})})
+                                      "parallel": spec.parallel.model_copy(update={"cpu_threads": threads}),
+                                      "model": spec.model.model_copy(update={"lora": LoRASpec()})})
         return cls(start_engines(own, path), AutoTokenizer.from_pretrained(path), judge.temperature)
 
     async def p_yes(self, messages: list[dict]) -> float:

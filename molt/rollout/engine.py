@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from molt.rollout.engine_args import actor_options, engine_kwargs, on_cpu
+from molt.rollout.engine_args import actor_options, check_lora, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.spec import ModelSpec, RolloutSpec
 from molt.trajectory import AgentError, Sample
@@ -332,6 +332,7 @@ def start_engine(spec: Any, model_path: str, index: int) -> Any:
 
 def start_engines(spec: Any, model_path: str) -> list:
     """Start `rollout.engine.num_engines` engine actors from a `RunSpec` and wait until they are ready."""
+    check_lora(model_path, spec.model)
     engines = [start_engine(spec, model_path, i) for i in range(spec.rollout.engine.num_engines)]
     ray.get([e.ready.remote() for e in engines], timeout=spec.rollout.engine.start_timeout_s)
     return engines

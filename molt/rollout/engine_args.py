@@ -14,6 +14,7 @@ from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
 from molt.vision import is_vision_model
 
 WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
+MOE_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")   # expert counts in HF configs
 
 
 def on_cpu() -> bool:
@@ -93,3 +94,20 @@ def lora_kwargs(rank: int, max_staleness: int) -> dict[str, Any]:
 
     ranks = [r for r in get_args(MaxLoRARanks) if r >= rank]   # vLLM sizes its buffers for these only
     return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": max_staleness + 1}
+
+
+def check_lora(model_path: str, model: ModelSpec) -> None:
+    """Refuse `model.lora` on a model whose adapters the engines cannot serve (before any engine starts)."""
+    from transformers import AutoConfig
+
+    if not model.lora.rank:
+        return
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=model.trust_remote_code)
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError("model.lora with a vision-language model is not supported: its engine runs vLLM's "
+                         "transformers backend on CPU, where adapter serving has not been made to work; "
+                         "train it without model.lora")
+    if any(getattr(config.get_text_config(), key, 0) for key in MOE_KEYS):
+        raise ValueError("model.lora with a MoE model is not supported: vLLM serves an adapter on a MoE "
+                         "model through its fused MoE LoRA kernels, which need Triton on a GPU (vLLM's CPU "
+                         "build fails in them), so no path runs here to test it; train it without model.lora")
