@@ -50,25 +50,32 @@ def main() -> None:
 
 
 def compare_lora(args: argparse.Namespace) -> None:
-    """Full-weight refit against a LoRA adapter refit, runs alternated in one sweep."""
+    """Full-weight refit against a LoRA adapter refit, both runs of each size in one sweep."""
     variants = {"full": ["rollout.mode=sync"], f"lora r{args.lora}": ["rollout.mode=sync",
                                                                       f"model.lora.rank={args.lora}"]}
     records = sweep(args, variants)
-    rows = []
+    rows, ratios = [], []
     for size, length in cells(args):
+        got = {}
         for name in variants:
-            runs = [r for r in records if (r["size"], r["length"], r["variant"]) == (size, length, name)]
-            ok = [r for r in runs if "rows" in r]
+            ok = [r for r in records if (r["size"], r["length"], r["variant"]) == (size, length, name)
+                  and "rows" in r]
             if not ok:
-                rows.append([size, name, "failed", "", "", ""])
+                rows.append([size, name, "failed", "", "", "", ""])
                 continue
             refit = [statistics.median(x["time/refit"] for x in r["rows"]) for r in ok]
             sent = statistics.median(x["refit/bytes"] for r in ok for x in r["rows"])
-            rows.append([size, name, f"{sent / 2**20:.3g}", fmt_spread(refit, 3),
-                         f"{statistics.median(metric(r['medians'], 'time/train') for r in ok):.3g}",
-                         f"{statistics.median(metric(r['medians'], 'time/step') for r in ok):.3g}"])
-    head = ["model", "refit", "MB per refit", "refit s median (min–max)", "train s", "step s"]
-    finish(args, "refit_lora", intro("Refit cost: LoRA adapter vs full weights", args) + table(head, rows))
+            got[name] = (sent, statistics.median(refit))
+            rows.append([size, name, f"{sent / 2**20:.3g}", fmt_spread(refit, 3)] +
+                        [f"{statistics.median(metric(r['medians'], key) for r in ok):.3g}"
+                         for key in ("time/generate", "time/train", "time/step")])
+        if len(got) == 2:
+            (full_b, full_s), (lora_b, lora_s) = got.values()
+            ratios.append(f"- {size}: the adapter refit moves {full_b / lora_b:.0f}x fewer bytes and takes "
+                          f"{full_s / lora_s:.1f}x less time than the full refit")
+    head = ["model", "refit", "MB per refit", "refit s median (min–max)", "generate s", "train s", "step s"]
+    body = "\n".join([table(head, rows), "", *ratios])
+    finish(args, "refit_lora", intro("Refit cost: LoRA adapter vs full weights", args) + "\n" + body)
 
 
 def draw(points: list[tuple[str, float, float]]) -> None:
