@@ -18,6 +18,7 @@ from test_trainer import batch_of
 
 from molt.spec import RunSpec
 
+pytestmark = pytest.mark.timeout(300)   # a broken refit or version label hangs the pool instead
 RANK, ALPHA = 8, 16.0
 
 
@@ -100,6 +101,9 @@ def test_only_the_adapter_trains_and_the_export_merges_it(tiny_model_path, tmp_p
 
 def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_session, tiny_model_path, tok,
                                                                        tmp_path) -> None:
+    """Three steps of the loop (pool → learn → refit) on an engine serving adapters; then a greedy request
+    is sent with adapter 3 and the trainer steps and refits adapter 4 while it runs: the request keeps
+    adapter 3 (its tokens say version 3) and decodes what the merged export of version 3 computes."""
     from molt.agents import load_agent_runner
     from molt.fleet import Fleet
     from molt.loop import begin, train_step
@@ -115,8 +119,10 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
     policy = TrainerGroup(spec, "policy")
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
+    loaded = engines[0].__ray_call__.remote   # the engine's loaded adapters and their folders
+    adapters = (lambda self: (len(self.adapter_users), len(os.listdir(self.adapter_dir))))
 
-    async def scenario() -> tuple[list[dict], dict]:
+    async def scenario() -> tuple[list[dict], tuple, dict]:
         fleet = Fleet(spec, tiny_model_path, engines=engines)
         sampler = TrainingSampler(fleet.router, 0, lambda: at.pool.version)
 
@@ -129,15 +135,18 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
                  for _ in range(3)]
         await at.pool.close()
         logger.close()
-        greedy = await engines[0].generate.remote(PROBE, {"temperature": 0.0, "max_tokens": 12,
-                                                                     "ignore_eos": True})
-        return steps, greedy
+        held = await loaded(adapters)
+        await asyncio.to_thread(policy.export_hf, str(tmp_path / "hf"))    # version 3, merged
+        await asyncio.to_thread(policy.train_step, batch_of(7))            # the trainer moves on
+        # 100 greedy tokens; the refit reaches the engine within its first few (a ping and a call later)
+        request = engines[0].generate.remote(PROBE, {"temperature": 0.0, "max_tokens": 100,
+                                                     "ignore_eos": True})
+        await fleet.refit(4)
+        kept = await request
+        return steps, (held, await loaded(adapters)), kept
 
     try:
-        steps, greedy = asyncio.run(scenario())
-        policy.export_hf(str(tmp_path / "hf"))
-        held = ray.get(engines[0].__ray_call__.remote(
-            lambda self: (len(self.adapter_users), os.listdir(self.adapter_dir))))
+        steps, held, kept = asyncio.run(scenario())
     finally:
         policy.shutdown()
         for e in engines:
@@ -149,15 +158,16 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
     # steps 2 and 3 trained tokens that adapters sampled: the trainer's logprobs match the engine's
     assert [s["policy/version"] for s in steps] == [1, 2, 3]
     assert all(s["mismatch/stale_frac"] == 0 and s["mismatch/max_abs"] < 1e-4 for s in steps)
-    # old adapters are unloaded: only the current one stays
-    assert held[0] == 1 and len(held[1]) == 1
-    # the engine with adapter 3 decodes greedily what the merged (exported) model computes
-    ids, n = PROBE + greedy["token_ids"], len(greedy["token_ids"])
+    # old adapters are unloaded once no request uses them: after step 3 only the current one is loaded;
+    # adapter 3 was still in use when adapter 4 came, so it stayed (until a later refit)
+    assert held == ((1, 1), (2, 2))
+    # the request that started on adapter 3 decodes greedily what the merged export of version 3 computes
+    ids, n = PROBE + kept["token_ids"], len(kept["token_ids"])
     b = make_batch([Segment(ids, [0] * len(PROBE) + [1] * n, [0.0] * len(ids), [0] * len(ids), "r", "g")], 0)
     logp, argmax = hf_forward(str(tmp_path / "hf"), b, 1.0)
-    assert greedy["versions"] == [3] * n and n == 12
-    assert float((logp[0, len(PROBE):] - torch.tensor(greedy["logprobs"])).abs().max()) < 1e-4
-    assert argmax[0, len(PROBE) - 1:-1].tolist() == greedy["token_ids"]
+    assert kept["versions"] == [3] * n and n == 100
+    assert float((logp[0, len(PROBE):] - torch.tensor(kept["logprobs"])).abs().max()) < 1e-4
+    assert argmax[0, len(PROBE) - 1:-1].tolist() == kept["token_ids"]
 
 
 PROBE = [1, 40, 41, 42, 43]
