@@ -65,7 +65,7 @@ def test_only_the_adapter_trains_and_the_export_merges_it(tiny_model_path, tmp_p
     from molt.trainer.worker import TrainerWorker
 
     environ = dict(os.environ)   # the rank sets torch.distributed's variables
-    worker = TrainerWorker(lora_spec(tiny_model_path).model_dump(), "policy", 0)
+    worker = TrainerWorker(lora_spec(tiny_model_path), "policy", 0, tiny_model_path)
     try:
         worker.setup(*worker.address())
         before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
@@ -73,11 +73,11 @@ def test_only_the_adapter_trains_and_the_export_merges_it(tiny_model_path, tmp_p
         held = {id(p) for g in worker.optimizer.param_groups for p in g["params"]}
         assert held == {id(p) for n, p in worker.model.named_parameters() if n in adapter} and held
         b = batch_of(7)
-        worker.train_step(b)
+        worker.update(b)
         after = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
         assert max(float((after[n] - before[n]).abs().max()) for n in before if n not in adapter) == 0.0
         assert min(float((after[n] - before[n]).abs().max()) for n in adapter if ".lora_B." in n) > 1e-4
-        trained = worker.scores(b)
+        trained = worker.forward(b)
         [chunk] = adapter_chunks(worker.model, 1 << 30, torch.float32, worker.device, worker.device)
         worker.export_hf(str(tmp_path / "hf"))
     finally:
@@ -106,17 +106,17 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
     adapter 3 (its tokens say version 3) and decodes what the merged export of version 3 computes."""
     from molt.agents import load_agent_runner
     from molt.fleet import Fleet
-    from molt.loop import begin, train_step
+    from molt.loop import begin, rl_step
     from molt.metrics import RunLogger
     from molt.rollout.engine import start_engines
     from molt.rollout.sampling import TrainingSampler
     from molt.trainer.batch import make_batch
-    from molt.trainer.group import TrainerGroup
+    from molt.trainer.ranks import TrainerRanks
     from molt.trajectory import Segment
 
     spec = lora_spec(tiny_model_path, run={"dir": str(tmp_path / "run")})
     engines = start_engines(spec, tiny_model_path)
-    policy = TrainerGroup(spec, "policy")
+    policy = TrainerRanks(spec, "policy")
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
     loaded = engines[0].__ray_call__.remote   # the engine's loaded adapters and their folders
@@ -124,20 +124,20 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
 
     async def scenario() -> tuple[list[dict], tuple, dict]:
         fleet = Fleet(spec, tiny_model_path, engines=engines)
-        sampler = TrainingSampler(fleet.router, 0, lambda: at.pool.version)
+        sampler = TrainingSampler(fleet.dispatcher, 0, lambda: at.pool.version)
 
         async def rollout_fn(item: dict, group_id: str, index: int):
             return await runner.run(item, f"{group_id}-{index}", group_id, sampler)
 
         at = await begin(spec, (policy, None, None), fleet, rollout_fn, None, refit_engines=False)
         logger = RunLogger(spec)
-        steps = [await train_step(spec, at, (policy, None, None), fleet, tok.pad_token_id, logger)
+        steps = [await rl_step(spec, at, (policy, None, None), fleet, tok.pad_token_id, logger)
                  for _ in range(3)]
         await at.pool.close()
         logger.close()
         held = await loaded(adapters)
         await asyncio.to_thread(policy.export_hf, str(tmp_path / "hf"))    # version 3, merged
-        await asyncio.to_thread(policy.train_step, batch_of(7))            # the trainer moves on
+        await asyncio.to_thread(policy.update, batch_of(7))            # the trainer moves on
         # 100 greedy tokens; the refit reaches the engine within its first few (a ping and a call later)
         request = engines[0].generate.remote(PROBE, {"temperature": 0.0, "max_tokens": 100,
                                                      "ignore_eos": True})

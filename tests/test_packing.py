@@ -55,15 +55,15 @@ def test_packed_critic_values_and_entropy_equal_padded(tiny_model_path) -> None:
     def per_token(role: str, budget: int | None) -> torch.Tensor:
         spec = make_spec(tiny_model_path, micro_batch_tokens=budget)
         environ = dict(os.environ)   # the rank sets torch.distributed's variables
-        worker = TrainerWorker(spec.model_dump(), role, 0)
+        worker = TrainerWorker(spec, role, 0, tiny_model_path)
         try:
             worker.setup(*worker.address())
             if role == "critic":
-                return worker.scores(batch)
+                return worker.forward(batch)
             out, start = torch.zeros(batch["input_ids"].shape), 0
             for mb in worker._micro_batches(batch):
                 rows, length = mb["input_ids"].shape
-                out[start:start + rows, :length] = worker._scores(mb, entropy=True)[1]
+                out[start:start + rows, :length] = worker._forward(mb, entropy=True)[1]
                 start += rows
             return out
         finally:
