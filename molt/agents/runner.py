@@ -85,7 +85,7 @@ class Runner:
         if item.get(data.prompt_key) is not None:
             return [{"role": "user", "content": str(item[data.prompt_key])}]
         raise AgentError(f"dataset row has neither '{data.prompt_key}' nor '{data.messages_key}' "
-                       f"(keys: {sorted(item)})")
+                         f"(keys: {sorted(item)})")
 
     def label_of(self, item: dict) -> Any:
         return item.get(self.spec.data.label_key)
