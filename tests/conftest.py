@@ -48,7 +48,7 @@ def engine_spec(tiny_model_path):
     from molt.spec import RunSpec
 
     return RunSpec.model_validate({
-        "model": {"max_model_len": 512},  # room for a chat prompt with a tool schema (agents tests)
+        "model": {"max_model_len": 1024},  # room for two constrained tool calls after a tool schema
         "rollout": {"max_tokens": 8, "engine": {"kv_cache_gib": 0.25, "enforce_eager": True}},
     })
 

@@ -98,7 +98,7 @@ def test_tool_calls_on_both_wires_streaming_or_not(tok, engine, runners):
     results = []
     for module, options in agents:
         for stream in (False, True):
-            agent = {"max_turns": 2, "max_total_tokens": 500, "options": {**options, "stream": stream}}
+            agent = {"max_turns": 2, "max_total_tokens": 900, "options": {**options, "stream": stream}}
             runner = runners(str(EXAMPLES / module), agent, max_tokens=64)
             [r] = run_all(runner, [TOOLS_ITEM], sampler, group=f"{module}{stream}")
             [calls] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])

@@ -55,8 +55,10 @@ def test_openai_agents_sdk_over_the_responses_api(tok, sampler, runners, trainer
         "type": "object", "additionalProperties": False}, "strict": True}}
     options = {"tool_choice": "square", "follow_up": "And now?"}
     rollouts = []
+    # Constrained decoding may spell a forced call byte by byte (72 tokens with a 6-digit x, and a 12-digit
+    # tool output): a 500-token budget once cut the second call short, so the budget is 900.
     for stream in (False, True):
-        runner = runners("openai_agents_sdk.py", {"max_turns": 2, "max_total_tokens": 500,
+        runner = runners("openai_agents_sdk.py", {"max_turns": 2, "max_total_tokens": 900,
                                                   "options": {**options, "stream": stream}}, max_tokens=96)
         rollouts += run_all(runner, [SQUARE_QUESTION] * 2, sampler, group="sdk")
     system = {"role": "system", "content": "Use the square tool."}
@@ -82,7 +84,7 @@ def test_openai_agents_sdk_over_the_responses_api(tok, sampler, runners, trainer
 
 
 def test_langgraph_agent_through_langchain_openai(tok, sampler, runners, trainer):
-    runner = runners("langgraph_agent.py", {"max_turns": 2, "max_total_tokens": 500,
+    runner = runners("langgraph_agent.py", {"max_turns": 2, "max_total_tokens": 900,
                                             "options": {"tool_choice": "add"}}, max_tokens=96)
     rollouts = run_all(runner, [QUESTION] * 4, sampler, group="lg")
     for r in rollouts:
@@ -93,9 +95,9 @@ def test_langgraph_agent_through_langchain_openai(tok, sampler, runners, trainer
 
 
 def test_pydantic_ai_agent_structured_output_over_two_runs(tok, engine, runners, trainer):
-    # Near-greedy and seeded: the 512-token context of the shared engine holds two constrained calls of a
-    # few dozen tokens each, and free sampling could pick a longer spelling of one. (Greedy tokens have
-    # no sampling probability, so training refuses them.)
+    # Near-greedy and seeded: a 511-token conversation (agent.max_total_tokens) holds two constrained
+    # calls of a few dozen tokens each, and free sampling could pick a longer spelling of one. (Greedy
+    # tokens have no sampling probability, so training refuses them.)
     sampler = Recorder(engine, seed=0)
     runner = runners("pydantic_ai_agent.py", {"max_turns": 2, "max_total_tokens": 511}, max_tokens=96,
                      temperature=0.2)
@@ -120,7 +122,7 @@ def test_verifiers_environment_as_a_chat_agent(tok, sampler, runners, trainer):
     pytest.importorskip("verifiers", reason="needs the verifiers extra: pip install molt[verifiers]")
     options = {"env": str(EXAMPLES.parent / "envs" / "vf_square.py"), "env_args": {"max_turns": 2},
                "sampling_args": {"tool_choice": {"type": "function", "function": {"name": "square"}}}}
-    runner = runners("verifiers_env.py", {"max_turns": 2, "max_total_tokens": 500, "options": options},
+    runner = runners("verifiers_env.py", {"max_turns": 2, "max_total_tokens": 900, "options": options},
                      max_tokens=96)
     rollouts = run_all(runner, [SQUARE_QUESTION] * 4, sampler, group="vf")
     for r in rollouts:

@@ -33,7 +33,7 @@ def runners(tok):
 @pytest.mark.parametrize("shared", [False, True])
 def test_mcp_agent_calls_the_servers_tools_and_trains(tok, engine, runners, trainer, shared):
     sampler = Recorder(engine)
-    runner = runners("mcp_agent.py", {"max_turns": 2, "max_total_tokens": 500,
+    runner = runners("mcp_agent.py", {"max_turns": 2, "max_total_tokens": 900,
                                       "options": {"tool_choice": FORCED, "shared": shared}}, max_tokens=96)
     rollouts = run_all(runner, [ITEM] * 3, sampler, group=f"mcp{shared}")
     tools = asyncio.run(_list_tools())

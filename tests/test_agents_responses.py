@@ -18,7 +18,7 @@ from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, load_ag
 ADD = {"type": "function", "name": "add", "description": "a+b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
     "required": ["a", "b"]}}
-AGENT = {"max_turns": 2, "max_total_tokens": 500}
+AGENT = {"max_turns": 2, "max_total_tokens": 900}
 
 
 class ResponsesTools(ChatAgent):
