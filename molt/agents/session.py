@@ -71,7 +71,9 @@ class ChatSession:
         n, tok = len(self.history), self.tokenizer
         if not self.candidates or tools != self.tools or len(messages) <= n + 1:
             return None
-        if render(tok, messages[:n], tools) != render(tok, self.history, tools):
+        # Equal messages render equally; only a rewritten prefix pays for two renders to compare.
+        if messages[:n] != self.history and \
+                render(tok, messages[:n], tools) != render(tok, self.history, tools):
             return None
         if normalize(messages[:n])[1] != normalize(self.history)[1]:   # templates render no image bytes
             return None
