@@ -6,7 +6,10 @@ stock OpenAI SDK (HTTP, wire validation, history re-encoding, reply parsing). Bo
 stand-in engine: it answers every request after a fixed delay with the same tokens, so the engine's
 own speed and noise drop out and the difference per turn is the server path's cost. A turn's latency
 is, for the chat agent, the SDK call; for `Env`, from the previous `step()`'s return (or the rollout's
-start) to the next `step()` call. Paths alternate per repeat.
+start) to the next `step()` call. Paths alternate per repeat. With every session in one process, a
+turn's latency is mostly its wait behind the other sessions' Python work, so the work itself is
+reported too: the run's wall time per turn (all sessions' turns), whose chat − Env difference is what
+the server path costs each turn in CPU.
 
     python bench/agentic.py --quick
     python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
@@ -118,6 +121,7 @@ def main() -> None:
     env_runner, chat_runner = runners(args.turns, latencies)
     medians = {"env": [], "chat": []}
     p99 = {"env": [], "chat": []}
+    walls = {"env": [], "chat": []}   # wall seconds per turn of a whole run (sessions x turns)
 
     async def measure() -> None:
         for runner in (env_runner, chat_runner):
@@ -127,7 +131,9 @@ def main() -> None:
             order = ["env", "chat"] if r % 2 == 0 else ["chat", "env"]
             for name in order:
                 latencies[name].clear()
+                start = time.perf_counter()
                 await run_path(env_runner if name == "env" else chat_runner, engine, args.sessions)
+                walls[name].append((time.perf_counter() - start) / (args.sessions * args.turns))
                 medians[name].append(statistics.median(latencies[name]))
                 p99[name].append(percentile(latencies[name], 0.99))
                 print(f"[agentic] r{r} {name}: median {medians[name][-1] * 1e3:.1f} ms, p99 "
@@ -139,7 +145,8 @@ def main() -> None:
     ms = lambda x: f"{statistics.median(x) * 1e3:.1f} ({min(x) * 1e3:.1f}–{max(x) * 1e3:.1f})"  # noqa: E731
     added = lambda d: [c - e for c, e in zip(d["chat"], d["env"], strict=True)]  # noqa: E731
     rows = [["median", ms(medians["env"]), ms(medians["chat"]), ms(added(medians)), "≤ 2 ms"],
-            ["p99", ms(p99["env"]), ms(p99["chat"]), ms(added(p99)), "≤ 10 ms"]]
+            ["p99", ms(p99["env"]), ms(p99["chat"]), ms(added(p99)), "≤ 10 ms"],
+            ["run wall / turns (work per turn)", ms(walls["env"]), ms(walls["chat"]), ms(added(walls)), "—"]]
     command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
     body = "\n".join([
         "## Agentic path: loopback server vs Env", "", header(),

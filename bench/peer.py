@@ -3,8 +3,11 @@
 Same model folder (molt.tiny), task and reward (repeat the letter), prompts per step, samples per
 prompt, max tokens, learning rate and sampling (temperature 1, no top-k/top-p). For each repeat, size
 and length, Molt (`python -m molt`, its own venv) and TRL (bench/trl_peer.py in bench/.venv-trl) run
-back to back, alternating which goes first, so machine load drifts over both alike. Ratios are taken
-per repeat (Molt/TRL of adjacent runs), then reported as median (min–max) over repeats.
+back to back, alternating which goes first, so machine load drifts over both alike. Each framework runs
+at each of its thread settings (TRL: torch threads; Molt: `parallel.cpu_threads`, `null` = the running
+stage takes every core) and is compared in its fastest one. Ratios are taken per repeat (Molt/TRL of
+adjacent runs), then reported as median (min–max) over repeats. `--dtype bfloat16` runs both in bf16
+(Molt `model.dtype=bfloat16`, TRL `bf16=True`) and writes its own section, never mixed with fp32.
 
     python bench/peer.py --quick                     # smoke: tiny, 16 tokens, 1 repeat, 3 steps
     python bench/peer.py --sizes tiny,30m --lengths 16,128 --skip 30m:16 --repeats 3 --steps tiny=8,30m=3
@@ -55,6 +58,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="sync", help="Molt rollout.mode(s) to run: sync, async or sync,async")
     p.add_argument("--trl-threads", default="1,2",
                    help="torch thread counts TRL runs with; ratios take TRL's fastest per repeat")
+    p.add_argument("--molt-threads", default="1,null",
+                   help="parallel.cpu_threads settings Molt runs with; ratios take Molt's fastest per repeat")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights/compute dtype of both frameworks (bfloat16: a separate results section)")
     p.add_argument("--molt-extra", default="",
                    help="more Hydra overrides for every Molt run, space-separated (e.g. 'rollout.top_p=1.0')")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -73,7 +80,8 @@ def run_trl(model: str, max_tokens: int, steps: int, args: argparse.Namespace, l
     cmd = [str(TRL_PYTHON), str(BENCH / "trl_peer.py"), "--model", model, "--out", str(out),
            "--steps", str(steps), "--warmup", str(args.warmup), "--max-tokens", str(max_tokens),
            "--prompts-per-step", str(args.prompts_per_step), "--samples-per-prompt",
-           str(args.samples_per_prompt), "--lr", str(lr), "--threads", str(threads)]
+           str(args.samples_per_prompt), "--lr", str(lr), "--threads", str(threads),
+           *(["--bf16"] if args.dtype == "bfloat16" else [])]
     start, load = time.perf_counter(), os.getloadavg()[0]
     log = out.with_suffix(".log")
     with log.open("w") as f:
@@ -100,15 +108,18 @@ def run_all(args: argparse.Namespace, folder: Path) -> None:
     for r in range(args.repeats):
         for size in sizes:
             for length in [n for n in lengths if f"{size}:{n}" not in skip]:
-                jobs = [("molt", m) for m in modes] + [("trl", t) for t in args.trl_threads.split(",")]
+                jobs = ([("molt", (m, t)) for m in modes for t in args.molt_threads.split(",")]
+                        + [("trl", t) for t in args.trl_threads.split(",")])
                 for fw, mode in jobs if r % 2 == 0 else jobs[::-1]:  # alternate who goes first
                     if fw == "trl":
                         name = f"trl{mode}-{size}-{length}-r{r}"
                         result = run_trl(paths[size], length, steps[size], args, LR[size],
                                          folder / f"{name}.json", int(mode))
                     else:
-                        name = f"molt-{size}-{length}-{mode}-r{r}"
-                        extra = [f"rollout.mode={mode}", f"run.name=peer-{name}", *args.molt_extra.split()]
+                        mode, threads = mode
+                        name = f"molt{threads}-{size}-{length}-{mode}-r{r}"
+                        extra = [f"rollout.mode={mode}", f"run.name=peer-{name}", f"model.dtype={args.dtype}",
+                                 f"parallel.cpu_threads={threads}", *args.molt_extra.split()]
                         result = run_molt(overrides(size, length, steps[size], args.prompts_per_step,
                                                     args.samples_per_prompt, extra=extra),
                                           folder / name, args.timeout)
@@ -154,13 +165,19 @@ def compare(pairs: list[tuple[dict, dict]]) -> tuple[list[str], list[float], lis
     return cells, step_ratio, trained
 
 
-def trl_runs(runs: dict[tuple, dict], size: str, length: str, r: int) -> dict[int, dict]:
-    """TRL's runs of one repeat and cell by torch threads (folders from before --trl-threads: 1 thread)."""
-    out = {}
-    for key, run in runs.items():
-        if key[0].startswith("trl") and key[1:] == (size, length, f"r{r}"):
-            out[int(key[0][3:] or 1)] = run
-    return out
+def framework_runs(runs: dict[tuple, dict], fw: str, cell: tuple[str, ...]) -> dict[str, dict]:
+    """One framework's runs of one cell and repeat by thread setting (folders from before thread
+    variants: 1 thread)."""
+    return {key[0][len(fw):] or "1": run for key, run in runs.items()
+            if key[0].startswith(fw) and key[1:] == cell}
+
+
+def fastest(runs: dict[str, dict]) -> dict:
+    return min(runs.values(), key=lambda t: t["summary"]["step_s"])
+
+
+def by_setting(steps: dict[str, list[float]]) -> str:
+    return " / ".join(f"{statistics.median(v):.3g} ({t})" for t, v in sorted(steps.items()))
 
 
 def report(folder: Path, write_results: bool) -> str:
@@ -172,42 +189,47 @@ def report(folder: Path, write_results: bool) -> str:
     for size in sizes:
         for length in [n for n in lengths if f"{size}:{n}" not in skip]:
             for mode in modes:
-                pairs, by_threads = [], {}
+                pairs, steps = [], {"molt": {}, "trl": {}}
                 for r in range(int(a["repeats"])):
-                    molt = runs.get(("molt", size, length, mode, f"r{r}"))
-                    trls = trl_runs(runs, size, length, r)
-                    for threads, run in trls.items():
-                        by_threads.setdefault(threads, []).append(run["summary"]["step_s"])
-                    if molt and trls:   # against TRL's fastest setting of this repeat
-                        pairs.append((molt, min(trls.values(), key=lambda t: t["summary"]["step_s"])))
+                    found = {"molt": framework_runs(runs, "molt", (size, length, mode, f"r{r}")),
+                             "trl": framework_runs(runs, "trl", (size, length, f"r{r}"))}
+                    for fw, by in found.items():
+                        for threads, run in by.items():
+                            steps[fw].setdefault(threads, []).append(run["summary"]["step_s"])
+                    if found["molt"] and found["trl"]:   # each in its fastest setting of this repeat
+                        pairs.append((fastest(found["molt"]), fastest(found["trl"])))
                 if not pairs:
-                    rows.append([size, length, mode, "—", "—", "—", "—", "—", "—", "—", "no complete pair"])
+                    rows.append([size, length, mode, "—", "—", "—", "—", "—", "—", "—", "—",
+                                 "no complete pair"])
                     continue
                 row, step_ratio, trained = compare(pairs)
-                trl_steps = " / ".join(f"{statistics.median(v):.3g} ({t})"
-                                       for t, v in sorted(by_threads.items()))
-                rows.append([f"{size} ({meta['params'][size] / 1e6:.1f}M)", length, mode, trl_steps, *row])
+                rows.append([f"{size} ({meta['params'][size] / 1e6:.1f}M)", length, mode,
+                             by_setting(steps["molt"]), by_setting(steps["trl"]), *row])
                 plot.append((f"{size}\n{length} tok\n{mode}", step_ratio, trained))
-    head = ["model", "max tokens", "Molt mode", "TRL step s (threads)", "step s Molt / best TRL",
+    head = ["model", "max tokens", "Molt mode", "Molt step s (cpu_threads)", "TRL step s (threads)",
+            "step s best Molt / best TRL",
             "generate s Molt / TRL",
             "step time ratio Molt/TRL", "trained tok/s ratio", "sampled tok/s ratio",
             "trained tok/s Molt / TRL",
             "reward first (Molt / TRL) → last", "repeats; setup Molt / TRL; 1-min load"]
+    bf16 = a.get("dtype", "float32") == "bfloat16"
+    name = "peer_bf16" if bf16 else "peer"
     body = "\n".join([
-        "## Peer comparison: Molt vs TRL GRPOTrainer", "",
+        f"## Peer comparison: Molt vs TRL GRPOTrainer{', bf16' if bf16 else ''}", "",
         meta["header"], f"- TRL env: {meta['trl_versions']}",
         f"- work per step: {a['prompts_per_step']} prompts x {a['samples_per_prompt']} samples, GRPO, "
-        f"steps per run {a['steps']} (first {a['warmup']} untimed), lr per size {LR}",
+        f"steps per run {a['steps']} (first {a['warmup']} untimed), lr per size {LR}, "
+        f"dtype {a.get('dtype', 'float32')}",
         f"- command: `{meta.get('command', 'python bench/peer.py')}`",
-        "- ratios: per repeat (adjacent runs) against TRL's fastest thread count in that repeat, median "
-        "(min–max); step time < 1 and tok/s > 1 favour Molt. Molt's extra overrides: "
-        f"`{a.get('molt_extra') or 'none'}` (default `parallel.cpu_threads: 1`).",
+        "- ratios: per repeat (adjacent runs), each framework in its fastest thread setting of that repeat, "
+        "median (min–max); step time < 1 and tok/s > 1 favour Molt. Molt's extra overrides: "
+        f"`{a.get('molt_extra') or 'none'}` (Molt's default is `parallel.cpu_threads: 1`).",
         "",
-        table(head, rows), "", "![peer](peer.png)",
+        table(head, rows), "", f"![{name}]({name}.png)",
     ])
     if write_results:
-        write_section("peer", body)
-        draw(plot, BENCH / "peer.png")
+        write_section(name, body)
+        draw(plot, BENCH / f"{name}.png")
     print(body)
     return body
 

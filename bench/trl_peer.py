@@ -34,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16, help="max response tokens")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (CPU autocast), as Molt's bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 3 steps, 1 warm-up step")
     return p.parse_args()
@@ -81,7 +82,7 @@ def main() -> None:
     batch = args.prompts_per_step * args.samples_per_prompt
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, fp16=False, use_vllm=False, report_to="none",
+            output_dir=tmp, use_cpu=True, bf16=args.bf16, fp16=False, use_vllm=False, report_to="none",
             max_steps=args.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
             num_generations=args.samples_per_prompt, max_completion_length=args.max_tokens,
             temperature=1.0, top_k=0, top_p=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
