@@ -72,8 +72,9 @@ class RunSpec(Strict):
         if self.model.reference_tiny and self.model.reference != "tiny":
             raise ValueError(f"model.reference_tiny is set but model.reference={self.model.reference}: set "
                              "model.reference=tiny to build the reference from these options")
-        if self.parallel.device == "cpu" and self.model.dtype != "float32":
-            raise ValueError("parallel.device=cpu trains in float32: set model.dtype=float32")
+        if self.parallel.device == "cpu" and self.model.dtype == "float16":
+            raise ValueError("parallel.device=cpu computes in float32 or bfloat16 (vLLM's CPU build and "
+                             "torch's CPU autocast): set model.dtype=float32 or bfloat16")
         _check_eval_keys(self)
         if self.agent.judge.path and self.parallel.device == "cuda":
             raise ValueError("agent.judge on parallel.device=cuda: the placement plan does not reserve GPUs "

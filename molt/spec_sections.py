@@ -50,7 +50,8 @@ class ModelSpec(Strict):
                                      vocab_size=320),
         description="molt.tiny options (sizes, experts, seed; the rest: molt.tiny's defaults)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights dtype of engines and trainer (float32 on CPU)")
+        "float32", description="compute dtype of engines and trainer (master weights stay float32); "
+        "CPU: float32 or bfloat16 (trainer under CPU autocast)")
     max_model_len: int = Field(256, description="context length in tokens: the prompt plus every turn")
     reference: str | None = Field(
         None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "

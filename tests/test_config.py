@@ -82,6 +82,7 @@ def test_bad_type_is_reported_with_key_and_value():
         (["parallel.ep_size=4"], "ep_size=4 must divide"),
         (["train.prompts_per_step=3", "parallel=cpu2", "rollout.samples_per_prompt=1"], "divisible"),
         (["algo=gae"], "needs a critic"),
+        (["model.dtype=float16"], "computes in float32 or bfloat16"),   # bfloat16 is accepted on CPU
         (["algo.correction.low=1.5", "algo.correction.high=1.0"], "must be below"),
         # layouts the trainer cannot run, refused with the reason (docs/parallelism.md)
         (["parallel=cpu2", "parallel.dp_size=1", "parallel.cp_size=2"], "cp_size > 1 is not supported"),

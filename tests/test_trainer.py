@@ -142,7 +142,8 @@ def test_per_token_sampling_parameters(monkeypatch) -> None:
 
 
 def reference_run(path: str, batches: list[dict[str, torch.Tensor]], spec: RunSpec):
-    """Single process, no FSDP, no micro-batches: the whole batch in one forward, plain AdamW."""
+    """Single process, no FSDP, no micro-batches: the whole batch in one forward, plain AdamW (under torch's
+    CPU autocast for model.dtype=bfloat16)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -150,7 +151,8 @@ def reference_run(path: str, batches: list[dict[str, torch.Tensor]], spec: RunSp
                             weight_decay=spec.train.weight_decay)
     losses = []
     for b in batches:
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        with torch.autocast("cpu", torch.bfloat16, enabled=spec.model.dtype == "bfloat16"):
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
         logp, _ = token_logprobs(logits, b["input_ids"], b["attention_mask"], spec.rollout.temperature)
         norm = float(b["loss_mask"].sum())  # the global token count, computed independently
         loss, _ = policy_loss(logp, {**b, "old_logp": logp.detach()}, spec.algo, norm)
@@ -220,6 +222,27 @@ def test_tensor_parallel_with_optimizer_offload_equals_one_process(ray_session, 
         assert abs(m["loss"] - loss) < 1e-5
         assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     assert max_diff(ref_weights, weights) <= 1e-5
+
+
+def test_bfloat16_on_cpu_is_autocast_over_fp32_weights(ray_session, tiny_model_path) -> None:
+    """model.dtype=bfloat16 on CPU trains like a single-process run under torch's CPU autocast with fp32
+    weights (logprobs, losses and gradient norms of 2 steps), and bf16 is really used: its logprobs are
+    more than 1e-3 away from fp32's."""
+    batches = [batch_of(s) for s in range(2)]
+    base = make_spec(tiny_model_path, mbs=64, lr=1e-4)
+    spec = base.model_copy(update={"model": base.model.model_copy(update={"dtype": "bfloat16"})})
+    ref_losses, _ = reference_run(tiny_model_path, batches, spec)
+    fp32_logp = reference_run(tiny_model_path, batches[:1], base)[0][0][1]
+    group = TrainerRanks(spec)
+    logp = group.logprobs(batches[0])
+    metrics = [group.update(b) for b in batches]
+    group.shutdown()
+    mask = batches[0]["loss_mask"] > 0
+    assert float((logp - ref_losses[0][1])[mask].abs().max()) < 1e-5
+    assert float((logp - fp32_logp)[mask].abs().max()) > 1e-3
+    for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
+        assert abs(m["loss"] - loss) < 1e-5
+        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
 
 def test_resume_is_exact(ray_session, tiny_model_path, tmp_path) -> None:

@@ -32,7 +32,8 @@ def distributed_setup(spec: RunSpec) -> Any:
 
     par = spec.parallel
     cuda = par.device == "cuda"
-    compute = DTYPES[spec.model.dtype] if cuda else torch.float32  # CPU trains in fp32 (spec rule)
+    # On CPU the shards stay fp32 and a bf16 model.dtype is CPU autocast in the worker's forward.
+    compute = DTYPES[spec.model.dtype] if cuda else torch.float32
     # offload=full is FSDP2's CPU offload: sharded params, grads and optimizer state live on the host
     # (offload=optimizer is the optimizer's business: molt/trainer/offload.py). pin_memory needs an
     # accelerator; on CPU the policy is a no-op kept for the same code path.

@@ -60,6 +60,8 @@ class TrainerWorker:
         load_plugins(self.spec)   # this process's loss registry must hold the spec's names too
         self.role, self.rank = role, rank
         self.cuda = self.spec.parallel.device == "cuda"
+        # On CUDA FSDP2's mixed-precision policy casts to model.dtype; on CPU autocast does (fp32 weights).
+        self.cpu_autocast = not self.cuda and self.spec.model.dtype != "float32"
         self.sft = self.spec.train.objective == "sft"
         if self.sft:   # SFT scores the model's own distribution: the rollout's sampling does not apply
             self.spec.rollout.temperature, self.spec.rollout.top_p, self.spec.rollout.top_k = 1.0, 1.0, -1
@@ -152,7 +154,8 @@ class TrainerWorker:
             {"position_ids": positions, "cu_seq_lens_q": mb["cu_seq_lens_q"]}
         attention = mb["attention_mask"] if positions is None else None
         scored = mb["attention_mask"] if positions is None else (positions > 0).long()
-        with replay_routes(self.model, routes):
+        with replay_routes(self.model, routes), torch.autocast("cpu", DTYPES[self.spec.model.dtype],
+                                                               enabled=self.cpu_autocast):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
                                 **packed, **images).logits.float()
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
