@@ -77,9 +77,9 @@ def cpu_threads(spec: RunSpec, role: str, index: int) -> int:
 
     `parallel.cpu_threads` when set; null: the cores this process may run on, split between the processes
     of its node that compute at the same time. In sync mode generation and training take turns, so the
-    stage that runs takes every core (2 threads cut a 30M-parameter train step by a third on 2 idle cores);
-    in async mode the node's engines and one role's ranks run together and split them. Not the default:
-    where other jobs hold the cores, every parallel region waits for a descheduled thread (a tiny model's
+    stage that runs takes every core (a 30M-parameter step: 15.9 -> 10.6 s on 2 idle cores, bench/RESULTS.md
+    `peer`); in async mode the node's engines and one role's ranks run together and split them. Where other
+    jobs hold the cores, set 1: every parallel region would wait for a descheduled thread (a tiny model's
     step went from 0.26 to 2.0 s at load 10 on 2 cores).
     """
     if spec.parallel.cpu_threads:

@@ -82,8 +82,9 @@ class ParallelSpec(Strict):
         "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     cpu_threads: int | None = Field(
-        1, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
-        "runs takes the node's free cores (sync: each in turn; async: engines and ranks split them)")
+        None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
+        "runs takes the node's cores (sync: each in turn; async: engines and ranks split them); 1 where "
+        "other jobs keep the cores busy")
 
     @model_validator(mode="after")
     def _sizes(self) -> ParallelSpec:

@@ -298,9 +298,10 @@ def test_an_invalid_sweep_job_fails_before_any_job_starts(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("overrides, threads", [
-    ([], {"engine": 1, "policy": 1}),   # the default: one thread per process
-    # null, sync: generation and training take turns, so each takes the node's 8 cores (split over its ranks)
-    (["parallel.cpu_threads=null"], {"engine": 8, "policy": 8}),
+    # the default (null), sync: generation and training take turns, so each takes the node's 8 cores (split
+    # over its ranks)
+    ([], {"engine": 8, "policy": 8}),
+    (["parallel.cpu_threads=1"], {"engine": 1, "policy": 1}),
     (["parallel.cpu_threads=null", "parallel=cpu2"], {"engine": 8, "policy": 4}),
     (["parallel=cpu2", "parallel.cpu_threads=null", "rollout.engine.num_engines=2"],
      {"engine": 4, "policy": 4}),
