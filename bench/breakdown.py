@@ -61,10 +61,11 @@ def train_flops(size: str, rows: int, seq: int) -> float:
     return 3 * rows * (2 * param_count(path) * seq + attention)
 
 
-def limits(size: str, length: int, args: argparse.Namespace, repeats: int = 3) -> dict[str, float]:
-    """Measured in this command with nothing else of Molt running: the engine alone (seconds and tok/s
-    for the step's requests), the trainer alone (seconds of `update` on a batch of the step's shape,
-    its FLOP/s) and this CPU's fp32 matmul peak at the trainer's threads."""
+def limits(size: str, length: int, args: argparse.Namespace, mode: str, repeats: int = 3) -> dict[str, float]:
+    """Measured in this command with nothing else of Molt running, each with the threads `mode` gives it
+    (`parallel.cpu_threads`): the engine alone (seconds and tok/s for the step's requests), the trainer
+    alone (seconds of `update` on a batch of the step's shape, its FLOP/s) and this CPU's fp32 matmul peak
+    at the trainer's threads."""
     import ray
     import torch
     from bench_generator import generate_many
@@ -77,7 +78,8 @@ def limits(size: str, length: int, args: argparse.Namespace, repeats: int = 3) -
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     n = args.prompts_per_step * args.samples_per_prompt
-    spec = compose(overrides(size, length, 1, args.prompts_per_step, args.samples_per_prompt))
+    spec = compose(overrides(size, length, 1, args.prompts_per_step, args.samples_per_prompt,
+                             extra=[f"rollout.mode={mode}"]))
     init_ray(spec)
     try:
         [engine] = start_engines(spec, model_path(size))
@@ -154,8 +156,8 @@ def main() -> None:
     records = [r for r in sweep(args, {m: [f"rollout.mode={m}"] for m in modes}) if "summary" in r]
     rows, targets, memory, bars = [], [], [], []
     for size, length in cells(args):
-        lim = limits(size, length, args)
         for mode in modes:
+            lim = limits(size, length, args, mode)
             runs = [r for r in records if (r["size"], r["length"], r["variant"]) == (size, length, mode)]
             if not runs:
                 rows.append([size, length, mode, "failed"] + [""] * 5)

@@ -85,7 +85,8 @@ def cpu_threads(spec: RunSpec, role: str, index: int) -> int:
     if spec.parallel.cpu_threads:
         return spec.parallel.cpu_threads
     slots = plan(spec)
-    [me] = [s for s in slots if s.role == role and s.index == index]
+    # a role the spec does not plan (a critic built for a test, a judge) counts as alone on node 0
+    me = next((s for s in slots if s.role == role and s.index == index), Slot(role, index, 0, 0))
     workers = spec.rollout.engine.tp_size * spec.rollout.engine.dp_size
     engines = workers * sum(s.role == "engine" and s.node == me.node for s in slots)
     trainer_role = "policy" if role == "engine" else role

@@ -49,6 +49,8 @@ def engine_spec(tiny_model_path):
 
     return RunSpec.model_validate({
         "model": {"max_model_len": 1024},  # room for two constrained tool calls after a tool schema
+        # one OpenMP thread, as test_engine's direct vLLM reference: equal logprobs need equal reductions
+        "parallel": {"cpu_threads": 1},
         "rollout": {"max_tokens": 8, "engine": {"kv_cache_gib": 0.25, "enforce_eager": True}},
     })
 

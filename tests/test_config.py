@@ -300,7 +300,7 @@ def test_an_invalid_sweep_job_fails_before_any_job_starts(tmp_path, monkeypatch,
 @pytest.mark.parametrize("overrides, threads", [
     # the default (null), sync: generation and training take turns, so each takes the node's 8 cores (split
     # over its ranks)
-    ([], {"engine": 8, "policy": 8}),
+    ([], {"engine": 8, "policy": 8, "critic": 8}),   # a role the spec does not plan: alone on its node
     (["parallel.cpu_threads=1"], {"engine": 1, "policy": 1}),
     (["parallel.cpu_threads=null", "parallel=cpu2"], {"engine": 8, "policy": 4}),
     (["parallel=cpu2", "parallel.cpu_threads=null", "rollout.engine.num_engines=2"],

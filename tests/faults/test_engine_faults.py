@@ -43,8 +43,8 @@ def long_prompt(n: int) -> list[int]:
 
 
 def test_reject_raises_for_that_request_and_the_engine_keeps_serving(engine, tok):
-    with pytest.raises(ValueError, match="prompt of 600 tokens does not fit model.max_model_len=512"):
-        ray.get(engine.generate.remote(long_prompt(600), SAMPLING))
+    with pytest.raises(ValueError, match="prompt of 1100 tokens does not fit model.max_model_len=1024"):
+        ray.get(engine.generate.remote(long_prompt(1100), SAMPLING))
     out = ray.get(engine.generate.remote(long_prompt(20), SAMPLING))
     assert len(out["token_ids"]) == 8 and out["prompt_ids"] == long_prompt(20)
 
@@ -55,7 +55,7 @@ def test_reject_raises_for_that_request_and_the_engine_keeps_serving(engine, tok
     dispatcher = Dispatcher([engine])
     long, short = asyncio.run(_both(runner, dispatcher, [{"prompt": "x" * 2000, "label": "x"},
                                                      {"prompt": "a", "label": "a"}]))
-    assert not long.ok and "does not fit model.max_model_len=512" in long.error
+    assert not long.ok and "does not fit model.max_model_len=1024" in long.error
     assert short.ok and short.num_sampled > 0
 
 
