@@ -2,8 +2,9 @@
 
 Both sides hold the same weights at every step (the trainer recomputes the logprobs of exactly the
 tokens the engine sampled), so |Δ| is pure numerics: kernels, reduction order and the engine's dtype.
-The trainer always trains in fp32 on CPU; the bf16 rows run only the engine in bf16
+The trainer trains in fp32 here; the bf16 rows run only the engine in bf16
 (`rollout.engine.extra_args.dtype=bfloat16`, which vLLM's CPU backend supports), the usual RL setup.
+(`model.dtype=bfloat16` puts the trainer under CPU autocast too: bench/peer.py --dtype bfloat16.)
 
     python bench/mismatch.py --quick
     python bench/mismatch.py --sizes tiny,30m,100m --lengths 16 [--reuse]

@@ -223,7 +223,7 @@ def report(folder: Path, write_results: bool) -> str:
         f"- command: `{meta.get('command', 'python bench/peer.py')}`",
         "- ratios: per repeat (adjacent runs), each framework in its fastest thread setting of that repeat, "
         "median (min–max); step time < 1 and tok/s > 1 favour Molt. Molt's extra overrides: "
-        f"`{a.get('molt_extra') or 'none'}` (Molt's default is `parallel.cpu_threads: 1`).",
+        f"`{a.get('molt_extra') or 'none'}`.",
         "",
         table(head, rows), "", f"![{name}]({name}.png)",
     ])
