@@ -72,6 +72,8 @@ def _layout() -> list[str]:
             "--die-with-parent", "--new-session", "--clearenv"]
     for d in SYSTEM_DIRS:
         args += ["--ro-bind-try", d, d]
+    # The private /tmp first: a Python installed under /tmp (a checkout there) is bound on top of it.
+    args += ["--perms", "1777", "--size", str(SCRATCH_MB << 20), "--tmpfs", "/tmp"]
     made: set[str] = set()
     for prefix in sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}):
         if any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS):
@@ -83,8 +85,7 @@ def _layout() -> list[str]:
                 made.add(str(parent))
                 args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", prefix, prefix]
-    args += ["--dev", "/dev", "--proc", "/proc",
-             "--perms", "1777", "--size", str(SCRATCH_MB << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    args += ["--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp"]
     for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("TMPDIR", "/tmp"), ("LANG", "C.UTF-8")):
         args += ["--setenv", key, value]
     return args
