@@ -169,6 +169,9 @@ def test_a_session_cannot_touch_another_with_its_key_or_a_guessed_id(tok, engine
     assert untouched and after[0][:len(before[0])] == before[0] and after[3] == 2
 
 
+RESET = b"<connection reset>"
+
+
 async def raw_exchange(port: int, payload: bytes, drip: bytes = b"",
                        stop: asyncio.Event | None = None) -> bytes:
     """Send `payload`, then one byte of `drip` every 0.2 s until the server hangs up (or `stop` is set);
@@ -188,6 +191,10 @@ async def raw_exchange(port: int, payload: bytes, drip: bytes = b"",
     dribbling = asyncio.create_task(dribble())
     try:
         return await asyncio.wait_for(reader.read(), 60)
+    except ConnectionResetError:
+        # The server closed with bytes of ours unread (it refused before reading them all): the kernel
+        # sends a reset, which may discard its reply before we read it.
+        return RESET
     finally:
         dribbling.cancel()
         writer.close()
@@ -234,7 +241,9 @@ def test_slow_malformed_and_oversized_requests_do_not_block_other_sessions(tok, 
     finally:
         server.stop()
     assert out["served_while_slow"] == ["length"] * 3 and out["slow_still_open"]
-    assert out["garbage"].startswith(b"HTTP/1.1 400") and out["oversized"].startswith(b"HTTP/1.1 400")
+    assert out["garbage"].startswith(b"HTTP/1.1 400")
+    # 64 KiB against a 16 KiB limit: the 400 comes while the client still sends, so a reset may race it
+    assert out["oversized"].startswith(b"HTTP/1.1 400") or out["oversized"] == RESET
     assert out["slow_head"] == b""
     assert out["slow_body"].startswith(b"HTTP/1.1 408") and b"not received within 1.5s" in out["slow_body"]
     assert out["a_untouched"]
