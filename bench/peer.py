@@ -110,13 +110,13 @@ def run_all(args: argparse.Namespace, folder: Path) -> None:
             for length in [n for n in lengths if f"{size}:{n}" not in skip]:
                 jobs = ([("molt", (m, t)) for m in modes for t in args.molt_threads.split(",")]
                         + [("trl", t) for t in args.trl_threads.split(",")])
-                for fw, mode in jobs if r % 2 == 0 else jobs[::-1]:  # alternate who goes first
+                for fw, setting in jobs if r % 2 == 0 else jobs[::-1]:  # alternate who goes first
                     if fw == "trl":
-                        name = f"trl{mode}-{size}-{length}-r{r}"
+                        name = f"trl{setting}-{size}-{length}-r{r}"
                         result = run_trl(paths[size], length, steps[size], args, LR[size],
-                                         folder / f"{name}.json", int(mode))
+                                         folder / f"{name}.json", int(setting))
                     else:
-                        mode, threads = mode
+                        mode, threads = setting
                         name = f"molt{threads}-{size}-{length}-{mode}-r{r}"
                         extra = [f"rollout.mode={mode}", f"run.name=peer-{name}", f"model.dtype={args.dtype}",
                                  f"parallel.cpu_threads={threads}", *args.molt_extra.split()]
