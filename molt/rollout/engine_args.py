@@ -58,6 +58,10 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
     if on_cpu():
         # vLLM's CPU backend sizes the KV cache from an explicit byte budget, not a memory fraction.
         kwargs["kv_cache_memory_bytes"] = int(eng.kv_cache_gib * 2**30)
+        # A seeded request whose prefill is split over steps (a long prompt, or the KV recomputation of
+        # requests kept across a refit) makes vLLM rewind its sampler's generator, which a CPU generator
+        # cannot do: the engine core dies ("CPU Generator does not use offset"). Never split a prefill.
+        kwargs["enable_chunked_prefill"] = False
         if eng.tp_size * eng.dp_size == 1:
             kwargs["distributed_executor_backend"] = "uni"
     else:
