@@ -33,10 +33,11 @@ from molt.metrics import RunLogger
 from molt.models import model_path
 from molt.rollout.engine import start_engine
 from molt.rollout.pool import RolloutPool
+from molt.rollout.probe import probe_gap, probe_prompt, sample_probe
 from molt.rollout.sampling import TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
-from molt.spec import GREEDY_BELOW, RunSpec
-from molt.trainer.batch import add_images, make_batch
+from molt.spec import RunSpec
+from molt.trainer.batch import add_images, check_token_first, make_batch
 from molt.trainer.ranks import TrainerRanks
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
 from molt.vision import processor
@@ -98,6 +99,8 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             print(f"molt: stopped by signal at step {at.step}; checkpoint written, resume with "
                   f"run.resume={run_dir} (or run.resume=auto)")
     finally:
+        if at.probe:
+            at.probe.cancel()
         await at.pool.close()
         runner.close()
         logger.close()
@@ -116,6 +119,7 @@ class Position:
     saved: int              # the step of the last checkpoint written (or loaded)
     kl_coef: float          # the KL weight in use (algo.kl.coef, moved by the adaptive controller)
     trainer_restarts: int = 0
+    probe: asyncio.Task | None = None   # async mode: the post-refit probe (molt.rollout.probe)
 
 
 def start_actors(spec: RunSpec, policy_path: str) -> tuple[Fleet, tuple]:
@@ -183,6 +187,8 @@ async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trai
     if restarts > spec.train.max_trainer_restarts:
         raise RuntimeError(f"a trainer rank died {restarts} times, above train.max_trainer_restarts="
                            f"{spec.train.max_trainer_restarts}; last: {str(err).splitlines()[0]}") from err
+    if at.probe:
+        at.probe.cancel()
     await at.pool.close()
     stop_trainers(trainers)
     trainers = start_trainers(spec)
@@ -199,7 +205,10 @@ async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pa
                      logger: RunLogger) -> dict[str, float]:
     """One step: a batch from the pool → learn → refit; advances `at` and returns the step's metrics."""
     t_step = time.perf_counter()
-    groups, batch_metrics = await take_batch(at.pool, spec)
+    # Async mode: a probe of the current policy measures invariant 3 if the batch cannot, so the pool
+    # need not wait for a group of it (one group's generation per step).
+    groups, batch_metrics = await take_batch(at.pool, spec, need_current=at.probe is None)
+    probe = await at.probe if at.probe else None
     fleet.dispatcher.check()   # no engine left (restarts used up): stop with a clear error
     t_batch = time.perf_counter()
     rollouts = [r for g in groups for r in g]
@@ -208,7 +217,7 @@ async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pa
     try:
         async with fleet.trainer:
             metrics = await learn(spec, rollouts, *trainers, pad_id, at.version, live, at.kl_coef,
-                                  train_policy=not warmup)
+                                  train_policy=not warmup, probe=probe)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
         logger.dump_rollouts(at.step + 1, rollouts)
     metrics.update(batch_metrics)
@@ -221,6 +230,9 @@ async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pa
         metrics["time/refit"] = await fleet.refit(at.version)
         metrics["refit/bytes"] = float(fleet.refit_bytes)
         at.pool.set_version(at.version)
+        prompt = probe_prompt(rollouts) if spec.rollout.mode == "async" else None
+        at.probe = asyncio.create_task(sample_probe(spec, fleet.dispatcher, prompt, at.version)) \
+            if prompt else None
     at.step += 1
 
     pool_stats = await at.pool.stats()
@@ -244,12 +256,14 @@ async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pa
 
 async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, reference: TrainerRanks | None,
                 critic: TrainerRanks | None, pad_id: int, version: int, engines: list | None = None,
-                kl_coef: float | None = None, train_policy: bool = True) -> dict[str, float]:
+                kl_coef: float | None = None, train_policy: bool = True,
+                probe: Segment | None = None) -> dict[str, float]:
     """One training step on finished rollouts (also how a dumped batch is replayed).
 
     With `model.router_replay`, segments without routed experts get them from `engines` (`fill_routes`).
     `kl_coef` replaces algo.kl.coef (the adaptive controller's value); `train_policy=False` trains only
-    the critic (train.critic_warmup_steps).
+    the critic (train.critic_warmup_steps). `probe` (async mode) is scored for invariant 3 when no trained
+    token was sampled by `version`.
     """
     metrics = rollout_metrics(spec, rollouts)
     kept, filter_metrics = filter_rollouts(spec, rollouts)
@@ -272,6 +286,9 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, re
 
     t0 = time.perf_counter()
     batch = token_batch(spec, segments, pad_id, version, metrics)
+    if probe is not None and train_policy and not batch["current_mask"].any() and \
+            probe.versions[probe.prompt_len] == version:
+        metrics.update(await probe_gap(policy, probe, pad_id))   # before the update moves the weights
     # Without a reference nothing before the update needs the policy's logprobs: update takes
     # them from its own forward (one update per batch, so old == current), saving a forward pass, or
     # computes them itself before its first update (train.minibatches / train.epochs > 1).
@@ -339,23 +356,6 @@ def next_kl_coef(spec: RunSpec, kl_coef: float, metrics: dict[str, float]) -> fl
     if measured is None:
         return kl_coef
     return adaptive_kl_coef(kl_coef, measured, int(metrics["rollout/count"]), spec.algo.kl)
-
-
-def check_token_first(batch: dict[str, torch.Tensor], segments: list[Segment]) -> None:
-    """Invariant 1: every trained token was sampled by the engine and carries its logprob and version.
-
-    Checked on the padded batch tensors (rows = segments), so it stays cheap at long contexts."""
-    sampled = batch["loss_mask"] > 0
-    checks = [(sampled & ((batch["versions"] == NO_VERSION) | ~batch["behaviour_logp"].isfinite()),
-               "has no engine version/logprob")]
-    if "temperature" in batch:
-        checks.append((sampled & (batch["temperature"] < GREEDY_BELOW), "was decoded greedily"))
-    for bad, why in checks:
-        if bad.any():
-            row, t = bad.nonzero()[0].tolist()
-            s = segments[row]
-            raise RuntimeError(f"rollout {s.rollout_id} segment {s.segment_index} token {t} is in the loss "
-                               f"but {why}: refusing to train on it")
 
 
 async def fill_routes(engines: list | None, segments: list[Segment], version: int) -> None:

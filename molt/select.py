@@ -66,22 +66,24 @@ def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, di
     return rewards, {f"reward/{k.removeprefix('reward_')}": float(v) for k, v in metrics.items()}
 
 
-async def take_batch(pool: RolloutPool, spec: RunSpec) -> tuple[list[list[Rollout]], dict[str, float]]:
+async def take_batch(pool: RolloutPool, spec: RunSpec,
+                     need_current: bool = True) -> tuple[list[list[Rollout]], dict[str, float]]:
     """train.prompts_per_step groups from the pool; with algo.filters.refill_max_groups > 0, more groups
     while fewer than that survive the filters (dynamic sampling, DAPO), at most that many extra.
+    `need_current`: as `RolloutPool.next_batch`'s.
 
     Returns every group generated (the filters run again in `learn`, so statistics and dumps cover
     all of them and the update sees exactly the survivors) and `filter/refill_groups` (extra groups
     generated), `filter/informative_groups` (groups that survive) and `filter/short_groups` (how many the
     batch still lacks when the bound or the prompts ran out)."""
     want, bound = spec.train.prompts_per_step, spec.algo.filters.refill_max_groups
-    groups = await pool.next_batch(want)
+    groups = await pool.next_batch(want, need_current)
     if not bound:
         return groups, {}
     informative = sum(bool(filter_rollouts(spec, g)[0]) for g in groups)
     extra = 0
     while informative < want and extra < bound:
-        more = await pool.next_batch(min(want - informative, bound - extra))
+        more = await pool.next_batch(min(want - informative, bound - extra), need_current)
         if not more:
             break                               # the prompts ran out
         extra += len(more)

@@ -129,12 +129,18 @@ def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engin
             await drain(pool)                      # 3 of version 0 and 1 of version 1 wait
             third = await pool.next_batch(1)
             await refit(pool, 2)                   # version 0 is now 2 versions old
-            return second, third, dict(pool.counts), len(pool.pending_items())
+            counts, pending = dict(pool.counts), len(pool.pending_items())
+            await drain(pool)                      # the re-queued items, sampled again, wait at version 2
+            await refit(pool, 3)
+            probed = await pool.next_batch(2, need_current=False)   # the 2 freshest waiting, at once
+            return second, third, counts, pending, probed
         finally:
             await asyncio.to_thread(push_weights, [engine], weights, 0)
             await pool.close()
 
-    second, third, counts, pending = asyncio.run(main())
+    second, third, counts, pending, probed = asyncio.run(main())
     assert sorted(map(min, map(versions_of, second))) == [0, 1]
     assert [versions_of(g) for g in third] == [{1}]           # not the older groups that finished first
     assert counts["stale_requeued"] == 3 and pending == 4     # re-queued items start again at once
+    # with a probe of the current policy the loop does not need one of its groups: no wait for one
+    assert [versions_of(g) for g in probed] == [{2}, {2}]    # (need_current=True: one of version 3)

@@ -14,7 +14,7 @@ looks functions up by name and never branches on the algorithm:
     REWARD_TRANSFORMS algo.reward.<key>       -> reward transform after the filters (shape_rewards)
 """
 
-from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, importance_weights
+from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, gap_metrics, gap_sums, importance_weights
 from molt.algo.estimators import (
     ESTIMATORS,
     GROUP_BASELINE,
@@ -35,7 +35,8 @@ from molt.algo.surrogates import POLICY_LOSSES
 __all__ = [
     "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
     "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "Advantages",
-    "adaptive_kl_coef", "apply_filters", "compute_advantages", "group_mean", "group_sum",
+    "adaptive_kl_coef", "apply_filters", "compute_advantages", "gap_metrics", "gap_sums", "group_mean",
+    "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",
     "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards",
     "rollout_sum", "sft_loss", "shape_rewards", "to_tokens", "token_gae", "token_scale", "value_loss",

@@ -89,3 +89,18 @@ def importance_weights(old_logp: Tensor, behaviour_logp: Tensor, loss_mask: Tens
         "is_logp_diff": masked_mean(log_rho.abs(), mask),
     }
     return weights, metrics
+
+
+def gap_sums(gap: Tensor) -> dict[str, float]:
+    """Additive sums of the trainer/engine gap (`gap` = trainer logprob − engine logprob, over the tokens
+    the trainer's current weights sampled), reduced across micro-batches and ranks by sum, except
+    `max_abs` (by max); `gap_metrics` turns the reduced sums into the logged invariant-3 metrics."""
+    return {"tokens": float(gap.numel()), "abs_sum": float(gap.abs().sum()),
+            "k3_sum": float((gap.exp() - 1 - gap).sum()),   # k3 estimate of KL(engine || trainer)
+            "max_abs": float(gap.abs().max())}
+
+
+def gap_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """`mismatch/mean_abs`, `mismatch/kl_k3`, `mismatch/max_abs` from reduced `gap_sums`."""
+    return {"mismatch/mean_abs": sums["abs_sum"] / sums["tokens"],
+            "mismatch/kl_k3": sums["k3_sum"] / sums["tokens"], "mismatch/max_abs": sums["max_abs"]}

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from molt.trajectory import Segment
+from molt.spec import GREEDY_BELOW
+from molt.trajectory import NO_VERSION, Segment
 from molt.vision import pixel_inputs
 
 # Per-token sampling parameters a segment records; tokens the engine did not sample get these neutral
@@ -143,3 +144,20 @@ def pad_rows(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.T
         return batch
     filler = inert_rows(batch, extra)
     return {key: torch.cat([value, filler[key]]) for key, value in batch.items()}
+
+
+def check_token_first(batch: dict[str, torch.Tensor], segments: list[Segment]) -> None:
+    """Invariant 1: every trained token was sampled by the engine and carries its logprob and version.
+
+    Checked on the padded batch tensors (rows = segments), so it stays cheap at long contexts."""
+    sampled = batch["loss_mask"] > 0
+    checks = [(sampled & ((batch["versions"] == NO_VERSION) | ~batch["behaviour_logp"].isfinite()),
+               "has no engine version/logprob")]
+    if "temperature" in batch:
+        checks.append((sampled & (batch["temperature"] < GREEDY_BELOW), "was decoded greedily"))
+    for bad, why in checks:
+        if bad.any():
+            row, t = bad.nonzero()[0].tolist()
+            s = segments[row]
+            raise RuntimeError(f"rollout {s.rollout_id} segment {s.segment_index} token {t} is in the loss "
+                               f"but {why}: refusing to train on it")

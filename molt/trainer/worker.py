@@ -18,7 +18,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from molt import refit
-from molt.algo import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, value_loss, with_kl_coef
+from molt.algo import (
+    LOSS_NORMS,
+    gap_metrics,
+    gap_sums,
+    loss_normalizer,
+    policy_loss,
+    sft_loss,
+    value_loss,
+    with_kl_coef,
+)
 from molt.placement import cpu_threads
 from molt.plugins import load_plugins
 from molt.spec import AlgoSpec, RunSpec
@@ -254,11 +263,11 @@ class TrainerWorker:
                 # of them unless the loop marks older-policy tokens out with `current_mask`).
                 current = mask & (mb["current_mask"] > 0) if "current_mask" in mb else mask
                 if first_pass and "behaviour_logp" in mb and current.any():
-                    gap = (lb["old_logp"] - mb["behaviour_logp"])[current]
-                    add("mismatch/tokens", gap.numel())
-                    add("mismatch/abs_sum", gap.abs().sum())
-                    add("mismatch/k3_sum", (gap.exp() - 1 - gap).sum())  # k3 of KL(engine || trainer)
-                    sums["mismatch/max_abs"] = max(sums.get("mismatch/max_abs", 0.0), float(gap.abs().max()))
+                    for key, value in gap_sums((lb["old_logp"] - mb["behaviour_logp"])[current]).items():
+                        if key == "max_abs":
+                            sums["mismatch/max_abs"] = max(sums.get("mismatch/max_abs", 0.0), value)
+                        else:
+                            add(f"mismatch/{key}", value)
             loss.backward()
             add("loss", loss.detach())
             add("weight", n_tok)
@@ -305,9 +314,8 @@ class TrainerWorker:
             elif key.startswith("l/"):
                 out[f"{key[2:]}_last"] = value / last_weight
         if "mismatch/abs_sum" in total:   # the trainer/engine gap, under the names the run logs
-            out["mismatch/mean_abs"] = total["mismatch/abs_sum"] / total["mismatch/tokens"]
-            out["mismatch/kl_k3"] = total["mismatch/k3_sum"] / total["mismatch/tokens"]
-            out["mismatch/max_abs"] = float(peak)
+            out.update(gap_metrics({"tokens": total["mismatch/tokens"], "abs_sum": total["mismatch/abs_sum"],
+                                    "k3_sum": total["mismatch/k3_sum"], "max_abs": float(peak)}))
         return out
 
     # -- weights and checkpoints -----------------------------------------------------------------------
