@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -24,6 +25,23 @@ from molt.trainer.worker import TrainerWorker
 
 ROLES = ("policy", "reference", "critic")
 SHUTDOWN_TIMEOUT_S = 30.0   # how long ranks get to leave their process group before they are killed
+
+
+def gather(refs: list[ray.ObjectRef]) -> list[Any]:
+    """Every rank's answer. When a rank dies mid-collective its peers fail too (gloo/NCCL "connection
+    reset"), and which error `ray.get` meets first depends on rank order: raise the death, the root
+    cause that the loop restarts the trainer from, not a survivor's symptom."""
+    try:
+        return ray.get(refs)
+    except RayTaskError as symptom:
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except RayActorError as death:
+                raise death from symptom
+            except RayTaskError:
+                pass
+        raise
 
 
 class TrainerRanks:
@@ -53,7 +71,7 @@ class TrainerRanks:
             for r in range(par.world_size)
         ]
         host, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(host, port) for w in self.workers])
+        gather([w.setup.remote(host, port) for w in self.workers])
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
         par = self.spec.parallel
@@ -67,7 +85,7 @@ class TrainerRanks:
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards, rows = self._shards(batch)
-        outs = ray.get([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
+        outs = gather([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
         replicas = self.spec.parallel.tp_size * self.spec.parallel.cp_size
         return torch.cat(outs[::replicas])[:rows]
 
@@ -91,11 +109,10 @@ class TrainerRanks:
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
         shards, _ = self._shards(batch)
-        return ray.get([w.update.remote(s, kl_coef)
-                        for w, s in zip(self.workers, shards, strict=True)])[0]
+        return gather([w.update.remote(s, kl_coef) for w, s in zip(self.workers, shards, strict=True)])[0]
 
     def _all(self, method: str, *args: Any) -> Any:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])[0]
+        return gather([getattr(w, method).remote(*args) for w in self.workers])[0]
 
     def refit_address(self) -> tuple[str, int]:
         """Where rank 0 will host the refit group: its node's IP and a free port."""

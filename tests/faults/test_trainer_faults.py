@@ -23,7 +23,7 @@ from molt.checkpoints import find_checkpoint, save_checkpoint
 from molt.data import PromptDataset, PromptIterator
 from molt.rollout.pool import RolloutPool
 from molt.trainer.batch import make_batch
-from molt.trainer.ranks import TrainerRanks
+from molt.trainer.ranks import TrainerRanks, gather
 from molt.trajectory import Segment
 
 
@@ -83,6 +83,25 @@ def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_sessi
         assert restored.keys() == saved.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
     finally:
         fresh.shutdown()
+
+
+def test_a_dead_rank_is_reported_as_its_death_not_as_the_survivors_error(ray_session, tmp_path):
+    """Rank 1 dies; rank 0's next collective fails too ("connection reset"). Once both answers are in,
+    `ray.get` raises rank 0's error first (list order), which the loop would not restart from; `gather`
+    raises the death (RayActorError). In a run the race goes either way (the reset can beat Ray's death
+    notice); waiting for both answers makes the losing order certain here."""
+    policy = TrainerRanks(small_spec(parallel={"world_size": 2, "dp_size": 2}), "policy")
+    try:
+        train_once(policy)
+        os.kill(ray.get(policy.workers[1].__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+        refs = [w.save.remote(str(tmp_path / "save"), {}) for w in policy.workers]
+        ray.wait(refs, num_returns=len(refs))
+        with pytest.raises(ray.exceptions.RayTaskError):   # the survivor's symptom comes first
+            ray.get(refs)
+        with pytest.raises(ray.exceptions.RayActorError):
+            gather(refs)
+    finally:
+        policy.shutdown()
 
 
 def trainer_pids() -> list[int]:
