@@ -19,7 +19,7 @@ from molt.rollout.dispatch import Dispatcher
 from molt.rollout.pool import RolloutPool
 from molt.select import drop_failed, rollout_metrics
 
-ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 15.0s",
+ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 8.0s",
           "nan": "reward must be a finite number, got nan",
           "text": "reward must be a finite number, got 'high'",
           "none": "FaultyEnv.step returned NoneType, not Result"}
@@ -29,7 +29,7 @@ GROUPS = [["raise", None, None, None], ["hang", None, None, None], ["nan", "text
 
 
 def agent(**extra) -> dict:
-    return {"module": FAULTY, "timeout_s": 15.0, **extra}   # room for a slow shared machine
+    return {"module": FAULTY, "timeout_s": 8.0, **extra}   # the others take < 1 s: room for a slow machine
 
 
 async def run_batch(spec, tok, engine) -> list:
