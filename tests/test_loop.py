@@ -1,7 +1,8 @@
 """End to end: `python -m molt` on the tiny experiment with every component real.
 
 One CLI run (sync, Env agent) is killed with SIGKILL after its first checkpoint and resumed in a new
-process, and rerun in-process to show the same seed gives the same run; one in-process run uses async
+process, which SIGTERM then stops (it checkpoints and exits 0), and rerun in-process to show the same
+seed gives the same run; one in-process run uses async
 mode with a ChatAgent driving the OpenAI SDK. Both sample at temperature 0.7 with top-p 0.9, so the
 trainer must reproduce the engine's processed logprobs, not the raw model's.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from molt.checkpoints import find_checkpoint
 from molt.config import compose
 from molt.data import PromptDataset, PromptIterator
 from molt.metrics import load_rollouts
@@ -61,7 +63,8 @@ def check_trained_tokens(run_dir: Path, model_path: str) -> None:
     assert gaps and max(gaps) <= 1e-5
 
 
-def test_cli_run_killed_after_checkpoint_resumes_exactly(tmp_path, tiny_model_path, ray_session):
+def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tmp_path, tiny_model_path,
+                                                                              ray_session):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=2",
@@ -95,15 +98,15 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly(tmp_path, tiny_model_pa
     for key in ("train/loss", "train/grad_norm", "mismatch/mean_abs", "tokens/trained"):
         assert replayed[key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
 
-    resume_steps = saved["step"] + 2
-    done = subprocess.run([sys.executable, "-m", "molt", *SMALL, f"train.steps={resume_steps}",
-                           "train.save_every=0", "train.eval_every=0", f"run.resume={run_a}",
-                           f"hydra.run.dir={run_b}"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"resumed from {checkpoint}" in done.stdout
+    # The resumed run is stopped by SIGTERM after its first step: it finishes the step in flight,
+    # checkpoints and exits 0.
+    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=0",
+                             "train.eval_every=0", f"run.resume={run_a}", f"hydra.run.dir={run_b}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = stop_after_first_step(proc, run_b / "metrics.jsonl")
+    assert f"resumed from {checkpoint}" in out
     resumed = read_metrics(run_b)
-    assert [r["step"] for r in resumed] == [saved["step"] + 1, saved["step"] + 2]
+    check_sigterm_checkpoint(run_b, out, [r["step"] for r in resumed], first=saved["step"] + 1)
     # Weights: the engines were refit from the loaded trainer weights, and they agree with the trainer.
     assert resumed[0]["policy/version"] == saved["version"] + 1 and resumed[0]["mismatch/max_abs"] <= 1e-5
     # Data position: the first resumed batch holds exactly the prompts the saved iterator yields next.
@@ -116,6 +119,34 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly(tmp_path, tiny_model_pa
     batch = load_rollouts(run_b / "rollouts" / f"step_{saved['step'] + 1:06d}.jsonl")
     got = Counter(r.label for r in batch if r.rollout_id.endswith("-0"))
     assert got == expected
+
+
+def stop_after_first_step(proc: subprocess.Popen, metrics: Path) -> str:
+    """SIGTERM once `metrics` holds a step; returns the output of the process, which must exit 0."""
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def check_sigterm_checkpoint(run: Path, out: str, steps: list[int], first: int) -> None:
+    """SIGTERM: the steps from `first` on ran in order, the last one was checkpointed whole (policy, meta,
+    spec, no temporary files) with its data position, in a run directory only its owner can enter, and
+    `run.resume` finds it."""
+    assert f"stopped by signal at step {steps[-1]}" in out and steps == list(range(first, steps[-1] + 1))
+    root = run / "checkpoints"
+    assert (root / "latest").read_text() == f"step_{steps[-1]:06d}"
+    meta = json.loads((root / f"step_{steps[-1]:06d}" / "meta.json").read_text())
+    assert meta["step"] == meta["version"] == steps[-1]
+    assert meta["data"]["index"] + 256 * meta["data"]["epoch"] == 4 * steps[-1]   # 256 rows per epoch
+    assert sorted(p.name for p in (root / f"step_{steps[-1]:06d}").iterdir()) == ["meta.json", "policy",
+                                                                                   "spec.yaml"]
+    assert not list(root.rglob("*.tmp"))
+    assert run.stat().st_mode & 0o777 == 0o700   # tools in the sandbox (another uid) cannot enter it
+    assert find_checkpoint(compose([*SMALL, f"run.resume={run}"])) == root / f"step_{steps[-1]:06d}"
 
 
 def check_same_run(run_a: Path, run_c: Path) -> None:

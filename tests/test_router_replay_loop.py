@@ -41,7 +41,7 @@ def test_async_partial_run_replays_the_engine_routes(tmp_path, ray_session, monk
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     spec = compose(["model=tiny_moe", "rollout.mode=async", "rollout.partial_rollout=true",
-                    "rollout.groups_in_flight=4", "rollout.max_tokens=24", "rollout.engine.num_engines=2",
+                    "rollout.groups_in_flight=4", "rollout.max_tokens=24",
                     "rollout.refit_chunk_mb=0.05", "algo.correction.level=token", "train.steps=3",
                     "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
                     "train.save_every=0", "train.eval_every=0", "logging.plots=false",
