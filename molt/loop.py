@@ -169,10 +169,15 @@ async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, c
     if refit_engines:
         await fleet.refit(version)
     sync = spec.rollout.mode == "sync"
+
+    def engines_generating(busy: bool) -> None:   # async, CPU, cpu_threads null: idle engines lend
+        for group in filter(None, trainers):       # their cores to the trainer (molt.placement.cpu_threads)
+            group.set_engines_idle(not busy)
+    lend = not sync and spec.parallel.device == "cpu" and not spec.parallel.cpu_threads
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
                        spec.train.prompts_per_step if sync else spec.rollout.groups_in_flight,
                        spec.rollout.max_staleness, fleet.dispatcher.engines, refill_during_batch=not sync,
-                       lost=fleet.dispatcher.take_lost)
+                       lost=fleet.dispatcher.take_lost, on_generating=engines_generating if lend else None)
     pool.set_version(version)
     return Position(step, version, data, pool, saved=step, kl_coef=kl_coef)
 

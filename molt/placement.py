@@ -72,7 +72,7 @@ def plan(spec: RunSpec) -> list[Slot]:
     return slots
 
 
-def cpu_threads(spec: RunSpec, role: str, index: int) -> int:
+def cpu_threads(spec: RunSpec, role: str, index: int, engines_idle: bool = False) -> int:
     """Torch/OpenMP threads of one CPU process: a trainer rank of `role`, or each worker of engine `index`.
 
     `parallel.cpu_threads` when set; null: the cores this process may run on, split between the processes
@@ -80,7 +80,9 @@ def cpu_threads(spec: RunSpec, role: str, index: int) -> int:
     stage that runs takes every core (a 30M-parameter step: 15.9 -> 10.6 s on 2 idle cores, bench/RESULTS.md
     `peer`); in async mode the node's engines and one role's ranks run together and split them. Where other
     jobs hold the cores, set 1: every parallel region would wait for a descheduled thread (a tiny model's
-    step went from 0.26 to 2.0 s at load 10 on 2 cores).
+    step went from 0.26 to 2.0 s at load 10 on 2 cores). `engines_idle`: a trainer rank's threads while
+    no rollout generates in async mode (every slot of the pool holds a finished group): the engines' cores
+    are lent to the trainer until generation resumes (molt.trainer.worker `set_engines_idle`).
     """
     if spec.parallel.cpu_threads:
         return spec.parallel.cpu_threads
@@ -91,7 +93,8 @@ def cpu_threads(spec: RunSpec, role: str, index: int) -> int:
     engines = workers * sum(s.role == "engine" and s.node == me.node for s in slots)
     trainer_role = "policy" if role == "engine" else role
     ranks = sum(s.role == trainer_role and s.node == me.node for s in slots)
-    together = (engines if role == "engine" else ranks) if spec.rollout.mode == "sync" else engines + ranks
+    alone = spec.rollout.mode == "sync" or (engines_idle and role != "engine")
+    together = (engines if role == "engine" else ranks) if alone else engines + ranks
     return max(1, len(os.sched_getaffinity(0)) // max(1, together))
 
 

@@ -83,8 +83,8 @@ class ParallelSpec(Strict):
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     cpu_threads: int | None = Field(
         None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
-        "runs takes the node's cores (sync: each in turn; async: engines and ranks split them); 1 where "
-        "other jobs keep the cores busy")
+        "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
+        "take them all while no rollout generates); 1 where other jobs keep the cores busy")
 
     @model_validator(mode="after")
     def _sizes(self) -> ParallelSpec:

@@ -319,6 +319,11 @@ def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     spec = compose(overrides)
     assert {role: cpu_threads(spec, role, 0) for role in threads} == threads
+    # while the engines are idle (async mode), a rank takes its node's cores, split over its role's ranks
+    ranks = 2 if "parallel=cpu2" in overrides else 1
+    idle = threads["policy"] if spec.parallel.cpu_threads or spec.rollout.mode == "sync" else 8 // ranks
+    assert cpu_threads(spec, "policy", 0, engines_idle=True) == idle
+    assert cpu_threads(spec, "engine", 0, engines_idle=True) == threads["engine"]
     # what the processes are given: the engine's OpenMP environment, the trainer rank's torch threads
     env = actor_options(spec.rollout.engine, cpu_threads(spec, "engine", 0))["runtime_env"]
     assert env["env_vars"]["OMP_NUM_THREADS"] == str(threads["engine"])

@@ -105,14 +105,17 @@ def versions_of(group: list[Rollout]) -> set[int]:
 def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engine, tiny_model_path,
                                                                             push_weights):
     """Every batch holds tokens of the current policy (where the trainer measures its gap to the engine),
-    the freshest waiting groups go first, and groups beyond the staleness bound are re-queued at the refit."""
+    the freshest waiting groups go first, and groups beyond the staleness bound are re-queued at the refit.
+    `on_generating` hears each change between some group running and none (the trainer's thread lending)."""
     from safetensors.torch import load_file
 
     weights = load_file(f"{tiny_model_path}/model.safetensors")
+    reports: list[bool] = []
 
     async def drain(pool: RolloutPool) -> None:
         while pool.tasks:
             await asyncio.sleep(0.05)
+        assert reports[-1] is False     # told as soon as the last running group finished
 
     async def refit(pool: RolloutPool, version: int) -> None:
         await asyncio.to_thread(push_weights, [engine], weights, version)   # same weights, new label
@@ -120,7 +123,8 @@ def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engin
 
     async def main():
         pool = RolloutPool(items(100), make_rollout_fn(Dispatcher([engine]), {}), samples_per_prompt=N,
-                           groups_in_flight=4, max_staleness=1, engines=[engine])
+                           groups_in_flight=4, max_staleness=1, engines=[engine],
+                           on_generating=reports.append)
         try:
             await pool.next_batch(2)
             await drain(pool)                      # 4 groups of version 0 wait
@@ -144,3 +148,5 @@ def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engin
     assert counts["stale_requeued"] == 3 and pending == 4     # re-queued items start again at once
     # with a probe of the current policy the loop does not need one of its groups: no wait for one
     assert [versions_of(g) for g in probed] == [{2}, {2}]    # (need_current=True: one of version 3)
+    assert len(reports) >= 8 and reports[::2] == [True] * len(reports[::2]) and not any(reports[1::2])
+    assert reports[-1] is False      # closed: nothing runs

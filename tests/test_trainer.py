@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -433,3 +434,32 @@ def test_critic_warmup_trains_the_critic_alone(ray_session, tiny_model_path) -> 
     assert float((after - before)[b["loss_mask"] > 0].abs().max()) > 1e-4
     with pytest.raises(ValueError, match="critic_warmup_steps"):
         make_spec(tiny_model_path, critic_warmup_steps=1)   # no critic
+
+
+def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_session, tiny_model_path) -> None:
+    """rollout.mode=async, parallel.cpu_threads null: a rank computes with its share of the node's cores
+    while the engines generate and with all of them while the engines are idle. `set_engines_idle` reaches
+    a rank in the middle of a step (its own concurrency group), and the computing thread applies it at the
+    next micro-batch: `threads` is the token-weighted mean of `torch.get_num_threads()` read there."""
+    import ray
+
+    cores = len(os.sched_getaffinity(0))
+    spec = make_spec(tiny_model_path, mbs=1)
+    spec.rollout.mode = "async"
+    group = TrainerRanks(spec)
+    [worker] = group.workers
+    segs = [s for seed in range(8) for s in segments(seed)]             # 64 rows: 64 micro-batches
+    batch = make_batch(segs, advantages=[[0.5] * len(s.token_ids) for s in segs])
+    try:
+        generating = group.update(batch)["threads"]
+        running = worker.update.remote(batch, None)
+        ray.get(worker.set_engines_idle.remote(True))
+        assert not ray.wait([running], timeout=0)[0]     # delivered while the step runs
+        switched = ray.get(running)["threads"]
+        idle = group.update(batch)["threads"]
+        ray.get(worker.set_engines_idle.remote(False))
+        again = group.update(batch)["threads"]
+    finally:
+        group.shutdown()
+    assert (generating, idle, again) == (cores // 2, cores, cores // 2)   # one engine and one rank
+    assert generating < switched <= idle

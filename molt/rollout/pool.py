@@ -42,7 +42,8 @@ class Finished:
 class RolloutPool:
     def __init__(self, items: Iterator[dict], rollout_fn: RolloutFn, samples_per_prompt: int,
                  groups_in_flight: int, max_staleness: int, engines: list[Any] = (),
-                 refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None) -> None:
+                 refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None,
+                 on_generating: Callable[[bool], None] | None = None) -> None:
         self.items = iter(items)
         # False = sync mode: groups start only when a batch is asked for, so while the trainer steps
         # nothing generates and every batch is sampled by the current policy.
@@ -63,6 +64,8 @@ class RolloutPool:
         self.counts = {"stale_requeued": 0, "engine_requeued": 0, "groups_done": 0, "failed_rollouts": 0}
         self.exhausted = False
         self.crash: Exception | None = None   # what a rollout raised that was not the agent's fault
+        self.on_generating = on_generating    # told when groups start running (True) or none runs (False)
+        self.generating = False
 
     def set_version(self, version: int) -> None:
         """The policy version the engines now run (call after each refit): groups it makes too stale are
@@ -96,6 +99,13 @@ class RolloutPool:
             task = asyncio.create_task(self._group(item, group_id, self.started))
             self.started += 1
             self.tasks.add(task)
+        self._report_generating()
+
+    def _report_generating(self) -> None:
+        if bool(self.tasks) != self.generating:
+            self.generating = bool(self.tasks)
+            if self.on_generating:
+                self.on_generating(self.generating)
 
     def _requeue_stale(self) -> None:
         bound = self.version - self.max_staleness
@@ -116,6 +126,7 @@ class RolloutPool:
             return
         finally:
             self.tasks.discard(asyncio.current_task())
+            self._report_generating()
         if self.lost is not None and self.lost([r.rollout_id for r in group]):
             self.group_items.pop(group_id, None)
             self.requeued.appendleft(item)
@@ -199,3 +210,4 @@ class RolloutPool:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks.clear()
+        self._report_generating()

@@ -62,7 +62,8 @@ class TrainerRanks:
         self._pg = placement_group([bundle] * par.world_size, strategy="PACK",
                                    bundle_label_selector=[node_selector(ids[s.node]) for s in mine])
         ray.get(self._pg.ready())
-        actor = ray.remote(TrainerWorker)
+        # "control": `set_engines_idle` is delivered while a step runs in the default group
+        actor = ray.remote(concurrency_groups={"control": 1})(TrainerWorker)
         self.workers = [
             actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -113,6 +114,12 @@ class TrainerRanks:
 
     def _all(self, method: str, *args: Any) -> Any:
         return gather([getattr(w, method).remote(*args) for w in self.workers])[0]
+
+    def set_engines_idle(self, idle: bool) -> None:
+        """Async mode: the engines sample nothing (`idle`) or resume; the ranks change their CPU threads at
+        their next micro-batch (`molt.placement.cpu_threads`). Not awaited: it must not wait for a step."""
+        for w in self.workers:
+            w.set_engines_idle.remote(idle)
 
     def refit_address(self) -> tuple[str, int]:
         """Where rank 0 will host the refit group: its node's IP and a free port."""

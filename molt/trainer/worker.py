@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -74,14 +75,27 @@ class TrainerWorker:
         self.sft = self.spec.train.objective == "sft"
         if self.sft:   # SFT scores the model's own distribution: the rollout's sampling does not apply
             self.spec.rollout.temperature, self.spec.rollout.top_p, self.spec.rollout.top_k = 1.0, 1.0, -1
-        if not self.cuda:
-            torch.set_num_threads(cpu_threads(self.spec, role, rank))
+        # CPU threads while the engines generate (False) and while they are idle (True, async mode:
+        # the loop's pool says which, through `set_engines_idle`); applied per micro-batch by `_threads`.
+        self.threads = {idle: cpu_threads(self.spec, role, rank, engines_idle=idle) for idle in (False, True)}
+        self.engines_idle = False
+        self._threads()
         self.step = 0
+
+    @ray.method(concurrency_group="control")   # runs while `update` holds the default group
+    def set_engines_idle(self, idle: bool) -> None:
+        self.engines_idle = idle
+
+    def _threads(self) -> int:
+        """Set torch's threads for the engines' current state; called by the computing thread between
+        micro-batches, so a change never lands inside a parallel region. Returns the threads in use."""
+        n = self.threads[self.engines_idle]
+        if not self.cuda and n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        return torch.get_num_threads()
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address: this node's IP and a free port."""
-        import ray
-
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
@@ -182,6 +196,7 @@ class TrainerWorker:
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         start = 0
         for mb in self._micro_batches(shard):
+            self._threads()
             rows, length = mb["input_ids"].shape
             scores = self._forward(mb)[0].cpu()
             if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
@@ -234,9 +249,8 @@ class TrainerWorker:
                 last: bool) -> float | None:
         """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `sums`.
         Returns the gradient norm, or None when no rank's `part` holds a sampled token (no step)."""
-        spec = self.spec
         mbs = self._micro_batches(part)
-        budget = spec.rollout.max_tokens * spec.agent.max_turns  # the response budget of seq norm
+        budget = self.spec.rollout.max_tokens * self.spec.agent.max_turns  # the response budget of seq norm
         normalizer = LOSS_NORMS["token"].normalizer if self.sft else lambda m, b: loss_normalizer(m, algo, b)
         norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
         if norm == 0:
@@ -247,6 +261,7 @@ class TrainerWorker:
         for mb in mbs:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
+            add("w/threads", self._threads() * n_tok)
             if self.role == "critic":
                 values, _ = self._forward(mb)
                 loss, metrics = value_loss(values, mb, algo, norm)
@@ -286,7 +301,7 @@ class TrainerWorker:
         from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
         from nemo_automodel.components.training.utils import clip_grad_norm
         synchronize_tp_replica_gradients([self.model], self.mesh)
-        grad_norm = clip_grad_norm(spec.train.grad_clip, [self.model])
+        grad_norm = clip_grad_norm(self.spec.train.grad_clip, [self.model])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
