@@ -440,7 +440,7 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     """rollout.mode=async, parallel.cpu_threads null: a rank computes with its share of the node's cores
     while the engines generate and with all of them while the engines are idle. `set_engines_idle` reaches
     a rank in the middle of a step (its own concurrency group), and the computing thread applies it at the
-    next micro-batch: `threads` is the token-weighted mean of `torch.get_num_threads()` read there."""
+    next block of the model: `threads` is the mean of `torch.get_num_threads()` read there."""
     import ray
 
     cores = len(os.sched_getaffinity(0))
@@ -463,3 +463,31 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
         group.shutdown()
     assert (generating, idle, again) == (cores // 2, cores, cores // 2)   # one engine and one rank
     assert generating < switched <= idle
+
+
+def test_a_rank_switches_threads_at_each_block_forward_and_backward(tiny_model_path) -> None:
+    """A step may be a single micro-batch: the switch happens at the next block of the model. Here the
+    engines go idle while block 0 computes its forward (a hook stands in for the message); block 1's
+    forward and both blocks' backward then run with every core. Without the per-block hooks the whole
+    micro-batch keeps its first setting."""
+    from transformers import AutoModelForCausalLM
+
+    from molt.trainer.worker import TrainerWorker
+
+    spec = make_spec(tiny_model_path)
+    spec.rollout.mode = "async"
+    before = torch.get_num_threads()
+    try:
+        worker = TrainerWorker(spec, "policy", 0, tiny_model_path)   # no process group: no setup()
+        worker.model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        worker._switch_threads_per_block()
+        block0 = worker.model.model.layers[0]
+        block0.register_forward_hook(lambda *_: setattr(worker, "engines_idle", True))
+        worker.block_threads = [worker._threads()]
+        worker.model(input_ids=torch.tensor([[1, 5, 9, 13]])).logits.sum().backward()
+        share, cores = worker.threads[False], worker.threads[True]
+        assert share < cores
+        # micro-batch start, forward of block 0, of block 1, backward of block 1, of block 0
+        assert worker.block_threads == [share, share, cores, cores, cores]
+    finally:
+        torch.set_num_threads(before)

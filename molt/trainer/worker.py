@@ -78,7 +78,7 @@ class TrainerWorker:
         # CPU threads while the engines generate (False) and while they are idle (True, async mode:
         # the loop's pool says which, through `set_engines_idle`); applied per micro-batch by `_threads`.
         self.threads = {idle: cpu_threads(self.spec, role, rank, engines_idle=idle) for idle in (False, True)}
-        self.engines_idle = False
+        self.engines_idle, self.block_threads = False, []
         self._threads()
         self.step = 0
 
@@ -87,12 +87,32 @@ class TrainerWorker:
         self.engines_idle = idle
 
     def _threads(self) -> int:
-        """Set torch's threads for the engines' current state; called by the computing thread between
-        micro-batches, so a change never lands inside a parallel region. Returns the threads in use."""
+        """Set torch's threads for the engines' current state. Called by the computing thread (torch's
+        setting is per thread once it computed) between operations: before each micro-batch, and at each
+        block of the model in the forward and the backward (`_switch_threads_per_block`)."""
         n = self.threads[self.engines_idle]
         if not self.cuda and n != torch.get_num_threads():
             torch.set_num_threads(n)
-        return torch.get_num_threads()
+        self.block_threads.append(torch.get_num_threads())
+        return self.block_threads[-1]
+
+    def _switch_threads_per_block(self) -> None:
+        """Async on CPU: a step is one micro-batch or a few, so the engines' cores are taken (or given
+        back) at each block of the model: its forward, and the gradient of its input in the backward."""
+        if self.cuda or self.threads[True] == self.threads[False]:
+            return
+
+        def backward(grad: torch.Tensor) -> None:
+            self._threads()
+
+        def forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self._threads()
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(backward)
+        for blocks in [m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)]:
+            for block in blocks:
+                block.register_forward_pre_hook(forward, with_kwargs=True)
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address: this node's IP and a free port."""
@@ -113,6 +133,7 @@ class TrainerWorker:
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
         self.model = build_model(self.spec, self.role, self.path, setup)
+        self._switch_threads_per_block()
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
@@ -196,7 +217,7 @@ class TrainerWorker:
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         start = 0
         for mb in self._micro_batches(shard):
-            self._threads()
+            self.block_threads = [self._threads()]   # (kept per micro-batch only)
             rows, length = mb["input_ids"].shape
             scores = self._forward(mb)[0].cpu()
             if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
@@ -261,7 +282,7 @@ class TrainerWorker:
         for mb in mbs:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
-            add("w/threads", self._threads() * n_tok)
+            self.block_threads = [self._threads()]
             if self.role == "critic":
                 values, _ = self._forward(mb)
                 loss, metrics = value_loss(values, mb, algo, norm)
@@ -286,8 +307,8 @@ class TrainerWorker:
             loss.backward()
             add("loss", loss.detach())
             add("weight", n_tok)
-            if first_pass:
-                add("tokens", n_tok)
+            add("tokens", n_tok if first_pass else 0)
+            add("w/threads", sum(self.block_threads) / len(self.block_threads) * n_tok)
             for key, value in metrics.items():
                 add(f"w/{key}", float(value) * n_tok)  # token-weighted means across micro-batches/ranks
                 if last and key in LAST_UPDATE_METRICS:
