@@ -151,17 +151,20 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
         await fleet.refit(1)
         before = await dispatcher.engines[0].generate.remote(PROBE, GREEDY)
 
-        # 1. the actor is killed: engine 0 comes back with version 1's weights
-        await batch_while(lambda: ray.kill(dispatcher.engines[0]))
-        await until(lambda: dispatcher.live == {0, 1}, "engine 0 to come back")
+        # 1+2. both kinds of death in the same batch: engine 0's actor is killed, and engine 1's engine-core
+        # process (its actor stays up, then exits itself); both come back, at once, with version 1's weights
+        core = engine_core_pid(dispatcher.engines[1])
+
+        def kill_both() -> None:
+            ray.kill(dispatcher.engines[0])
+            os.kill(core, signal.SIGKILL)
+        await batch_while(kill_both)
+        await until(lambda: dispatcher.live == {0, 1} and fleet.metrics()["engine/restarts"] == 2.0,
+                    "both engines to come back")
+        assert fleet.metrics() == {"engine/deaths": 2.0, "engine/restarts": 2.0, "engine/live": 2.0}
         await same_weights_everywhere(1)
         assert (await dispatcher.engines[0].generate.remote(PROBE, GREEDY))["logprobs"] == pytest.approx(
             before["logprobs"], abs=1e-5)
-
-        # 2. the engine-core process is killed (the actor stays up): the actor exits, engine 1 comes back
-        await batch_while(lambda: os.kill(engine_core_pid(dispatcher.engines[1]), signal.SIGKILL))
-        await until(lambda: dispatcher.live == {0, 1}, "engine 1 to come back")
-        assert fleet.metrics() == {"engine/deaths": 2.0, "engine/restarts": 2.0, "engine/live": 2.0}
         await asyncio.to_thread(train_once, policy)
         await fleet.refit(2)   # through a refit group re-formed with both new engines
         await same_weights_everywhere(2)
