@@ -76,7 +76,7 @@ class TrainerWorker:
         if self.sft:   # SFT scores the model's own distribution: the rollout's sampling does not apply
             self.spec.rollout.temperature, self.spec.rollout.top_p, self.spec.rollout.top_k = 1.0, 1.0, -1
         # CPU threads while the engines generate (False) and while they are idle (True, async mode:
-        # the loop's pool says which, through `set_engines_idle`); applied per micro-batch by `_threads`.
+        # the loop's pool says which, through `set_engines_idle`); applied by `_threads`.
         self.threads = {idle: cpu_threads(self.spec, role, rank, engines_idle=idle) for idle in (False, True)}
         self.engines_idle, self.block_threads = False, []
         self._threads()
