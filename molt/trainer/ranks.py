@@ -117,7 +117,8 @@ class TrainerRanks:
 
     def set_engines_idle(self, idle: bool) -> None:
         """Async mode: the engines sample nothing (`idle`) or resume; the ranks change their CPU threads at
-        their next micro-batch (`molt.placement.cpu_threads`). Not awaited: it must not wait for a step."""
+        the next block of the model they compute (`molt.placement.cpu_threads`). Not awaited: it must not
+        wait for a step."""
         for w in self.workers:
             w.set_engines_idle.remote(idle)
 
