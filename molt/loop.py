@@ -49,18 +49,19 @@ def train(spec: RunSpec) -> dict[str, float]:
 
 
 async def _train(spec: RunSpec) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
-    run_dir = Path(spec.run.dir)
     policy_path = model_path(spec)
+    # Engines load first (vLLM import, weights, KV cache: the longest start), overlapping the driver's
+    # set-up and the trainer ranks' start; `molt.launch.check_inputs` loaded the data files before that.
+    engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     runner = load_agent_runner(spec.agent)
     runner.setup(tokenizer, spec)
-    PromptDataset(spec.data.train_path, spec.data)   # a bad dataset fails before any actor starts
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
-
-    fleet, trainers = start_actors(spec, policy_path)
+    trainers = start_trainers(spec)
     logger = RunLogger(spec)
+    ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
+    fleet = Fleet(spec, policy_path, engines)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
     sampler = TrainingSampler(fleet.dispatcher, spec.run.seed, lambda: at.pool.version)
 
@@ -97,7 +98,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             save()
         if stop.is_set():
             print(f"molt: stopped by signal at step {at.step}; checkpoint written, resume with "
-                  f"run.resume={run_dir} (or run.resume=auto)")
+                  f"run.resume={spec.run.dir} (or run.resume=auto)")
     finally:
         if at.probe:
             at.probe.cancel()
@@ -120,16 +121,6 @@ class Position:
     kl_coef: float          # the KL weight in use (algo.kl.coef, moved by the adaptive controller)
     trainer_restarts: int = 0
     probe: asyncio.Task | None = None   # async mode: the post-refit probe (molt.rollout.probe)
-
-
-def start_actors(spec: RunSpec, policy_path: str) -> tuple[Fleet, tuple]:
-    """The engines (as a `Fleet`) and the trainer roles. Engines load (vLLM import, weights, KV cache)
-    while the trainer ranks start: start-up is the slower of the two instead of their sum."""
-    engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
-    ready = [engine.ready.remote() for engine in engines]
-    trainers = start_trainers(spec)
-    ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
-    return Fleet(spec, policy_path, engines), trainers
 
 
 def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:

@@ -166,7 +166,7 @@ def bind(spec: RunSpec) -> list[dict]:
     raises RuntimeError with the numbers otherwise. Call it before any actor starts."""
     from molt.rollout.engine_args import actor_options
 
-    engine_cpus = actor_options(spec.rollout.engine)["num_cpus"]
+    engine_cpus = actor_options(spec.rollout.engine, spec.parallel.device)["num_cpus"]
     nodes, slots, problems = cluster_nodes(spec), plan(spec), []
     for i, node in enumerate(nodes):
         here = [s for s in slots if s.node == i]

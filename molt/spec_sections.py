@@ -68,7 +68,8 @@ class ModelSpec(Strict):
 
 
 class ParallelSpec(Strict):
-    device: Literal["cpu", "cuda"] = Field("cpu", description="trainer device: cpu (gloo) or cuda (NCCL)")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="where trainer ranks and engines run: cpu (gloo) or cuda (NCCL)")
     nodes: int = Field(1, description="Ray nodes the run uses (the placement plan, molt/placement.py)")
     gpus_per_node: int = Field(8, description="cuda: GPUs on each node; the plan must fit nodes x this")
     trainer_nodes: int | None = Field(

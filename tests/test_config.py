@@ -325,7 +325,7 @@ def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
     assert cpu_threads(spec, "policy", 0, engines_idle=True) == idle
     assert cpu_threads(spec, "engine", 0, engines_idle=True) == threads["engine"]
     # what the processes are given: the engine's OpenMP environment, the trainer rank's torch threads
-    env = actor_options(spec.rollout.engine, cpu_threads(spec, "engine", 0))["runtime_env"]
+    env = actor_options(spec.rollout.engine, "cpu", cpu_threads(spec, "engine", 0))["runtime_env"]
     assert env["env_vars"]["OMP_NUM_THREADS"] == str(threads["engine"])
     before = torch.get_num_threads()
     try:
@@ -337,9 +337,11 @@ def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
     assert cpu_threads(spec, "engine", 0) == (spec.parallel.cpu_threads or 1)
 
 
-def test_the_driver_does_not_import_automodel():
-    """Start-up: the driver imports the loop (and the trainer's actor class) but not AutoModel, whose import
-    costs seconds there; only the trainer ranks need it."""
-    code = "import sys, molt.loop; print(sorted(m for m in sys.modules if m.startswith('nemo_automodel')))"
+def test_the_driver_imports_the_loop_without_the_model_stacks():
+    """Start-up: before it asks for the engines the driver imports the loop, but not AutoModel,
+    transformers, FSDP or vLLM (seconds each): the trainer's actor class and the tokenizer come after
+    the engines are asked for, and only the engine and trainer processes need the rest."""
+    heavy = ("nemo_automodel", "transformers", "torch.distributed.fsdp", "vllm")
+    code = f"import sys, molt.loop; print(sorted(m for m in sys.modules if m.startswith({heavy})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

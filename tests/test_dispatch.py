@@ -18,7 +18,7 @@ def engines(engine, engine_spec, tiny_model_path):
     from molt.rollout.engine import EngineActor
     from molt.rollout.engine_args import actor_options
 
-    second = EngineActor.options(**actor_options(engine_spec.rollout.engine)).remote(
+    second = EngineActor.options(**actor_options(engine_spec.rollout.engine, "cpu")).remote(
         tiny_model_path, engine_spec.rollout, engine_spec.model, 0, 1)
     ray.get(second.ready.remote())
     yield [engine, second]

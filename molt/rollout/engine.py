@@ -328,7 +328,8 @@ def start_engine(spec: Any, model_path: str, index: int) -> Any:
 
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
     [slot] = [s for s in plan(spec) if s.role == "engine" and s.index == index]
-    options = dict(actor_options(spec.rollout.engine, cpu_threads(spec, "engine", index)),
+    threads = cpu_threads(spec, "engine", index)
+    options = dict(actor_options(spec.rollout.engine, spec.parallel.device, threads),
                    label_selector=node_selector(ids[slot.node]))
     return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index)
 

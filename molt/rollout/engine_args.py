@@ -74,15 +74,17 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
     return {**kwargs, **eng.extra_args}
 
 
-def actor_options(engine: EngineSpec, threads: int = 1) -> dict[str, Any]:
-    """Ray resources of one engine. On CPU a tiny fraction, so engines and trainer ranks share cores.
+def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str, Any]:
+    """Ray resources of one engine on `device` (`parallel.device`: the spec says where engines run, not
+    the driver's host, which may have no GPU). On CPU a tiny fraction, so engines and trainer ranks share
+    cores.
 
     On CPU the engine runs its worker inside vLLM's engine process (≈2× faster on few cores than a
     separate worker process) with `threads` OpenMP threads (`molt.placement.cpu_threads`), not pinned,
     so several engines can share cores.
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
-    if not on_cpu():
+    if device == "cuda":
         return {"num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000}
     env = {"OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}

@@ -21,7 +21,6 @@ from molt.models import check_same_tokenizer, model_path
 from molt.placement import cluster_nodes, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
-from molt.trainer.worker import TrainerWorker
 
 ROLES = ("policy", "reference", "critic")
 SHUTDOWN_TIMEOUT_S = 30.0   # how long ranks get to leave their process group before they are killed
@@ -62,6 +61,10 @@ class TrainerRanks:
         self._pg = placement_group([bundle] * par.world_size, strategy="PACK",
                                    bundle_label_selector=[node_selector(ids[s.node]) for s in mine])
         ray.get(self._pg.ready())
+        # Imported here: the worker's module pulls in transformers and FSDP (≈4.5 s), which the driver
+        # then imports after it has asked for the engines, not before (start-up, molt/loop.py).
+        from molt.trainer.worker import TrainerWorker
+
         # "control": `set_engines_idle` is delivered while a step runs in the default group
         actor = ray.remote(concurrency_groups={"control": 1})(TrainerWorker)
         self.workers = [
