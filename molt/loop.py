@@ -50,18 +50,10 @@ def train(spec: RunSpec) -> dict[str, float]:
 
 async def _train(spec: RunSpec) -> dict[str, float]:
     policy_path = model_path(spec)
-    # Engines load first (vLLM import, weights, KV cache: the longest start), overlapping the driver's
-    # set-up and the trainer ranks' start; `molt.launch.check_inputs` loaded the data files before that.
-    engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(policy_path)
-    runner = load_agent_runner(spec.agent)
-    runner.setup(tokenizer, spec)
+    runner = load_agent_runner(spec.agent)           # bad input fails before any actor starts
+    PromptDataset(spec.data.train_path, spec.data)
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
-    trainers = start_trainers(spec)
-    logger = RunLogger(spec)
-    ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
-    fleet = Fleet(spec, policy_path, engines)
+    fleet, trainers, tokenizer, logger = start_run(spec, policy_path, runner)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
     sampler = TrainingSampler(fleet.dispatcher, spec.run.seed, lambda: at.pool.version)
 
@@ -121,6 +113,26 @@ class Position:
     kl_coef: float          # the KL weight in use (algo.kl.coef, moved by the adaptive controller)
     trainer_restarts: int = 0
     probe: asyncio.Task | None = None   # async mode: the post-refit probe (molt.rollout.probe)
+
+
+def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, tuple, Any, RunLogger]:
+    """The engines (a `Fleet`), trainer roles, tokenizer (`runner` set up on it) and run logger. The engines,
+    the longest start (vLLM import, weights, KV cache), load while the rest starts; a failure stops all."""
+    engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
+    trainers: tuple = ()
+    try:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(policy_path)
+        runner.setup(tokenizer, spec)
+        trainers = start_trainers(spec)
+        logger = RunLogger(spec)
+        ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
+    except BaseException:
+        stop_trainers(trainers)
+        for engine in engines:
+            ray.kill(engine)
+        raise
+    return Fleet(spec, policy_path, engines), trainers, tokenizer, logger
 
 
 def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:

@@ -16,8 +16,9 @@ GOOD_ROW = '{"prompt": "a", "label": "a"}\n'
 
 
 def live_actor_classes() -> list[str]:
-    # Ray's own actor table (the public state API needs the dashboard, which tests run without).
-    return sorted(a["ActorClassName"] for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
+    # Ray's own actor table (the public state API needs the dashboard, which tests run without); an
+    # actor asked for but still being created counts as started.
+    return sorted(a["ActorClassName"] for a in ray._private.state.actors().values() if a["State"] != "DEAD")
 
 
 def cases(tmp: object) -> dict[str, tuple[dict, type, str]]:
@@ -47,6 +48,32 @@ def test_bad_input_fails_before_any_actor_starts(ray_session, tmp_path, case):
     with pytest.raises(error) as raised:
         train(spec)
     assert message in str(raised.value)
+    assert live_actor_classes() == before
+
+
+SETUP_FAILS = """
+from molt.agents import Env, Result, StepEnvRunner
+
+class Noop(Env):
+    async def step(self, state):
+        return Result(reward=0.0)
+
+class NoKey(StepEnvRunner):
+    def setup(self, tokenizer, spec):
+        raise RuntimeError("agent set-up failed: no API key")
+
+AgentRunner = NoKey(Noop)
+"""
+
+
+def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_path):
+    """The engines are asked for before the agent's set-up, so that they load while the rest starts
+    (`molt.loop.start_run`): a failure then must stop them, not leave them in the caller's cluster."""
+    (tmp_path / "setup_fails.py").write_text(SETUP_FAILS)
+    spec = small_spec({"module": str(tmp_path / "setup_fails.py")}, run={"dir": str(tmp_path / "run")})
+    before = live_actor_classes()
+    with pytest.raises(RuntimeError, match="agent set-up failed: no API key"):
+        train(spec)
     assert live_actor_classes() == before
 
 
