@@ -337,6 +337,20 @@ def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
     assert cpu_threads(spec, "engine", 0) == (spec.parallel.cpu_threads or 1)
 
 
+def test_engine_ray_resources_follow_the_specs_device():
+    """`parallel.device`, not the driver's host, decides an engine's Ray resources: a driver on a CPU
+    machine (this one) still asks for the GPUs of a cuda spec's engines."""
+    from molt.rollout.engine_args import actor_options
+
+    gpu = compose(["+experiment=qwen30b_tools"])
+    engine = gpu.rollout.engine
+    assert actor_options(engine, gpu.parallel.device) == {
+        "num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000}
+    cpu = actor_options(compose([]).rollout.engine, "cpu", 2)
+    assert cpu["num_cpus"] < 1 and "num_gpus" not in cpu
+    assert cpu["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
+
+
 def test_the_driver_imports_the_loop_without_the_model_stacks():
     """Start-up: before it asks for the engines the driver imports the loop, but not AutoModel,
     transformers, FSDP or vLLM (seconds each): the trainer's actor class and the tokenizer come after
