@@ -38,7 +38,7 @@ from molt.rollout.sampling import TrainingSampler
 from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
 from molt.spec import RunSpec
 from molt.trainer.batch import add_images, check_token_first, make_batch
-from molt.trainer.ranks import TrainerRanks
+from molt.trainer.ranks import TrainerRanks, load_trainers, start_trainers, stop_trainers
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
 from molt.vision import processor
 
@@ -119,7 +119,7 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, tupl
     """The engines (a `Fleet`), trainer roles, tokenizer (`runner` set up on it) and run logger. The engines,
     the longest start (vLLM import, weights, KV cache), load while the rest starts; a failure stops all."""
     engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
-    trainers: tuple = ()
+    trainers, logger = (), None
     try:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
@@ -128,32 +128,14 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, tupl
         logger = RunLogger(spec)
         ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
     except BaseException:
+        runner.close()   # a judge's engines, a chat server
+        if logger:
+            logger.close()
         stop_trainers(trainers)
         for engine in engines:
             ray.kill(engine)
         raise
     return Fleet(spec, policy_path, engines), trainers, tokenizer, logger
-
-
-def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:
-    """(policy, reference, critic) trainer groups; the last two only when the spec has them."""
-    return (TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference else None,
-            TrainerRanks(spec, "critic") if spec.model.critic else None)
-
-
-def stop_trainers(trainers: tuple) -> None:
-    for group in trainers:
-        if group:
-            group.shutdown()
-
-
-def load_trainers(trainers: tuple, checkpoint: Path) -> dict[str, Any]:
-    """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
-    policy, _, critic = trainers
-    extra = policy.load(str(checkpoint / "policy"))
-    if critic:
-        critic.load(str(checkpoint / "critic"))
-    return extra
 
 
 async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, checkpoint: Path | None,

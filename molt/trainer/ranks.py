@@ -9,6 +9,7 @@ returned.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -155,3 +156,24 @@ class TrainerRanks:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self._pg)
+
+
+def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:
+    """(policy, reference, critic) trainer groups; the last two only when the spec has them."""
+    return (TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference else None,
+            TrainerRanks(spec, "critic") if spec.model.critic else None)
+
+
+def stop_trainers(trainers: tuple) -> None:
+    for group in trainers:
+        if group:
+            group.shutdown()
+
+
+def load_trainers(trainers: tuple, checkpoint: Path) -> dict[str, Any]:
+    """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
+    policy, _, critic = trainers
+    extra = policy.load(str(checkpoint / "policy"))
+    if critic:
+        critic.load(str(checkpoint / "critic"))
+    return extra

@@ -77,6 +77,26 @@ def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_
     assert live_actor_classes() == before
 
 
+def test_an_engine_start_time_out_stops_the_ranks_and_closes_the_log(ray_session, tmp_path, monkeypatch):
+    """An engine that does not come up in `rollout.engine.start_timeout_s`: the agent, the trainer ranks
+    and the run logger were started meanwhile; all of it is stopped and closed, not left behind."""
+    from ray.exceptions import GetTimeoutError
+
+    from molt.agents.runner import Runner
+    from molt.metrics import RunLogger
+
+    closed = []
+    for cls in (Runner, RunLogger):
+        close = cls.close
+        monkeypatch.setattr(cls, "close", lambda self, close=close: closed.append(type(self)) or close(self))
+    spec = small_spec(rollout={"engine": {"start_timeout_s": 0.5}}, run={"dir": str(tmp_path / "run")})
+    before = live_actor_classes()
+    with pytest.raises(GetTimeoutError):
+        train(spec)
+    assert live_actor_classes() == before
+    assert sorted(c.__name__ for c in closed) == ["RunLogger", "StepEnvRunner"]
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", "train.steps"),                          # a typo names the nearest key
     ("agent.on_failure=skip", "agent.on_failure"),             # a bad value names key and choices
