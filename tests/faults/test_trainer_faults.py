@@ -128,12 +128,13 @@ def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp
                       rollout={"engine": {"kv_cache_gib": 0.1}},
                       logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}})
     killed: list[int] = []
+    others = set(trainer_pids())   # ranks of another test in this process (the session's `trainer`)
 
     def kill_a_rank_after_step_3() -> None:
         metrics = tmp_path / "metrics.jsonl"
         while not (metrics.exists() and '"step": 3' in metrics.read_text()):
             time.sleep(0.05)
-        pids = trainer_pids()
+        pids = [p for p in trainer_pids() if p not in others]
         os.kill(pids[-1], signal.SIGKILL)
         killed.append(pids[-1])
 
@@ -149,4 +150,9 @@ def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp
     meta = json.loads((tmp_path / "checkpoints" / "step_000006" / "meta.json").read_text())
     assert meta["step"] == meta["version"] == 6 and meta["pending"] == []
     assert meta["data"]["index"] + 256 * meta["data"]["epoch"] == 2 * 6   # 2 prompts a step, none twice
-    assert not trainer_pids()   # the rebuilt trainer was stopped too
+    # The rebuilt trainer was stopped too. `ray.kill` returns before the process exits, which takes
+    # longer while another test loads the cores: a leaked rank lives on, a stopped one is gone soon.
+    deadline = time.time() + 30
+    while set(trainer_pids()) - others and time.time() < deadline:
+        time.sleep(0.2)
+    assert not set(trainer_pids()) - others
