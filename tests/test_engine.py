@@ -92,6 +92,28 @@ def direct(ray_session, tiny_model_path, new_weights, untied, engine_spec):
                               PROMPTS, samplings)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_engines(ray_session, untied, engine_spec, tiny_model_path):
+    """The engines two tests need for themselves (tensor-parallel on the untied model; bfloat16), started
+    with this module: each start is mostly imports on one core, so they load while the first tests run.
+    {name: (engine, its `ready` call)}; each test waits for its engine and stops it."""
+    from molt.rollout.engine import start_engine
+
+    tp2, bf16 = engine_spec.model_copy(deep=True), engine_spec.model_copy(deep=True)
+    tp2.rollout.engine.tp_size = 2
+    bf16.model.dtype = "bfloat16"
+    engines = {"tp2": start_engine(tp2, untied[0], 0), "bf16": start_engine(bf16, tiny_model_path, 0)}
+    yield {name: (e, e.ready.remote()) for name, e in engines.items()}
+    for e in engines.values():
+        ray.kill(e)   # a test that failed before stopping its engine
+
+
+def ready(loading: tuple) -> object:
+    engine, ready_ref = loading
+    ray.get(ready_ref, timeout=600)
+    return engine
+
+
 def generate_all(engine, sampling: dict) -> list[dict]:
     return ray.get([engine.generate.remote(p, sampling) for p in PROMPTS])
 
@@ -204,15 +226,11 @@ def max_gap(a: list[float], b: list[float]) -> float:
     return float((torch.tensor(a) - torch.tensor(b)).abs().max())
 
 
-def test_refit_untied_tp2_equals_fresh_engine(direct, untied, engine_spec, push_weights):
+def test_refit_untied_tp2_equals_fresh_engine(direct, untied, own_engines, push_weights):
     """An untied model (its lm_head is in the stream) on an engine with two tensor-parallel worker
     processes: both workers join the refit group and load their shards."""
-    from molt.rollout.engine import start_engines
-
-    path, sd, _ = untied
-    spec = engine_spec.model_copy(deep=True)
-    spec.rollout.engine.tp_size = 2
-    [engine] = start_engines(spec, path)
+    sd = untied[1]
+    engine = ready(own_engines["tp2"])
     try:
         assert ray.get(engine.refit_workers.remote()) == 2
         initial = generate_all(engine, GREEDY)
@@ -272,16 +290,12 @@ def autocast_logprobs(path: str, prompt: list[int], ids: list[int]) -> list[floa
     return [logp[len(prompt) + j - 1, t].item() for j, t in enumerate(ids)]
 
 
-def test_bfloat16_engine_takes_a_bfloat16_refit(engine_spec, new_weights, tiny_model_path, push_weights):
+def test_bfloat16_engine_takes_a_bfloat16_refit(own_engines, new_weights, tiny_model_path, push_weights):
     """model.dtype=bfloat16 on CPU: a bf16 engine, refitted with the bf16 tensors the trainer streams,
     samples with the new weights: its logprobs are within bf16 noise of the trainer's autocast forward
     of the weights it holds (max 0.006 measured) and far from the other weights' (mean 0.02), before
     and after the refit. Refitting the old weights instead fails it (max gap 0.056)."""
-    from molt.rollout.engine import start_engines
-
-    spec = engine_spec.model_copy(deep=True)
-    spec.model.dtype = "bfloat16"
-    [engine] = start_engines(spec, tiny_model_path)
+    engine = ready(own_engines["bf16"])
     sampling = {**SAMPLED, "max_tokens": 24, "seed": 3}
     try:
         before = generate_all(engine, sampling)

@@ -1,7 +1,7 @@
 """End to end: `python -m molt` on the tiny experiment with every component real.
 
 One CLI run (sync, Env agent) is killed with SIGKILL after its first checkpoint and resumed in a new
-process, which SIGTERM then stops (it checkpoints and exits 0), and rerun in-process to show the same
+process, which SIGTERM then stops (it checkpoints and exits 0), and run again alongside to show the same
 seed gives the same run; one in-process run uses async
 mode with a ChatAgent driving the OpenAI SDK. Both sample at temperature 0.7 with top-p 0.9, so the
 trainer must reproduce the engine's processed logprobs, not the raw model's.
@@ -65,11 +65,15 @@ def check_trained_tokens(run_dir: Path, model_path: str) -> None:
 
 def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tmp_path, tiny_model_path,
                                                                               ray_session):
-    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    run_a, run_b, run_c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=2",
                              "train.eval_every=0", f"hydra.run.dir={run_a}"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The same run's first two steps again, at the same time (a start-up is mostly imports on one core)
+    rerun = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=2", "train.save_every=0",
+                              "train.eval_every=0", f"hydra.run.dir={run_c}"], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     latest = run_a / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and proc.poll() is None and time.time() < deadline:
@@ -89,7 +93,9 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/refit"] > 0 and r["policy/version"] == r["step"]
     assert rows[0]["mismatch/max_abs"] <= 1e-5
     check_trained_tokens(run_a, tiny_model_path)
-    check_same_run(run_a, tmp_path / "c")
+    out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    check_same_run(run_a, run_c)
 
     # Replaying the dumped first batch on the initial weights reproduces the logged step exactly.
     from molt.replay import replay
@@ -150,13 +156,8 @@ def check_sigterm_checkpoint(run: Path, out: str, steps: list[int], first: int) 
 
 
 def check_same_run(run_a: Path, run_c: Path) -> None:
-    """Same seed, same machine, sync mode: an in-process rerun of the CLI run's first two steps samples the
-    same tokens with the same logprobs and takes the same optimizer steps, bit for bit."""
-    from molt.loop import train
-
-    spec = compose([*SMALL, "train.steps=2", "train.save_every=0", "train.eval_every=0"])
-    spec.run.dir = str(run_c)
-    train(spec)
+    """Same seed, same machine, sync mode: a second run of the same spec, in its own processes at the same
+    time, samples the same tokens with the same logprobs and takes the same optimizer steps, bit for bit."""
     for a, c in zip(read_metrics(run_a)[:2], read_metrics(run_c), strict=True):
         for key in ("reward/mean", "train/loss", "train/grad_norm", "mismatch/max_abs", "tokens/sampled"):
             assert a[key] == c[key], (a["step"], key)

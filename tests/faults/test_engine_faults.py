@@ -25,7 +25,9 @@ from molt.rollout.pool import RolloutPool
 from molt.trainer.ranks import TrainerRanks
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 0}
-REPEAT = {"module": "examples/agents/repeat.py", "max_total_tokens": 4096}
+# A rollout waits while its engine restarts (tens of seconds, more on a loaded machine): the default
+# 60 s agent timeout would fail it for the restart's sake, not for anything this file checks.
+REPEAT = {"module": "examples/agents/repeat.py", "max_total_tokens": 4096, "timeout_s": 300.0}
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +109,8 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
                                "engine": {"kv_cache_gib": 0.1, "num_engines": 2, "max_restarts": 1}})
     path = ray.get(spare.__ray_call__.remote(lambda self: self.llm.model_config.model))
     second = start_engine(spec, path, 1)
+    policy = TrainerRanks(spec, "policy")   # starts while the second engine loads
     ray.get(second.ready.remote())
-    policy = TrainerRanks(spec, "policy")
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
     runner.sampling.update(max_tokens=60, ignore_eos=True)   # long enough that kills land mid-request
