@@ -108,12 +108,6 @@ def own_engines(ray_session, untied, engine_spec, tiny_model_path):
         ray.kill(e)   # a test that failed before stopping its engine
 
 
-def ready(loading: tuple) -> object:
-    engine, ready_ref = loading
-    ray.get(ready_ref, timeout=600)
-    return engine
-
-
 def generate_all(engine, sampling: dict) -> list[dict]:
     return ray.get([engine.generate.remote(p, sampling) for p in PROMPTS])
 
@@ -230,7 +224,8 @@ def test_refit_untied_tp2_equals_fresh_engine(direct, untied, own_engines, push_
     """An untied model (its lm_head is in the stream) on an engine with two tensor-parallel worker
     processes: both workers join the refit group and load their shards."""
     sd = untied[1]
-    engine = ready(own_engines["tp2"])
+    engine, loading = own_engines["tp2"]
+    ray.get(loading, timeout=600)
     try:
         assert ray.get(engine.refit_workers.remote()) == 2
         initial = generate_all(engine, GREEDY)
@@ -295,7 +290,8 @@ def test_bfloat16_engine_takes_a_bfloat16_refit(own_engines, new_weights, tiny_m
     samples with the new weights: its logprobs are within bf16 noise of the trainer's autocast forward
     of the weights it holds (max 0.006 measured) and far from the other weights' (mean 0.02), before
     and after the refit. Refitting the old weights instead fails it (max gap 0.056)."""
-    engine = ready(own_engines["bf16"])
+    engine, loading = own_engines["bf16"]
+    ray.get(loading, timeout=600)
     sampling = {**SAMPLED, "max_tokens": 24, "seed": 3}
     try:
         before = generate_all(engine, sampling)
