@@ -349,6 +349,11 @@ def test_engine_ray_resources_follow_the_specs_device():
     cpu = actor_options(compose([]).rollout.engine, "cpu", 2)
     assert cpu["num_cpus"] < 1 and "num_gpus" not in cpu
     assert cpu["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
+    # an eager engine skips torch.compile (its one use there is a sampler helper Molt never reads); a
+    # compiled engine keeps it
+    assert cpu["runtime_env"]["env_vars"]["TORCH_COMPILE_DISABLE"] == "1"
+    compiled = compose(["rollout.engine.enforce_eager=false"]).rollout.engine
+    assert "TORCH_COMPILE_DISABLE" not in actor_options(compiled, "cpu", 2)["runtime_env"]["env_vars"]
 
 
 def test_the_driver_imports_the_loop_without_the_model_stacks():
