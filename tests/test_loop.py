@@ -85,30 +85,36 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
     saved = json.loads((checkpoint / "meta.json").read_text())
     assert saved["step"] >= 2
 
-    # The killed run: every step logged reward, refit and a trainer/engine gap; the first step's
-    # trained tokens are exactly the engine's.
-    rows = read_metrics(run_a)
-    assert [r["step"] for r in rows[: saved["step"]]] == list(range(1, saved["step"] + 1))
-    for r in rows:
-        assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/refit"] > 0 and r["policy/version"] == r["step"]
-    assert rows[0]["mismatch/max_abs"] <= 1e-5
-    check_trained_tokens(run_a, tiny_model_path)
-    out = rerun.communicate(timeout=300)[0]
-    assert rerun.returncode == 0, out[-3000:]
-    check_same_run(run_a, run_c)
-
-    # Replaying the dumped first batch on the initial weights reproduces the logged step exactly.
-    from molt.replay import replay
-
-    replayed = replay(run_a, 1)
-    for key in ("train/loss", "train/grad_norm", "mismatch/mean_abs", "tokens/trained"):
-        assert replayed[key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
-
-    # The resumed run is stopped by SIGTERM after its first step: it finishes the step in flight,
+    # The resumed run starts now, and its start-up (mostly imports on one core) overlaps the checks of
+    # the killed run below; SIGTERM stops it after its first step: it finishes the step in flight,
     # checkpoints and exits 0.
     proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=0",
                              "train.eval_every=0", f"run.resume={run_a}", f"hydra.run.dir={run_b}"], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    try:
+        # The killed run: every step logged reward, refit and a trainer/engine gap; the first step's
+        # trained tokens are exactly the engine's.
+        rows = read_metrics(run_a)
+        assert [r["step"] for r in rows[: saved["step"]]] == list(range(1, saved["step"] + 1))
+        for r in rows:
+            assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/refit"] > 0 and r["policy/version"] == r["step"]
+        assert rows[0]["mismatch/max_abs"] <= 1e-5
+        check_trained_tokens(run_a, tiny_model_path)
+        out = rerun.communicate(timeout=300)[0]
+        assert rerun.returncode == 0, out[-3000:]
+        check_same_run(run_a, run_c)
+
+        # Replaying the dumped first batch on the initial weights reproduces the logged step exactly.
+        from molt.replay import replay
+
+        replayed = replay(run_a, 1)
+        for key in ("train/loss", "train/grad_norm", "mismatch/mean_abs", "tokens/trained"):
+            assert replayed[key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
+    except BaseException:   # a failed check must not leave the resumed run training
+        proc.kill()
+        raise
+
     out = stop_after_first_step(proc, run_b / "metrics.jsonl")
     assert f"resumed from {checkpoint}" in out
     resumed = read_metrics(run_b)
