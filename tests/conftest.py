@@ -55,21 +55,67 @@ def engine_spec(tiny_model_path):
     })
 
 
+def asked_for(spec, path: str, index: int = 0):
+    """Body of an `*_loading` fixture: an engine actor asked for and not waited on (it loads meanwhile)."""
+    import ray
+
+    from molt.rollout.engine import start_engine
+
+    actor = start_engine(spec, path, index)
+    yield actor
+    ray.kill(actor)
+
+
+def waited_on(actor, spec):
+    """Body of the fixture that hands out an `*_loading` engine: ready, and shut down at the end."""
+    import ray
+
+    ray.get(actor.ready.remote(), timeout=spec.rollout.engine.start_timeout_s)
+    yield actor
+    ray.get(actor.shutdown.remote())
+
+
 @pytest.fixture(scope="session")
-def engine(ray_session, tiny_model_path, engine_spec):
+def engine_loading(ray_session, tiny_model_path, engine_spec):
+    yield from asked_for(engine_spec, tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def engine(engine_loading, engine_spec):
     """One vLLM engine actor (molt.rollout.engine.EngineActor) on the tiny model, shared by all tests.
 
     Tests that refit it must restore the initial weights as version 0 before they return.
     """
-    from molt.rollout.engine import start_engines
+    yield from waited_on(engine_loading, engine_spec)
 
-    [actor] = start_engines(engine_spec, tiny_model_path)
-    # One request first: the engine's first forward is slow (kernel set-up), and tests with agent
-    # timeouts should not pay for it.
-    ray_session.get(actor.generate.remote([1, 2, 3], {"max_tokens": 2}))
-    yield actor
-    ray_session.get(actor.shutdown.remote())
-    ray_session.kill(actor)
+
+@pytest.fixture(scope="session")
+def second_engine_loading(ray_session, tiny_model_path, engine_spec):
+    two = engine_spec.model_copy(update={"rollout": engine_spec.rollout.model_copy(update={
+        "engine": engine_spec.rollout.engine.model_copy(update={"num_engines": 2})})})
+    yield from asked_for(two, tiny_model_path, 1)
+
+
+@pytest.fixture(scope="session")
+def second_engine(second_engine_loading, engine_spec):
+    """A second engine like `engine` (engine index 1: its seed is the run seed + 1), for the dispatcher."""
+    yield from waited_on(second_engine_loading, engine_spec)
+
+
+# The session's engines, each asked for at the session's start when a selected test uses it, none waited
+# on there: a start is mostly imports on one core (tens of seconds), so one at a time would leave the other
+# core idle. (Not the trainer: TrainerRanks blocks, and building it in a thread races the test's own
+# transformers imports, whose lazy modules are not thread-safe.)
+LOAD_TOGETHER = {"engine": "engine_loading", "second_engine": "second_engine_loading",
+                 "vlm_engine": "vlm_engine_loading"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_actors_load_together(request):
+    used = {name for item in request.session.items for name in item.fixturenames}
+    for name, loader in LOAD_TOGETHER.items():
+        if name in used:
+            request.getfixturevalue(loader)
 
 
 @pytest.fixture(scope="session")
@@ -161,11 +207,11 @@ def vlm_path(vlm_spec) -> str:
 
 
 @pytest.fixture(scope="session")
-def vlm_engine(ray_session, vlm_path, vlm_spec):
-    """One vLLM engine actor on the tiny VLM, shared by every test that sends images."""
-    from molt.rollout.engine import start_engines
+def vlm_engine_loading(ray_session, vlm_path, vlm_spec):
+    yield from asked_for(vlm_spec, vlm_path)
 
-    [actor] = start_engines(vlm_spec, vlm_path)
-    yield actor
-    ray_session.get(actor.shutdown.remote())
-    ray_session.kill(actor)
+
+@pytest.fixture(scope="session")
+def vlm_engine(vlm_engine_loading, vlm_spec):
+    """One vLLM engine actor on the tiny VLM, shared by every test that sends images."""
+    yield from waited_on(vlm_engine_loading, vlm_spec)

@@ -14,16 +14,8 @@ SHORT = {"temperature": 1.0, "max_tokens": 6, "seed": 5}
 
 
 @pytest.fixture(scope="module")
-def engines(engine, engine_spec, tiny_model_path):
-    from molt.rollout.engine import EngineActor
-    from molt.rollout.engine_args import actor_options
-
-    second = EngineActor.options(**actor_options(engine_spec.rollout.engine, "cpu")).remote(
-        tiny_model_path, engine_spec.rollout, engine_spec.model, 0, 1)
-    ray.get(second.ready.remote())
-    yield [engine, second]
-    ray.get(second.shutdown.remote())
-    ray.kill(second)
+def engines(engine, second_engine):
+    return [engine, second_engine]
 
 
 def test_new_keys_balance_and_keys_stick(engines):
