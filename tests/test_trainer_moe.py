@@ -44,18 +44,7 @@ def random_batch() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def moe_engine_loading(ray_session):
-    """The actor of `moe_engine`, asked for before the policy starts, so that both load at once."""
-    from molt.rollout.engine import start_engine
-    from molt.tiny import tiny_model_path
-
-    engine = start_engine(moe_spec(str(tiny_model_path(**MOE))), str(tiny_model_path(**MOE)), 0)
-    yield engine
-    ray.kill(engine)
-
-
-@pytest.fixture(scope="module")
-def policy(ray_session, moe_engine_loading):
+def policy(ray_session):
     """A tiny MoE policy on 2 ranks, trained 2 steps (without replay: the batch has no routes)."""
     from molt.tiny import tiny_model_path
 
@@ -74,11 +63,15 @@ def exported(policy, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def moe_engine(moe_engine_loading):
+def moe_engine(ray_session):
     """An engine actor on the initial tiny-MoE weights, capturing routes as it generates."""
-    ray.get(moe_engine_loading.ready.remote(), timeout=RunSpec().rollout.engine.start_timeout_s)
-    yield moe_engine_loading
-    ray.get(moe_engine_loading.shutdown.remote())
+    from molt.rollout.engine import start_engines
+    from molt.tiny import tiny_model_path
+
+    [engine] = start_engines(moe_spec(str(tiny_model_path(**MOE))), str(tiny_model_path(**MOE)))
+    yield engine
+    ray.get(engine.shutdown.remote())
+    ray.kill(engine)
 
 
 @pytest.fixture(scope="module")
