@@ -92,8 +92,8 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # lets engine_args' "uni" executor stand on CPU
     if engine.enforce_eager:
         # An eager engine still torch.compiles one sampler helper (the sampled token's rank, which Molt
-        # never reads) on its first request: 3.5-7 s of every engine's start on CPU for no change in
-        # any logprob. Compiled mode keeps torch.compile.
+        # never reads) on its first request: 3.5-4 s of every engine's start on an idle 2-core host, for no
+        # change in any logprob. Compiled mode keeps torch.compile.
         env["TORCH_COMPILE_DISABLE"] = "1"
     return {"num_cpus": 0.01, "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
 
