@@ -66,7 +66,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         print(f"molt: resumed from {checkpoint} at step {at.step} (policy version {at.version})")
     def save(best: float | None = None) -> None:
         extra = {"step": at.step, "version": at.version, "data": at.data.state_dict(),
-                 "pending": at.pool.pending_items(), "kl_coef": at.kl_coef}
+                 "pending": at.pool.pending_items(), "groups_started": at.pool.started, "kl_coef": at.kl_coef}
         save_checkpoint(spec, at.step, {"policy": trainers[0], "critic": trainers[2]}, extra, best)
         at.saved = at.step
 
@@ -144,11 +144,11 @@ async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, c
     they may hold other weights: a resume, a rebuilt trainer) and start a pool at the data position."""
     data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed,
                           shuffle=spec.data.shuffle)
-    step, version, pending, kl_coef = 0, 0, [], spec.algo.kl.coef
+    step, version, pending, kl_coef, groups = 0, 0, [], spec.algo.kl.coef, 0
     if checkpoint:
         extra = await asyncio.to_thread(load_trainers, trainers, checkpoint)
         step, version, pending = extra["step"], extra["version"], extra["pending"]
-        kl_coef = extra.get("kl_coef", kl_coef)
+        kl_coef, groups = extra.get("kl_coef", kl_coef), extra.get("groups_started", 0)
         data.load_state_dict(extra["data"])
     await fleet.connect(trainers[0])
     if refit_engines:
@@ -162,7 +162,8 @@ async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, c
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
                        spec.train.prompts_per_step if sync else spec.rollout.groups_in_flight,
                        spec.rollout.max_staleness, fleet.dispatcher.engines, refill_during_batch=not sync,
-                       lost=fleet.dispatcher.take_lost, on_generating=engines_generating if lend else None)
+                       lost=fleet.dispatcher.take_lost, on_generating=engines_generating if lend else None,
+                       first_group=groups)
     pool.set_version(version)
     return Position(step, version, data, pool, saved=step, kl_coef=kl_coef)
 

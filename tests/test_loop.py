@@ -1,10 +1,9 @@
 """End to end: `python -m molt` on the tiny experiment with every component real.
 
-One CLI run (sync, Env agent) is killed with SIGKILL after its first checkpoint and resumed in a new
-process, which SIGTERM then stops (it checkpoints and exits 0), and run again alongside to show the same
-seed gives the same run; one in-process run uses async
-mode with a ChatAgent driving the OpenAI SDK. Both sample at temperature 0.7 with top-p 0.9, so the
-trainer must reproduce the engine's processed logprobs, not the raw model's.
+One CLI run (sync, Env agent) is killed with SIGKILL one step after a checkpoint and resumed in a new
+process, which redoes that step bit for bit and which SIGTERM then stops (it checkpoints and exits 0);
+one in-process run uses async mode with a ChatAgent driving the OpenAI SDK. Both sample at temperature
+0.7 with top-p 0.9, so the trainer must reproduce the engine's processed logprobs, not the raw model's.
 """
 
 from __future__ import annotations
@@ -65,25 +64,15 @@ def check_trained_tokens(run_dir: Path, model_path: str) -> None:
 
 def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tmp_path, tiny_model_path,
                                                                               ray_session):
-    run_a, run_b, run_c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=2",
                              "train.eval_every=0", f"hydra.run.dir={run_a}"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # The same run's first two steps again, at the same time (a start-up is mostly imports on one core)
-    rerun = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=2", "train.save_every=0",
-                              "train.eval_every=0", f"hydra.run.dir={run_c}"], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    latest = run_a / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    out = proc.communicate()[0]
-    assert latest.exists(), out[-3000:]
-    checkpoint = run_a / "checkpoints" / latest.read_text().strip()
+    saved_step = kill_one_step_after_a_checkpoint(proc, run_a)
+    checkpoint = run_a / "checkpoints" / f"step_{saved_step:06d}"
     saved = json.loads((checkpoint / "meta.json").read_text())
-    assert saved["step"] >= 2
+    assert saved["step"] == saved_step >= 2
 
     # The resumed run starts now, and its start-up (mostly imports on one core) overlaps the checks of
     # the killed run below; SIGTERM stops it after its first step: it finishes the step in flight,
@@ -101,9 +90,6 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
             assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/refit"] > 0 and r["policy/version"] == r["step"]
         assert rows[0]["mismatch/max_abs"] <= 1e-5
         check_trained_tokens(run_a, tiny_model_path)
-        out = rerun.communicate(timeout=300)[0]
-        assert rerun.returncode == 0, out[-3000:]
-        check_same_run(run_a, run_c)
 
         # Replaying the dumped first batch on the initial weights reproduces the logged step exactly.
         from molt.replay import replay
@@ -119,6 +105,7 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
     assert f"resumed from {checkpoint}" in out
     resumed = read_metrics(run_b)
     check_sigterm_checkpoint(run_b, out, [r["step"] for r in resumed], first=saved["step"] + 1)
+    check_same_steps(run_a, run_b, saved["step"] + 1)
     # Weights: the engines were refit from the loaded trainer weights, and they agree with the trainer.
     assert resumed[0]["policy/version"] == saved["version"] + 1 and resumed[0]["mismatch/max_abs"] <= 1e-5
     # Data position: the first resumed batch holds exactly the prompts the saved iterator yields next.
@@ -161,15 +148,41 @@ def check_sigterm_checkpoint(run: Path, out: str, steps: list[int], first: int) 
     assert find_checkpoint(compose([*SMALL, f"run.resume={run}"])) == root / f"step_{steps[-1]:06d}"
 
 
-def check_same_run(run_a: Path, run_c: Path) -> None:
-    """Same seed, same machine, sync mode: a second run of the same spec, in its own processes at the same
-    time, samples the same tokens with the same logprobs and takes the same optimizer steps, bit for bit."""
-    for a, c in zip(read_metrics(run_a)[:2], read_metrics(run_c), strict=True):
-        for key in ("reward/mean", "train/loss", "train/grad_norm", "mismatch/max_abs", "tokens/sampled"):
-            assert a[key] == c[key], (a["step"], key)
-    for step in (1, 2):
+def kill_one_step_after_a_checkpoint(proc: subprocess.Popen, run: Path) -> int:
+    """SIGKILL the run once it has logged the step after its latest checkpoint; returns that checkpoint's
+    step. The driver is stopped (SIGSTOP) while the two are read, so neither moves in between."""
+    latest, deadline = run / "checkpoints" / "latest", time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if latest.exists() and (run / "metrics.jsonl").exists():
+            proc.send_signal(signal.SIGSTOP)
+            saved = int(latest.read_text().strip().removeprefix("step_"))
+            lines = (run / "metrics.jsonl").read_text().split("\n")[:-1]   # a line being written is left out
+            if saved + 1 in [json.loads(line)["step"] for line in lines if line.strip()]:
+                proc.send_signal(signal.SIGKILL)
+                proc.communicate()
+                return saved
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"no step logged after a checkpoint: {proc.communicate()[0][-3000:]}")
+
+
+def check_same_steps(run_a: Path, run_b: Path, first: int) -> None:
+    """Resumed from the checkpoint before step `first`, in new processes, the run redoes every step both
+    runs logged (at least `first`) bit for bit: the same tokens with the same logprobs (the dump), the
+    same loss, gradient norm and reward. Step `first` shows the weights, the data position and the
+    request seeds were restored; the optimizer's state shows from the next step (and in test_trainer's
+    test_resume_is_exact)."""
+    a = {r["step"]: r for r in read_metrics(run_a)}
+    b = {r["step"]: r for r in read_metrics(run_b)}
+    steps = sorted(a.keys() & b.keys())
+    assert steps[0] == first, steps
+    for step in steps:
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "mismatch/max_abs", "tokens/sampled",
+                    "policy/version"):
+            assert a[step][key] == b[step][key], (step, key)
         name = f"rollouts/step_{step:06d}.jsonl"
-        assert load_rollouts(run_a / name) == load_rollouts(run_c / name)
+        assert load_rollouts(run_a / name) == load_rollouts(run_b / name), step
 
 
 def test_async_chat_agent_run(tmp_path, ray_session):

@@ -43,7 +43,7 @@ class RolloutPool:
     def __init__(self, items: Iterator[dict], rollout_fn: RolloutFn, samples_per_prompt: int,
                  groups_in_flight: int, max_staleness: int, engines: list[Any] = (),
                  refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None,
-                 on_generating: Callable[[bool], None] | None = None) -> None:
+                 on_generating: Callable[[bool], None] | None = None, first_group: int = 0) -> None:
         self.items = iter(items)
         # False = sync mode: groups start only when a batch is asked for, so while the trainer steps
         # nothing generates and every batch is sampled by the current policy.
@@ -60,7 +60,9 @@ class RolloutPool:
         self.done: list[Finished] = []      # finished groups not yet handed out
         self.finished = asyncio.Event()     # set whenever a group finishes
         self.tasks: set[asyncio.Task] = set()
-        self.started = 0
+        # Group ids (g<n>) key the request seeds: a resumed run continues the saved count, so it redoes
+        # a step with the seeds the interrupted run used, and no id repeats within a run.
+        self.started = first_group
         self.counts = {"stale_requeued": 0, "engine_requeued": 0, "groups_done": 0, "failed_rollouts": 0}
         self.exhausted = False
         self.crash: Exception | None = None   # what a rollout raised that was not the agent's fault
