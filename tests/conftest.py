@@ -102,20 +102,41 @@ def second_engine(second_engine_loading, engine_spec):
     yield from waited_on(second_engine_loading, engine_spec)
 
 
-# The session's engines, each asked for at the session's start when a selected test uses it, none waited
-# on there: a start is mostly imports on one core (tens of seconds), so one at a time would leave the other
-# core idle. (Not the trainer: TrainerRanks blocks, and building it in a thread races the test's own
-# transformers imports, whose lazy modules are not thread-safe.)
+# The session's engines: when the first test that uses one of them starts, every one that a selected test
+# uses is asked for, and none is waited on there: a start is mostly imports on one core (tens of seconds),
+# so one at a time would leave the other core idle. (Not the trainer: TrainerRanks blocks, and building it
+# in a thread races the test's own transformers imports, whose lazy modules are not thread-safe.)
 LOAD_TOGETHER = {"engine": "engine_loading", "second_engine": "second_engine_loading",
                  "vlm_engine": "vlm_engine_loading"}
+# What one test worker builds for many tests: the files that use any of it run on the same worker.
+SHARED = {*LOAD_TOGETHER, "trainer"}
+# The longest files (minutes, by `--durations`) start first, right after the shared group, so that the
+# suite does not end on one of them while the other worker idles. A file missing here only starts later.
+LONG_FILES = ("tests/test_trainer.py", "tests/test_loop.py", "tests/test_trainer_moe.py",
+              "tests/faults/test_trainer_faults.py")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def session_actors_load_together(request):
-    used = {name for item in request.session.items for name in item.fixturenames}
-    for name, loader in LOAD_TOGETHER.items():
-        if name in used:
-            request.getfixturevalue(loader)
+@pytest.fixture(autouse=True)
+def session_engines_load_together(request):
+    if LOAD_TOGETHER.keys() & set(request.fixturenames):
+        used = {name for item in request.session.items for name in item.fixturenames}
+        for name, loader in LOAD_TOGETHER.items():
+            if name in used:
+                request.getfixturevalue(loader)
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test workers (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml) take whole groups: a file is
+    one group, so its module fixtures are built once, and every file that uses a `SHARED` fixture joins
+    one group, so the session's engines and trainer are built once, on one worker. Groups are handed
+    out in collection order: the shared group first, then `LONG_FILES`, then the rest."""
+    shared = {item.path for item in items if SHARED & set(item.fixturenames)}
+    groups = {item: "shared" if item.path in shared else item.nodeid.split("::")[0] for item in items}
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
+    order = ["shared", *LONG_FILES]
+    items.sort(key=lambda item: order.index(groups[item]) if groups[item] in order else len(order))
 
 
 @pytest.fixture(scope="session")

@@ -228,15 +228,15 @@ def test_dry_run_checks_data_and_agent_module():
 
 
 def test_cli_dry_run_writes_nothing_and_over_subscription_fails_before_ray():
-    before = sorted((REPO / "runs").rglob("*")) if (REPO / "runs").exists() else []
+    runs = REPO / "runs" / "qwen30b_tools"   # where its run would go (other tests may write beside it)
+    before = sorted(runs.rglob("*")) if runs.exists() else []
     ok = _molt("+experiment=qwen30b_tools", "run.dry_run=true")
     assert ok.returncode == 0, ok.stderr
     assert "total: 16 of 2 x 8 = 16 GPUs" in ok.stdout and "no run directory" in ok.stdout
     bad = _molt("+experiment=qwen30b_tools", "run.dry_run=true", "rollout.engine.num_engines=16")
     assert bad.returncode != 0 and "needs 24 GPUs" in bad.stderr
     assert "Ray" not in bad.stderr and not bad.stdout  # failed at validation: nothing placed, nothing started
-    after = sorted((REPO / "runs").rglob("*")) if (REPO / "runs").exists() else []
-    assert after == before
+    assert (sorted(runs.rglob("*")) if runs.exists() else []) == before
 
 
 def _main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
