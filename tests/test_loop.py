@@ -23,6 +23,7 @@ from molt.checkpoints import find_checkpoint
 from molt.config import compose
 from molt.data import PromptDataset, PromptIterator
 from molt.metrics import load_rollouts
+from molt.plot import read_metrics as metrics_by_step
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
@@ -156,8 +157,7 @@ def kill_one_step_after_a_checkpoint(proc: subprocess.Popen, run: Path) -> int:
         if latest.exists() and (run / "metrics.jsonl").exists():
             proc.send_signal(signal.SIGSTOP)
             saved = int(latest.read_text().strip().removeprefix("step_"))
-            lines = (run / "metrics.jsonl").read_text().split("\n")[:-1]   # a line being written is left out
-            if saved + 1 in [json.loads(line)["step"] for line in lines if line.strip()]:
+            if saved + 1 in metrics_by_step(run / "metrics.jsonl"):   # skips a line being written
                 proc.send_signal(signal.SIGKILL)
                 proc.communicate()
                 return saved
@@ -173,8 +173,7 @@ def check_same_steps(run_a: Path, run_b: Path, first: int) -> None:
     same loss, gradient norm and reward. Step `first` shows the weights, the data position and the
     request seeds were restored; the optimizer's state shows from the next step (and in test_trainer's
     test_resume_is_exact)."""
-    a = {r["step"]: r for r in read_metrics(run_a)}
-    b = {r["step"]: r for r in read_metrics(run_b)}
+    a, b = metrics_by_step(run_a / "metrics.jsonl"), metrics_by_step(run_b / "metrics.jsonl")
     steps = sorted(a.keys() & b.keys())
     assert steps[0] == first, steps
     for step in steps:
