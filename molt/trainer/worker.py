@@ -153,6 +153,12 @@ class TrainerWorker:
                                    weight_decay=self.spec.train.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                                lambda s: lr_factor(self.spec, s))
+            # AutoModel's training utilities import torch's compiler (≈2 s): imported here, while the
+            # engines start, not in the first train step, nor at the top of this module, which the
+            # driver imports for the actor class.
+            from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+            from nemo_automodel.components.training.utils import clip_grad_norm
+            self.sync_tp_replicas, self.clip_grad_norm = synchronize_tp_replica_gradients, clip_grad_norm
 
     # -- forward ---------------------------------------------------------------------------------------
     def _micro_batches(self, shard: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -317,12 +323,9 @@ class TrainerWorker:
                 add("l/weight", n_tok)
         # Parameters replicated over tensor-parallel ranks (norms) got each rank's part of the gradient:
         # reduce them once; then clip with AutoModel, which groups gradients by mesh (TP and FSDP
-        # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix). Imported here:
-        # the driver imports this module for the actor class, and AutoModel's import costs it seconds.
-        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
-        from nemo_automodel.components.training.utils import clip_grad_norm
-        synchronize_tp_replica_gradients([self.model], self.mesh)
-        grad_norm = clip_grad_norm(self.spec.train.grad_clip, [self.model])
+        # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix).
+        self.sync_tp_replicas([self.model], self.mesh)
+        grad_norm = self.clip_grad_norm(self.spec.train.grad_clip, [self.model])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
