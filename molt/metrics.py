@@ -65,7 +65,9 @@ class RunLogger:
         self.spec = spec
         self.dir = Path(spec.run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")  # append: resume continues
+        # Append, never truncate: a run directory opened again keeps its steps. A resumed run has a run
+        # directory of its own (a new start time), so its file starts at the step after its checkpoint.
+        self._metrics = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._wandb = self._init_wandb()
         self._dumping: int | None = None   # the step whose rollout file this process has started last
         self._bar = None
@@ -81,6 +83,9 @@ class RunLogger:
         import wandb
 
         cfg = self.spec.logging.wandb
+        # A new W&B run at each start, a resumed run too (no id / resume): offline W&B cannot resume a run,
+        # and syncing two offline runs of one id keeps only the last (wandb/wandb#4624, #5865). The link is
+        # the same name and, in the config, run.resume (docs/observability.md).
         # quiet: W&B's start lines (mode, local folder) stay; its end-of-run history dump does not
         return wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, job_type=cfg.job_type,
                           tags=cfg.tags or None, mode=mode, dir=str(self.dir),

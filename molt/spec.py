@@ -72,10 +72,17 @@ class RunSpec(Strict):
         if self.model.reference_tiny and self.model.reference != "tiny":
             raise ValueError(f"model.reference_tiny is set but model.reference={self.model.reference}: set "
                              "model.reference=tiny to build the reference from these options")
-        if self.parallel.device == "cpu" and self.model.dtype == "float16":
-            raise ValueError("parallel.device=cpu computes in float32 or bfloat16 (vLLM's CPU build and "
-                             "torch's CPU autocast): set model.dtype=float32 or bfloat16")
+        if self.model.dtype == "float16":
+            # The trainer has no loss scaling (GradScaler) under FSDP2's mixed precision (cuda) or CPU
+            # autocast: float16 gradients below ~6e-8 flush to 0, where bfloat16 keeps float32's range.
+            raise ValueError(f"model.dtype=float16 on parallel.device={self.parallel.device}: the trainer "
+                             "computes without loss scaling, so small gradients underflow to 0 in float16; "
+                             "set model.dtype=bfloat16 (or float32)")
         _check_eval_keys(self)
+        if self.model.critic and self.algo.estimator != "gae":
+            raise ValueError(f"model.critic=true with algo.estimator={self.algo.estimator}: only gae uses a "
+                             "critic's values (others return no value targets to train it on); set "
+                             "model.critic=false, or algo=gae")
         if self.agent.judge.path and self.parallel.device == "cuda":
             raise ValueError("agent.judge on parallel.device=cuda: the placement plan does not reserve GPUs "
                              "for judge engines yet; run the judge on CPU or leave agent.judge.path unset")

@@ -65,6 +65,17 @@ class LossSpec(Strict):
     value_clip: float = Field(0.2, description="critic: largest value change from the old values")
     entropy_coef: float = Field(0.0, description="entropy bonus weight (0 = off)")
 
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float | None) -> float | None:
+        # The cap -c*A_t of a negative-advantage token must lie above its loss at ratio 1 (-A_t): with
+        # c <= 1 the cap holds at the ratio the update starts from, so those tokens get no gradient.
+        if value is not None and value <= 1:
+            raise ValueError(f"algo.loss.dual_clip={value} must be > 1: the cap -dual_clip*A_t of a "
+                             "negative-advantage token would lie at or below its loss at ratio 1, taking "
+                             "its gradient away; use c > 1 (Ye et al. 2020: 3) or null (off)")
+        return value
+
     @model_validator(mode="after")
     def _dual_clip(self) -> LossSpec:
         if self.dual_clip is not None and self.policy != "ppo":
@@ -101,7 +112,7 @@ class KLSpec(Strict):
     target: float | None = Field(None, gt=0, description="adaptive KL (Ziegler et al.): steer coef so the "
                                  "mean KL per sampled token approaches this (null = fixed coef)")
     horizon: int = Field(10000, ge=1, description="adaptive KL: rollouts over which coef may change by "
-                         "a factor e^0.2")
+                         "a factor e^0.2 (a step counts as at most one horizon)")
 
     @model_validator(mode="after")
     def _adaptive(self) -> KLSpec:
@@ -151,3 +162,14 @@ class AlgoSpec(Strict):
     filters: FilterSpec = Field(default_factory=FilterSpec, description="batch filters before the update")
     reward: RewardSpec = Field(default_factory=RewardSpec,
                                description="reward shaping, clipping, normalization (after the filters)")
+
+    @model_validator(mode="after")
+    def _kl_reaches_the_update(self) -> AlgoSpec:
+        # on_policy_distill's advantages ignore the reward, and policy_loss leaves the loss-form KL out
+        # when in_reward is set: the KL would be applied nowhere while adv/kl_in_reward is still logged.
+        if self.estimator == "on_policy_distill" and self.kl.coef > 0 and self.kl.in_reward:
+            raise ValueError(f"algo.estimator=on_policy_distill with algo.kl.coef={self.kl.coef} and "
+                             "algo.kl.in_reward=true: its advantages do not use the reward, so a KL folded "
+                             "into it is applied nowhere; set algo.kl.in_reward=false (the KL is then a "
+                             "loss term)")
+        return self

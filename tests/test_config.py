@@ -82,7 +82,15 @@ def test_bad_type_is_reported_with_key_and_value():
         (["parallel.ep_size=4"], "ep_size=4 must divide"),
         (["train.prompts_per_step=3", "parallel=cpu2", "rollout.samples_per_prompt=1"], "divisible"),
         (["algo=gae"], "needs a critic"),
-        (["model.dtype=float16"], "computes in float32 or bfloat16"),   # bfloat16 is accepted on CPU
+        # no loss scaling in the trainer: float16 gradients underflow (bfloat16 is accepted on both)
+        (["model.dtype=float16"], "float16 on parallel.device=cpu: the trainer computes without loss"),
+        (["+experiment=qwen3_4b_math", "model.dtype=float16"], "float16 on parallel.device=cuda"),
+        # settings that used to be accepted and then did nothing, or the wrong thing
+        (["model.critic=true"], "model.critic=true with algo.estimator=grpo: only gae uses"),
+        (["algo.loss.dual_clip=1.0"], r"dual_clip=1.0 must be > 1"),
+        (["algo.loss.dual_clip=0.5"], r"dual_clip=0.5 must be > 1"),
+        (["algo=on_policy_distill", "model.reference=policy", "algo.kl.coef=0.1", "algo.kl.in_reward=true"],
+         "applied nowhere; set algo.kl.in_reward=false"),
         (["algo.correction.low=1.5", "algo.correction.high=1.0"], "must be below"),
         # layouts the trainer cannot run, refused with the reason (docs/parallelism.md)
         (["parallel=cpu2", "parallel.dp_size=1", "parallel.cp_size=2"], "cp_size > 1 is not supported"),
@@ -101,8 +109,8 @@ def test_bad_type_is_reported_with_key_and_value():
         # a 24-GPU plan on a 16-GPU layout
         (["+experiment=qwen30b_tools", "rollout.engine.num_engines=16"],
          r"needs 24 GPUs \(policy 8 \+ 16 engines x 1\) but parallel.nodes x gpus_per_node = 2 x 8 = 16"),
-        (["+experiment=qwen30b_tools", "model.critic=true", "parallel.trainer_nodes=null"],
-         "needs 24 GPUs"),
+        (["+experiment=qwen30b_tools", "algo.estimator=gae", "model.critic=true",
+          "parallel.trainer_nodes=null"], "needs 24 GPUs"),
         (["+experiment=qwen3_4b_math", "rollout.engine.tp_size=16"], "does not fit on one node"),
         # greedy tokens have no sampling logprob (used to validate, then train on NaN); eval may be greedy
         (["rollout.temperature=0"], r"temperature=0.0 does not sample.*rollout.eval.temperature=0"),
@@ -114,6 +122,16 @@ def test_bad_type_is_reported_with_key_and_value():
 def test_cross_field_rules(overrides, fragment):
     with pytest.raises(SpecError, match=fragment):
         compose(overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.dtype=bfloat16"], ["+experiment=qwen3_4b_math", "model.dtype=bfloat16"],
+    ["algo=gae", "model.critic=true"], ["algo.loss.dual_clip=3"],
+    ["algo=on_policy_distill", "model.reference=policy", "algo.kl.coef=0.1", "algo.kl.in_reward=false"],
+    ["algo=grpo", "model.reference=policy", "algo.kl.coef=0.1", "algo.kl.in_reward=true"],
+])
+def test_the_working_neighbours_of_each_refusal_validate(overrides):
+    compose(overrides)
 
 
 def test_missing_experiment_fails():

@@ -173,6 +173,35 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
 PROBE = [1, 40, 41, 42, 43]
 
 
+def test_refit_and_export_names_do_not_see_checkpoint_wrappers(ray_session, tiny_model_path) -> None:
+    """With activation checkpointing at world size > 1 AutoModel wraps each layer in torch's
+    checkpoint_wrapper, whose name shows in `named_parameters`: the names a refit sends (the adapter in
+    PEFT names) and the merged full weights a full refit or an export writes are those without it."""
+    from molt.trainer.ranks import TrainerRanks
+
+    def names(self) -> tuple[list[str], list[str], bool]:   # on every rank: the gathers are collective
+        from molt.trainer import weights
+
+        chunks = [list(stream(self.model, 1 << 30, torch.float32, self.device, self.device))
+                  for stream in (weights.hf_chunks, weights.adapter_chunks)]
+        wrapped = any("_checkpoint_wrapped_module" in n for n, _ in self.model.named_parameters())
+        return *[[n for chunk in c for n in chunk] for c in chunks], wrapped
+
+    seen = {}
+    for checkpointing in (False, True):
+        group = TrainerRanks(lora_spec(tiny_model_path, parallel={
+            "world_size": 2, "dp_size": 2, "activation_checkpointing": checkpointing}))
+        try:
+            seen[checkpointing] = ray.get([w.__ray_call__.remote(names) for w in group.workers])[0]
+        finally:
+            group.shutdown()
+    assert seen[True][2] and not seen[False][2]   # the wrappers are there, so the names are tested
+    full, adapter, _ = seen[False]
+    assert "model.layers.0.self_attn.q_proj.weight" in full and not any("lora" in n for n in full)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
+    assert seen[True][:2] == (full, adapter)
+
+
 @pytest.mark.parametrize("override, fragment", [
     ({"target_modules": ["nothing_here"]}, "matched no linear layer"),
     ({"target_modules": ["lm_head"]}, "leave the output head"),

@@ -42,7 +42,8 @@ def test_metrics_jsonl_and_progress_bar(tmp_path: Path, capsys: pytest.CaptureFi
     assert "2/3" in bar and "3/3" not in bar   # two steps logged of three: the bar must not run ahead
     assert "reward=0.500" in bar and "step_s=1.5" in bar and "tok/s=100" in bar
 
-    with closing(RunLogger(make_spec(tmp_path, progress=False))) as logger:   # a resumed run appends
+    # a logger opened again on the same run directory appends (it never truncates the file)
+    with closing(RunLogger(make_spec(tmp_path, progress=False))) as logger:
         logger.log(3, {"reward/mean": 1.0})
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert "reward" not in capsys.readouterr().err

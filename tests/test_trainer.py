@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -244,6 +245,42 @@ def test_bfloat16_on_cpu_is_autocast_over_fp32_weights(ray_session, tiny_model_p
     for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
         assert abs(m["loss"] - loss) < 1e-5
         assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+
+
+def test_model_dtype_is_autocast_wherever_fsdp_does_not_cast() -> None:
+    """model.dtype reaches the compute exactly once: FSDP2's MixedPrecisionPolicy casts only where
+    AutoModel shards (CUDA at world size > 1; one rank is left unsharded, `fsdp2_sharding_enabled`), and
+    everywhere else, the CPU ranks these tests run included, the worker autocasts over fp32 weights."""
+    from molt.trainer.model import autocast_dtype
+
+    want = {("cpu", 1): torch.bfloat16, ("cpu", 2): torch.bfloat16, ("cuda", 1): torch.bfloat16,
+            ("cuda", 2): None}
+    for (device, ws), dtype in want.items():
+        for model_dtype in ("bfloat16", "float32"):
+            spec = RunSpec.model_validate({"model": {"dtype": model_dtype},
+                                           "parallel": {"device": device, "world_size": ws, "dp_size": ws}})
+            assert autocast_dtype(spec) == (dtype if model_dtype == "bfloat16" else None), (device, ws)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_lr_schedules_of_both_roles_end_at_the_runs_last_step(schedule: str) -> None:
+    """train.steps=100 with train.critic_warmup_steps=20: the critic updates on all 100 batches, the policy
+    on the last 80 (its warm-up counts its own updates), and each decays to 0 right after its last
+    update, i.e. at the end of the run. Hand values: at the role's k-th update after its warm-up of w,
+    progress = (k - w) / (updates - w); linear 1 - progress, cosine (1 + cos(pi * progress)) / 2."""
+    from molt.trainer.schedule import lr_factor
+
+    spec = RunSpec.model_validate({
+        "model": {"critic": True}, "algo": {"estimator": "gae"},
+        "train": {"steps": 100, "critic_warmup_steps": 20, "warmup_steps": 5, "lr_schedule": schedule}})
+    for role, updates in (("critic", 100), ("policy", 80)):
+        factors = [lr_factor(spec, role, k) for k in range(updates + 1)]
+        assert factors[:5] == [0.2, 0.4, 0.6, 0.8, 1.0] and factors[5] == 1.0, role
+        for k in (5, updates // 2, updates - 1, updates):
+            progress = (k - 5) / (updates - 5)
+            hand = 1 - progress if schedule == "linear" else (1 + math.cos(math.pi * progress)) / 2
+            assert factors[k] == pytest.approx(hand, abs=1e-12), (role, k)
+        assert factors[updates] == pytest.approx(0.0, abs=1e-12) and factors[updates - 1] < 0.02, role
 
 
 def test_resume_is_exact(ray_session, tiny_model_path, tmp_path) -> None:

@@ -212,3 +212,53 @@ def test_automodel_moe_classes_need_cuda() -> None:
     config.tie_word_embeddings = False  # AutoModel's class rejects tied heads before it gets to CUDA
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         Qwen3MoeForCausalLM(config)
+
+
+@pytest.mark.parametrize("checkpointing", ["transformers", "automodel"])
+def test_replay_holds_in_the_recomputation_of_activation_checkpointing(checkpointing: str) -> None:
+    """parallel.activation_checkpointing recomputes each layer in the backward, after the worker's forward
+    has returned: the recomputation must replay the routes of that forward. Through the worker's own
+    forward, a replayed micro-batch's gradient with checkpointing (transformers' at world size 1,
+    AutoModel's layer wrappers above) equals the one without it; and the routes matter: the gradient
+    with the router's own routing differs."""
+    from nemo_automodel.components.distributed.activation_checkpointing import (
+        apply_full_layer_checkpointing_to_layers,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    from transformers import AutoModelForCausalLM
+
+    from molt.tiny import tiny_model_path
+    from molt.trainer.router_replay import install_replay
+    from molt.trainer.worker import TrainerWorker
+
+    path = str(tiny_model_path(**MOE))
+    batch = random_batch()
+    g = torch.Generator().manual_seed(1)
+    # random routes (2 distinct experts of 4 per token and layer): not what the router would pick
+    batch["routed_experts"] = torch.rand(*batch["input_ids"].shape, 2, 4, generator=g).argsort(-1)[..., :2]
+    threads = torch.get_num_threads()
+
+    def gradients(recompute: bool, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        worker = TrainerWorker(moe_spec(path), "policy", 0, path)   # no process group: no setup()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        install_replay(model)
+        if recompute and checkpointing == "transformers":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif recompute:
+            apply_full_layer_checkpointing_to_layers(model, list(model.model.layers))
+        worker.model = model.train()
+        logp, _ = worker._forward(mb)
+        (logp * mb["loss_mask"]).sum().backward()   # after the forward, as `_update` does
+        return {n.replace(_CHECKPOINT_PREFIX, ""): p.grad for n, p in model.named_parameters()}
+
+    try:
+        plain = gradients(False, batch)
+        recomputed = gradients(True, batch)
+        free = gradients(False, {k: v for k, v in batch.items() if k != "routed_experts"})
+    finally:
+        torch.set_num_threads(threads)
+    assert plain.keys() == recomputed.keys() and all(g is not None for g in plain.values())
+    gap = max(float((plain[n] - recomputed[n]).abs().max()) for n in plain)
+    routes_matter = max(float((plain[n] - free[n]).abs().max()) for n in plain)
+    print(f"{checkpointing}: max |grad gap| checkpointed {gap:.2e}, replayed vs free {routes_matter:.2e}")
+    assert gap <= 1e-6 and routes_matter > 1e-3

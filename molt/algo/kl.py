@@ -41,12 +41,16 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k2
 
 def adaptive_kl_coef(coef: float, kl: float, rollouts: int, spec: KLSpec) -> float:
     """Next KL weight of the adaptive controller (Ziegler et al. 2019, arXiv 1909.08593; TRL's
-    AdaptiveKLController): e = clip(kl / target - 1, -0.2, 0.2), coef <- coef * (1 + e * rollouts / horizon).
+    AdaptiveKLController): e = clip(kl / target - 1, -0.2, 0.2),
+    coef <- coef * (1 + e * min(rollouts, horizon) / horizon).
     `kl` is the batch's mean KL per sampled token; `coef` is returned unchanged when spec.target is null."""
     if spec.target is None:
         return coef
     error = min(max(kl / spec.target - 1, -ADAPTIVE_KL_MAX_ERROR), ADAPTIVE_KL_MAX_ERROR)
-    return coef * (1 + error * rollouts / spec.horizon)
+    # A step counts as at most one horizon, so it moves coef by at most the 20% Ziegler allows per horizon:
+    # unbounded, a step of 5 horizons of rollouts or more makes the factor <= 0, and the KL switches off
+    # or flips its sign (TRL has no such bound: its steps are small against its horizon).
+    return coef * (1 + error * min(rollouts, spec.horizon) / spec.horizon)
 
 
 def with_kl_coef(algo: AlgoSpec, coef: float | None) -> AlgoSpec:

@@ -4,6 +4,8 @@ Model and optimizer state are saved sharded (each rank writes its own shards); t
 policy version and the caller's `extra` (data position, ...) go to `meta.pt` from rank 0, and every
 rank's RNG state to `rng-<rank>.pt`. Everything is written into a temporary folder that rank 0 renames
 into place after a barrier, so a crash mid-save never leaves a half checkpoint under the final name.
+`load` keeps the live optimizer's learning rate, betas and weight decay (HYPERPARAMETERS): a resumed run
+trains with its own spec's values on the checkpoint's moments.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.optim.lr_scheduler import LambdaLR
+
+# What the spec sets on an optimizer (train.lr / critic_lr, betas, weight_decay; initial_lr is the
+# scheduler's copy of lr). A resume keeps the live values, not the saved ones, so that a value changed on
+# resume takes effect, as the schedule and grad_clip (read from the new spec) already do.
+HYPERPARAMETERS = ("lr", "initial_lr", "betas", "weight_decay")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -46,7 +54,7 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
     return state
 
 
-def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: LambdaLR | None,
          meta: dict[str, Any]) -> None:
     final = Path(path)
     tmp = final.with_name(f".{final.name}.tmp")
@@ -67,15 +75,25 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, s
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-         scheduler: Any) -> dict[str, Any]:
-    """Restore everything `save` wrote into the live objects; returns the meta dict."""
+         scheduler: LambdaLR | None) -> dict[str, Any]:
+    """Restore everything `save` wrote into the live objects; returns the meta dict. The optimizer's
+    moments and step counts and the schedule's position are the checkpoint's; its HYPERPARAMETERS and the
+    schedule's base learning rates stay those the live objects were built with (the new run's spec)."""
     state = _states(model, optimizer)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
+        built = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
         set_optimizer_state_dict(model, optimizer, state["optim"])
+        for group, values in zip(optimizer.param_groups, built, strict=True):
+            group.update(values)
     meta = torch.load(Path(path) / "meta.pt", weights_only=False)
     if scheduler is not None:
-        scheduler.load_state_dict(meta["scheduler"])
+        # the saved step of the schedule, times the new base: the learning rate the new spec gives there
+        base_lrs, at = list(scheduler.base_lrs), meta["scheduler"]["last_epoch"]
+        lrs = [base * f(at) for f, base in zip(scheduler.lr_lambdas, base_lrs, strict=True)]
+        scheduler.load_state_dict({**meta["scheduler"], "base_lrs": base_lrs, "_last_lr": lrs})
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
     _set_rng_state(torch.load(Path(path) / f"rng-{dist.get_rank()}.pt", weights_only=False))
     return meta

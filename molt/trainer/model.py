@@ -24,6 +24,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
 
 
+def autocast_dtype(spec: RunSpec) -> torch.dtype | None:
+    """The dtype the worker's forward autocasts to over fp32 weights, or None (FSDP2 casts, or fp32).
+
+    FSDP2's MixedPrecisionPolicy casts parameters to `model.dtype` only where `fully_shard` runs, and
+    AutoModel skips it on a single-rank world (`fsdp2_sharding_enabled` in nemo_automodel's fsdp2.py);
+    on CPU the policy is kept fp32. Everywhere else the worker's autocast must apply `model.dtype`.
+    """
+    fsdp_casts = spec.parallel.device == "cuda" and spec.parallel.world_size > 1
+    return None if fsdp_casts or spec.model.dtype == "float32" else DTYPES[spec.model.dtype]
+
+
 def distributed_setup(spec: RunSpec) -> Any:
     """AutoModel's mesh + FSDP2 policy for `spec.parallel` (needs the default process group)."""
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
@@ -32,8 +43,8 @@ def distributed_setup(spec: RunSpec) -> Any:
 
     par = spec.parallel
     cuda = par.device == "cuda"
-    # On CPU the shards stay fp32 and a bf16 model.dtype is CPU autocast in the worker's forward.
-    compute = DTYPES[spec.model.dtype] if cuda else torch.float32
+    # Where the worker autocasts (CPU; a single rank) the policy computes in fp32, so one cast applies.
+    compute = torch.float32 if autocast_dtype(spec) is not None else DTYPES[spec.model.dtype]
     # offload=full is FSDP2's CPU offload: sharded params, grads and optimizer state live on the host
     # (offload=optimizer is the optimizer's business: molt/trainer/offload.py). pin_memory needs an
     # accelerator; on CPU the policy is a no-op kept for the same code path.
@@ -57,7 +68,7 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
 
     cuda = spec.parallel.device == "cuda"
     adapted = role == "policy" and spec.model.lora.rank > 0
-    # fp32 master weights everywhere; on GPU the FSDP2 policy computes in model.dtype (bf16).
+    # fp32 master weights everywhere; model.dtype is FSDP2's cast or the worker's autocast (autocast_dtype)
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
     attention = VARLEN if spec.train.micro_batch_tokens else "sdpa"   # packed rows need their attention
     if role == "critic":

@@ -4,14 +4,12 @@ A token's expert choice is a discrete top-k over router logits, so a tiny numeri
 engine and the trainer can send it to different experts and make the two forwards disagree by far more
 than the gap. Replaying the engine's choices removes that source of mismatch (invariant 3). The routes
 come with each generated segment (`molt.rollout.routes` captures them inside the engine); here
-`replay_routes` overrides the top-k of each Hugging Face MoE router with given ids while keeping the
+`set_routes` overrides the top-k of each Hugging Face MoE router with given ids while keeping the
 routing weights differentiable (softmax of the live logits gathered at the given ids).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,7 +41,7 @@ def _replay_hook(router: nn.Module, _args: Any, out: tuple) -> tuple | None:
 
 
 def install_replay(model: nn.Module) -> int:
-    """Register the replay hook on every router once; inert until `replay_routes` sets ids."""
+    """Register the replay hook on every router once; inert until `set_routes` sets ids."""
     routers = _routers(model)
     for router in routers:
         router._molt_route = None
@@ -51,18 +49,18 @@ def install_replay(model: nn.Module) -> int:
     return len(routers)
 
 
-@contextlib.contextmanager
-def replay_routes(model: nn.Module, routed_experts: torch.Tensor | None) -> Iterator[None]:
-    """Force the routers to the given ids [B, T, layers, top_k] for forwards inside the block."""
+def set_routes(model: nn.Module, routed_experts: torch.Tensor | None) -> None:
+    """Force the routers to the given ids [B, T, layers, top_k] (None: route freely) from now until the
+    next call. Not a block around the forward: with activation checkpointing the backward recomputes each
+    layer after the forward returned, and the recomputation must replay the same ids (else torch's
+    checkpoint raises on the differing saved tensors, or the gradient follows the router's own picks)."""
     routers = _routers(model)
-    if routed_experts is not None:
-        if routed_experts.shape[2] != len(routers):
-            raise ValueError(f"routed_experts has {routed_experts.shape[2]} layers, the model {len(routers)}")
-        flat = routed_experts.long().flatten(0, 1)  # the MoE block flattens [B, T] into rows
-        for layer, router in enumerate(routers):
-            router._molt_route = flat[:, layer].contiguous()
-    try:
-        yield
-    finally:
+    if routed_experts is None:
         for router in routers:
             router._molt_route = None
+        return
+    if routed_experts.shape[2] != len(routers):
+        raise ValueError(f"routed_experts has {routed_experts.shape[2]} layers, the model {len(routers)}")
+    flat = routed_experts.long().flatten(0, 1)  # the MoE block flattens [B, T] into rows
+    for layer, router in enumerate(routers):
+        router._molt_route = flat[:, layer].contiguous()

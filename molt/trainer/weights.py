@@ -19,9 +19,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.tensor import DTensor
 
 from molt.trainer.lora import PEFT_PREFIX, is_adapter
+
+
+def _logical(name: str) -> str:
+    # With activation checkpointing AutoModel wraps each layer in torch's checkpoint_wrapper (world size
+    # > 1), which shows in `named_parameters` / `named_modules` but not in state-dict or checkpoint names:
+    # strip it as torch's and AutoModel's own state-dict code do, or the engines get unknown names.
+    return name.replace(_CHECKPOINT_PREFIX, "")
 
 
 def _full(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -53,10 +61,11 @@ def _chunks(named: Iterator[tuple[str, torch.Tensor]], chunk_bytes: int, dtype: 
 def _merged(model: nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers; a LoRA layer's weight with its adapter folded in (and the
     adapter itself left out), so the names and tensors are those of a model without adapters."""
-    adapted = {name: module for name, module in model.named_modules() if hasattr(module, "lora_A")}
-    named = list(model.named_parameters())  # shared (tied) parameters appear once, under the first name
+    adapted = {_logical(name): module for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    # shared (tied) parameters appear once, under the first name; state-dict names carry no wrapper
+    named = [(_logical(n), p) for n, p in model.named_parameters()]
     persistent = model.state_dict(keep_vars=True).keys()
-    named += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    named += [(_logical(n), b) for n, b in model.named_buffers() if _logical(n) in persistent]
     for name, tensor in named:
         owner, _, leaf = name.rpartition(".")
         if is_adapter(name):
@@ -82,7 +91,7 @@ def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: to
 def adapter_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: torch.device,
                    out: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     """`hf_chunks` of the LoRA adapter alone, in PEFT names (`base_model.model.<parameter name>`)."""
-    named = ((PEFT_PREFIX + n, p) for n, p in model.named_parameters() if is_adapter(n))
+    named = ((PEFT_PREFIX + _logical(n), p) for n, p in model.named_parameters() if is_adapter(n))
     yield from _chunks(named, chunk_bytes, dtype, device, out)
 
 

@@ -7,7 +7,6 @@ rank's row shard of the batch, and rank 0's return value is the group's answer.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from typing import Any
@@ -36,6 +35,7 @@ from molt.trainer import checkpoint, weights
 from molt.trainer.batch import image_inputs, inert_rows
 from molt.trainer.model import (
     DTYPES,
+    autocast_dtype,
     build_model,
     distributed_setup,
     prefix_values,
@@ -43,24 +43,12 @@ from molt.trainer.model import (
 )
 from molt.trainer.offload import HostStateAdamW
 from molt.trainer.packing import pack, token_budget_groups, unpack
-from molt.trainer.router_replay import replay_routes
-
-
-def lr_factor(spec: RunSpec, step: int) -> float:
-    """Base-LR multiplier at optimizer step `step`: linear warm-up, then constant / cosine / linear to 0."""
-    train = spec.train
-    if step < train.warmup_steps:
-        return (step + 1) / train.warmup_steps
-    if train.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps))
-    return 0.5 * (1 + math.cos(math.pi * progress)) if train.lr_schedule == "cosine" else 1 - progress
-
+from molt.trainer.router_replay import set_routes
+from molt.trainer.schedule import lr_factor
 
 # With several updates per batch these are also logged for the last update alone (`<name>_last`).
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (molt.trainer.batch)
-
 
 
 class TrainerWorker:
@@ -70,8 +58,9 @@ class TrainerWorker:
         load_plugins(self.spec)   # this process's loss registry must hold the spec's names too
         self.role, self.rank = role, rank
         self.cuda = self.spec.parallel.device == "cuda"
-        # On CUDA FSDP2's mixed-precision policy casts to model.dtype; on CPU autocast does (fp32 weights).
-        self.cpu_autocast = not self.cuda and self.spec.model.dtype != "float32"
+        # model.dtype is autocast over fp32 weights wherever FSDP2's mixed-precision cast does not apply
+        # (CPU; CUDA at world size 1, where AutoModel does not shard): None when FSDP2 casts, or fp32.
+        self.autocast = autocast_dtype(self.spec)
         self.sft = self.spec.train.objective == "sft"
         if self.sft:   # SFT scores the model's own distribution: the rollout's sampling does not apply
             self.spec.rollout.temperature, self.spec.rollout.top_p, self.spec.rollout.top_k = 1.0, 1.0, -1
@@ -152,7 +141,7 @@ class TrainerWorker:
             self.optimizer = adamw(params, lr=lr, betas=self.spec.train.betas,
                                    weight_decay=self.spec.train.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                               lambda s: lr_factor(self.spec, s))
+                                                               lambda s: lr_factor(self.spec, self.role, s))
             # AutoModel's training utilities import torch's compiler (≈2 s): imported here, while the
             # engines start, not in the first train step, nor at the top of this module, which the
             # driver imports for the actor class.
@@ -195,7 +184,9 @@ class TrainerWorker:
         return unpack(scores, real), None if ent is None else unpack(ent, real)
 
     def _row_forward(self, mb: dict[str, torch.Tensor], entropy: bool):
-        routes = mb.get("routed_experts") if self.spec.model.router_replay else None
+        # Set for this forward and kept until the next one: activation checkpointing recomputes the layers
+        # in the backward, after this returns, and the recomputation must take the same experts.
+        set_routes(self.model, mb.get("routed_experts") if self.spec.model.router_replay else None)
         images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
         # A packed row has no attention mask: position ids restart per sequence and the packing's
         # attention takes the sequence bounds; a token at position 0 has no prefix, hence no logprob.
@@ -204,8 +195,8 @@ class TrainerWorker:
             {"position_ids": positions, "cu_seq_lens_q": mb["cu_seq_lens_q"]}
         attention = mb["attention_mask"] if positions is None else None
         scored = mb["attention_mask"] if positions is None else (positions > 0).long()
-        with replay_routes(self.model, routes), torch.autocast("cpu", DTYPES[self.spec.model.dtype],
-                                                               enabled=self.cpu_autocast):
+        with torch.autocast("cuda" if self.cuda else "cpu", self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
                                 **packed, **images).logits.float()
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
@@ -268,7 +259,7 @@ class TrainerWorker:
         if not grad_norms:  # the same on every rank: all of them raise
             raise ValueError("update got a batch without sampled tokens (loss_mask is all 0)")
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()  # the schedule counts generated batches (train.steps), not updates
+        self.scheduler.step()  # counts the batches this role trains on, not updates (schedule.py)
         self.step += 1
         return self._reduce_metrics(sums, grad_norms, lr)
 
