@@ -1,6 +1,8 @@
 """Evaluation on the eval sets of `data.eval` with `rollout.eval` sampling, in the loop and on its own.
 
-Each prompt gets `rollout.eval.n` samples through the run's agent. Per set NAME (a file's stem):
+Each prompt gets `rollout.eval.n` samples through the run's agent, whose sampling defaults are
+`rollout.eval`'s in place of training's (a turn may still override them; agent.max_total_tokens caps
+each turn's max_tokens as in training). Per set NAME (a file's stem):
 `eval/NAME/mean@n` is the mean reward over all samples, and `eval/NAME/pass@k` (k = 1, 2, 4, ... and n)
 the unbiased estimate of the chance that k samples hold a correct one (reward >= 1), from the c correct
 of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0.
@@ -14,10 +16,10 @@ first), on the composed spec's eval sets and prints the metrics as JSON.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import sys
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,15 +49,16 @@ def set_metrics(name: str, rewards: torch.Tensor, pass_reward: float) -> dict[st
 async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[str, Any],
                    step: int) -> dict[str, float]:
     """Every set's metrics; all prompts of all sets are in flight at once."""
-    e, params = spec.rollout.eval, eval_sampling(spec.rollout)
-
-    async def generate(prompt_ids: list[int], sampling: dict, key: str, images: list | None = None) -> dict:
-        return await dispatcher.generate(prompt_ids, {**sampling, **params}, key, images)
-
-    sampler = SimpleNamespace(generate=generate, release=dispatcher.release)
+    e = spec.rollout.eval
+    # rollout.eval is the agent's default sampling here, where training's would be (Runner.sampling: what
+    # State / ChatContext.sampling_params report and the chat server starts from), so per-turn overrides
+    # and the agent.max_total_tokens cap still apply. A copy carries it: training rollouts in flight on
+    # `runner` keep the training defaults.
+    runner = copy.copy(runner)
+    runner.sampling = eval_sampling(spec.rollout)
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
     results = await asyncio.gather(*[
-        runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", sampler)
+        runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher)
         for name, i, item in jobs for k in range(e.n)])
     rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
     metrics, start = {}, 0

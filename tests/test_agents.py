@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 
 from molt.agents import Env, Result, State, StepEnvRunner, load_agent_runner
 from molt.rollout.pool import RolloutPool
@@ -215,29 +216,41 @@ def test_a_bug_in_molt_stops_the_run_instead_of_failing_a_rollout(tok):
 
 
 class NextTurnSampling(Env):
-    """Two turns; the first result overrides the second turn's sampling with the row's `next`."""
+    """Three turns; the first result overrides the second turn's sampling (only) with the row's `next`."""
 
     async def step(self, state: State) -> Result:
-        if state.turn == 0:
+        if state.turn < 2:
             return Result(reward=0.0, observation="again", terminated=False,
-                          sampling_params=state.item["next"])
+                          sampling_params=state.item["next"] if state.turn == 0 else None)
         return Result(reward=1.0)
 
 
 def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_scored(tok, engine):
-    """Through the loop's TrainingSampler: a per-turn temperature / top-k override is recorded for the
-    trainer to match; greedy decoding and constrained decoding fail the rollout with the reason."""
+    """Through the loop's TrainingSampler: a per-turn temperature / top-k override holds for the next turn
+    only and is recorded for the trainer to match; greedy decoding, constrained decoding, keys the trainer
+    cannot reproduce (min_p, penalties, stop strings) and values vLLM refuses fail the rollout with the
+    reason (the engine's refusal crosses Ray as an AgentError) instead of stopping the run or being
+    ignored."""
     from molt.rollout.dispatch import Dispatcher
     from molt.rollout.sampling import TrainingSampler, check_trainable
 
     runner = StepEnvRunner(NextTurnSampling)
-    runner.setup(tok, make_spec({"max_turns": 2}, temperature=0.7))
+    runner.setup(tok, make_spec({"max_turns": 3}, temperature=0.7))
     sampler = TrainingSampler(Dispatcher([engine]), 0, lambda: 0)
-    rows = [{"prompt": "a", "label": "a", "next": n} for n in ({"temperature": 1.3, "top_k": 7},
-                                                               {"temperature": 0.0})]
-    ok, greedy = run_all(runner, rows, sampler)
-    assert ok.ok and [span[1:] for span in ok.segments[0].sampling] == [[0.7, 1.0, -1], [1.3, 1.0, 7]]
+    rows = [{"prompt": "a", "label": "a", "next": n} for n in (
+        {"temperature": 1.3, "top_k": 7}, {"temperature": 0.0}, {"min_p": 0.3, "repetition_penalty": 1.2},
+        {"stop": ["b"]}, {"top_p": 0.0})]
+    ok, greedy, penalised, stop, refused = run_all(runner, rows, sampler)
+    assert ok.ok and [span[1:] for span in ok.segments[0].sampling] == [[0.7, 1.0, -1], [1.3, 1.0, 7],
+                                                                        [0.7, 1.0, -1]]
     assert not greedy.ok and "temperature=0.0, i.e. greedy decoding" in greedy.error
+    assert not penalised.ok and penalised.error.startswith(
+        "sampling parameters ['min_p', 'repetition_penalty'] are not supported")   # not Ray's traceback
+    assert not stop.ok and stop.error.startswith("sampling parameters ['stop'] are not supported")
+    assert not refused.ok and refused.error.startswith("vLLM refused the sampling parameters") \
+        and "top_p must be in (0, 1]" in refused.error
+    with pytest.raises(AgentError, match="not a vision-language model"):   # the type survives Ray
+        ray.get(engine.generate.remote([1, 2, 3], {"max_tokens": 1}, images=["data:image/png;base64,"]))
     with pytest.raises(ValueError, match="constrained decoding"):
         check_trainable({"temperature": 1.0, "structured_outputs": {"regex": "a+"}})
     # every request got its own seed, and the same rollout id and turn get the same one again

@@ -269,3 +269,68 @@ def test_chat_context_urls_and_options(tok, sampler, runners):
     assert got["messages"] == [{"role": "user", "content": "h"}]
     assert got["sampling_params"] == {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8}
     assert r.score == 2.0 and r.info == {"turns": 1.0}
+
+
+# Fields vLLM's schemas accept that the loopback server does not apply, with a value away from the default
+# and the reason the 400 gives: each would be silently dropped otherwise.
+DISTRIBUTION, RENDER, MISSING = "sampling distribution", "how the prompt is rendered", "not implemented"
+REFUSED_OPENAI = {
+    "min_p": (0.2, DISTRIBUTION), "repetition_penalty": (1.3, DISTRIBUTION), "min_tokens": (5, DISTRIBUTION),
+    "allowed_token_ids": ([1, 2], DISTRIBUTION), "bad_words": (["x"], DISTRIBUTION),
+    "use_beam_search": (True, DISTRIBUTION), "length_penalty": (0.5, DISTRIBUTION),
+    "thinking_token_budget": (10, DISTRIBUTION), "stop_token_ids": ([5], MISSING),
+    "ignore_eos": (True, MISSING),
+    "chat_template_kwargs": ({"enable_thinking": False}, RENDER), "add_generation_prompt": (False, RENDER),
+    "continue_final_message": (True, RENDER), "reasoning_effort": ("low", RENDER),
+    "a_future_vllm_field": (1, MISSING)}   # unknown to the schema: refused too, not ignored
+REFUSED_ANTHROPIC = {
+    "thinking.budget_tokens": ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, DISTRIBUTION),
+    "output_config.effort": ({"extra_body": {"output_config": {"effort": "low"}}}, RENDER),
+    "thinking.type=disabled": ({"thinking": {"type": "disabled"}}, RENDER),
+    "chat_template_kwargs": ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, RENDER)}
+
+
+def test_parameters_the_server_does_not_apply_are_refused_not_dropped(tok, sampler, runners):
+    errors: dict[str, Exception] = {}
+
+    class Prober(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            oa = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            an = anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+            session = next(iter(runner.server.sessions.values()))
+            calls = {f"openai/{k}": oa.chat.completions.create(model=ctx.model_name, messages=ctx.messages,
+                                                                extra_body={k: v})
+                     for k, (v, _) in REFUSED_OPENAI.items()}
+            calls["responses/min_p"] = oa.responses.create(model=ctx.model_name, input=ctx.messages,
+                                                           extra_body={"min_p": 0.2})
+            calls["responses/reasoning"] = oa.responses.create(model=ctx.model_name, input=ctx.messages,
+                                                               reasoning={"effort": "low"})
+            calls.update({f"anthropic/{k}": an.messages.create(model=ctx.model_name, messages=ctx.messages,
+                                                               max_tokens=2000, **kw)
+                          for k, (kw, _) in REFUSED_ANTHROPIC.items()})
+            for name, call in calls.items():
+                with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as err:
+                    await call
+                errors[name] = err.value
+                assert session.trace.ids == [] and session.turns == 0, name   # refused before the session
+            # The same fields at their defaults are accepted, and the engine samples with the run's sampling.
+            defaults = {"min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "allowed_token_ids": None,
+                        "bad_words": [], "use_beam_search": False, "length_penalty": 1.0,
+                        "stop_token_ids": [], "ignore_eos": False, "add_generation_prompt": True,
+                        "continue_final_message": False}
+            await oa.chat.completions.create(model=ctx.model_name, messages=ctx.messages, extra_body=defaults)
+            await an.messages.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8,
+                                     thinking={"type": "adaptive"})   # pins nothing in vLLM either
+            return Result(reward=1.0)
+
+    runner = runners(Prober, {"max_turns": 2})
+    [r] = run_all(runner, [{"prompt": "k", "label": "k"}], sampler)
+    assert r.ok, r.error
+    expected = {**{f"openai/{k}": (k, why) for k, (_, why) in REFUSED_OPENAI.items()},
+                "responses/min_p": ("min_p", DISTRIBUTION), "responses/reasoning": ("reasoning", RENDER),
+                **{f"anthropic/{k}": (k, why) for k, (_, why) in REFUSED_ANTHROPIC.items()}}
+    for name, (field, why) in expected.items():
+        message = str(errors[name])
+        assert errors[name].status_code == 400 and field in message and why in message, (name, message)
+    assert [c["sampling"] for c in sampler.calls] == [
+        {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8}] * 2

@@ -1,13 +1,19 @@
-"""Eval metrics: unbiased pass@k against brute-force enumeration, mean@n, and the k that are reported."""
+"""Eval metrics: unbiased pass@k against brute-force enumeration, mean@n, and the k that are reported; the
+eval sampling (rollout.eval) as the agent's defaults on the shared engine, for an Env and a ChatAgent."""
 
 from __future__ import annotations
 
+import asyncio
 from itertools import combinations
 
+import openai
 import pytest
 import torch
+from test_agents import EXAMPLES, Recorder, chat_ids
 
-from molt.eval import pass_at_k, set_metrics
+from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, load_agent_runner
+from molt.eval import evaluate, pass_at_k, set_metrics
+from molt.spec import RunSpec
 
 
 def brute_pass_at_k(outcomes: list[bool], k: int) -> float:
@@ -41,3 +47,73 @@ def test_set_metrics_names_and_values() -> None:
     assert set_metrics("gsm", rewards, 0.5)["eval/gsm/pass@1"] == pytest.approx((1 / 4 + 3 / 4 + 0) / 3)
     assert sorted(set_metrics("x", torch.zeros(2, 10), 1.0)) == [
         f"eval/x/{m}" for m in ("mean@10", "pass@1", "pass@10", "pass@2", "pass@4", "pass@8")]
+
+
+class EvalSampler(Recorder):
+    """The Recorder (the dispatcher over the shared engine, every call kept) with the dispatcher's release,
+    as `evaluate` gets the loop's dispatcher."""
+
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str, images=None) -> dict:
+        return await super().generate(prompt_ids, sampling, key)
+
+    def release(self, key: str) -> None:
+        self.dispatcher.release(key)
+
+
+def eval_spec(tok, prompt: str, **agent) -> RunSpec:
+    # Training samples 8 tokens a turn, evaluation 16 (greedy): the budget (max_total_tokens) allows 12.
+    budget = len(chat_ids(tok, [{"role": "user", "content": prompt}])) + 12
+    return RunSpec.model_validate({
+        "model": {"max_model_len": 256},
+        "rollout": {"max_tokens": 8, "eval": {"max_tokens": 16, "temperature": 0.0, "n": 1}},
+        "agent": {"max_total_tokens": budget, **agent}})
+
+
+def test_eval_sampling_is_the_agents_default_capped_by_the_token_budget(tok, engine):
+    """repeat.py's reward is the letter's tokens over state.sampling_params["max_tokens"]: with the eval
+    sampling forced over every turn, the engine was asked for 16 tokens while the agent saw 8 (training's)
+    and scored up to 16/8 = 2."""
+    spec = eval_spec(tok, "a", module=str(EXAMPLES / "repeat.py"))
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tok, spec)
+    sampler = EvalSampler(engine)
+    # The label is the token the greedy policy repeats most after this prompt, so the reward is high.
+    asyncio.run(evaluate(spec, runner, sampler, {"probe": [{"prompt": "a", "label": "a"}]}, 0))
+    ids = sampler.calls[0]["out"]["token_ids"]
+    label = tok.decode([max(set(ids), key=ids.count)])
+    sampler.calls.clear()
+    metrics = asyncio.run(evaluate(spec, runner, sampler, {"set": [{"prompt": "a", "label": label}]}, 0))
+    [call] = sampler.calls
+    hits, mean = sum(tok.decode([t]) == label for t in call["out"]["token_ids"]), metrics["eval/set/mean@1"]
+    assert 0 <= mean <= 1, (mean, hits, call["sampling"])
+    assert call["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 12}
+    assert mean == pytest.approx(hits / 12)
+    assert runner.sampling["max_tokens"] == 8   # the runner training samples through keeps its defaults
+
+
+def test_eval_sampling_is_a_chat_agents_default_and_requests_still_override_it(tok, engine):
+    seen = []
+
+    class Asks(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            seen.append(ctx.sampling_params)
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=100)
+            await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, temperature=0.5,
+                                                 max_tokens=3)
+            return Result(reward=0.0)
+
+    spec = eval_spec(tok, "b", module="x.py", kind="chat", max_turns=2)
+    runner = ChatAgentRunner(Asks)
+    runner.setup(tok, spec)
+    sampler = EvalSampler(engine)
+    try:
+        asyncio.run(evaluate(spec, runner, sampler, {"set": [{"prompt": "b", "label": "b"}]}, 0))
+    finally:
+        runner.close()
+    assert seen == [{"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 16}]
+    # 100 wanted, capped at rollout.eval.max_tokens (16), then at the budget (12); the second request's
+    # own temperature and max_tokens win over the eval defaults.
+    assert [c["sampling"] for c in sampler.calls] == [
+        {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 12},
+        {"temperature": 0.5, "top_p": 1.0, "top_k": -1, "max_tokens": 3}]

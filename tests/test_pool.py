@@ -150,3 +150,43 @@ def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engin
     assert [versions_of(g) for g in probed] == [{2}, {2}]    # (need_current=True: one of version 3)
     assert len(reports) >= 8 and reports[::2] == [True] * len(reports[::2]) and not any(reports[1::2])
     assert reports[-1] is False      # closed: nothing runs
+
+
+def test_sync_batches_hold_only_current_policy_tokens_across_a_refill(engine, tiny_model_path, push_weights):
+    """Sync mode as `loop.begin` builds it (depth = prompts_per_step, nothing starts during a batch): a
+    dynamic-sampling refill (`take_batch` asks the pool for fewer groups than its depth) starts only the
+    groups it hands out, so nothing generates through the train step and every trained token of every
+    batch was sampled by the current policy (policy/lag_max 0, as docs/loop.md says)."""
+    from safetensors.torch import load_file
+
+    from molt.select import take_batch
+    from molt.spec import RunSpec
+
+    weights = load_file(f"{tiny_model_path}/model.safetensors")
+    spec = RunSpec.model_validate({"train": {"prompts_per_step": 4}, "rollout": {"samples_per_prompt": N},
+                                   "algo": {"filters": {"drop_equal_rewards": True, "refill_max_groups": 1}}})
+
+    async def main():
+        pool = RolloutPool(items(100), make_rollout_fn(Dispatcher([engine]), {}), N,
+                           spec.train.prompts_per_step, spec.rollout.max_staleness, [engine],
+                           refill_during_batch=False)
+        steps = []
+        try:
+            for version in (0, 1, 2):
+                if version:                        # the refit after the train step
+                    await asyncio.to_thread(push_weights, [engine], weights, version)   # new label
+                pool.set_version(version)
+                groups, metrics = await take_batch(pool, spec)
+                steps.append((version, groups, metrics, pool.in_flight))
+                while pool.tasks:                  # the train step: whatever was started generates
+                    await asyncio.sleep(0.05)
+            return steps
+        finally:
+            await asyncio.to_thread(push_weights, [engine], weights, 0)
+            await pool.close()
+
+    steps = asyncio.run(main())
+    for version, groups, metrics, _ in steps:
+        assert metrics["filter/refill_groups"] >= 1       # the refill asked for fewer than the depth
+        assert [versions_of(g) for g in groups] == [{version}] * len(groups), version
+    assert [in_flight for *_, in_flight in steps] == [0, 0, 0]   # none started beyond the hand-out

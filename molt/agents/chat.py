@@ -27,7 +27,8 @@ class ChatContext:
     messages: list[dict]             # the dataset row as chat messages
     prompt: str | None               # the row's prompt string, when it has one
     label: Any
-    sampling_params: dict[str, Any]  # the run's sampling (temperature, top_p, top_k, max_tokens)
+    sampling_params: dict[str, Any]  # the defaults (temperature, top_p, top_k, max_tokens): rollout's,
+                                     # rollout.eval's in evaluation
     options: dict[str, Any] = field(default_factory=dict)   # agent.options
     max_turns: int = 1
     item: dict = field(default_factory=dict)
@@ -60,7 +61,8 @@ class ChatAgentRunner(Runner):
 
     async def _run(self, item: dict, trace: Trace, sampler: Sampler) -> Rollout:
         agent = self.spec.agent
-        session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens)
+        # self.sampling, not the server's: evaluation runs a copy of this runner with rollout.eval's.
+        session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens, self.sampling)
         prompt = item.get(self.spec.data.prompt_key)
         ctx = ChatContext(
             base_url=f"{self.server.url}/s/{session.id}/v1", session_url=f"{self.server.url}/s/{session.id}",

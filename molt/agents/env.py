@@ -28,7 +28,7 @@ class Result:
     truncated: bool = False
     info: dict[str, float] = field(default_factory=dict)   # scalar diagnostics, logged
     score: float | None = None               # for filters; defaults to the reward
-    sampling_params: dict[str, Any] | None = None          # override for the next turn
+    sampling_params: dict[str, Any] | None = None          # override for the next turn only
 
 
 @dataclass
@@ -109,6 +109,8 @@ class StepEnvRunner(Runner):
             else:
                 trace.extend_prompt(encode(tok, glue), images)
             observation = text_of(message.get("content"))
-            sampling = {**sampling, **(result.sampling_params or {})}
+            # An override holds for the next turn only (as documented); later turns are back on the run's
+            # sampling unless their own step asks again.
+            sampling = {**self.sampling, **(result.sampling_params or {})}
         return trace.rollout(reward, score, info, self.label_of(item))
 

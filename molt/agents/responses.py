@@ -42,9 +42,13 @@ from vllm.entrypoints.openai.responses.utils import (
     construct_tool_dicts,
 )
 
-# Accepted by the schema but not honoured here: refused rather than silently ignored.
-UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "include", "logit_bias", "top_logprobs",
-               "presence_penalty", "frequency_penalty", "stop", "background", "max_tool_calls")
+# What `chat_request` carries over, plus labels that change neither the tokens nor the reply (`store`:
+# nothing is kept, and previous_response_id is refused). Anything else is refused once it differs from
+# its default (molt.agents.wire.OPENAI_SUPPORTED says why).
+SUPPORTED = frozenset({
+    "input", "instructions", "model", "max_output_tokens", "temperature", "top_p", "top_k", "seed", "stream",
+    "tools", "tool_choice", "parallel_tool_calls", "text", "structured_outputs", "metadata", "user", "store",
+    "service_tier", "prompt_cache_key", "request_id"})
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:

@@ -62,7 +62,9 @@ class Runner:
         except TimeoutError:
             error = f"agent timed out after {self.spec.agent.timeout_s}s"
         except AgentError as err:   # its message names what the agent did ("RuntimeError: boom")
-            error = str(err)
+            # An engine's refusal arrives as Ray's RayTaskError(AgentError): keep the message, not the
+            # remote traceback (which names a pid, so equal failures would not read as equal).
+            error = str(getattr(err, "cause", None) or err)
         except EngineDiedError as err:   # the pool restarts the group
             error = f"{type(err).__name__}: {err}"
         finally:

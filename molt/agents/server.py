@@ -4,8 +4,11 @@ on 127.0.0.1.
 Every rollout of a chat agent gets a session with its own URL prefix and random key, so stock SDK
 clients need nothing but `base_url` and `api_key`. Requests are validated with vLLM's own wire schemas;
 a request for an unknown session, with a wrong key, with a malformed or oversized body fails with a 4xx
-in the wire's error shape before it can touch any trajectory. The server runs in its own thread; each
-sampler call is sent back to the event loop of the rollout that owns the session.
+in the wire's error shape before it can touch any trajectory. So does one with a field the server does
+not apply (anything outside the wire's supported list, molt.agents.wire) set away from its default: a
+penalty, min_p or token restriction would change the sampling distribution the trainer recomputes, a
+template option the rendering it trains on, and a dropped one would go unnoticed. The server runs in
+its own thread; each sampler call is sent back to the event loop of the rollout that owns the session.
 
 Slow or vanished clients cost nothing lasting: a request head or body that is not complete within
 READ_TIMEOUT_S is dropped (408 for a body), and a client that disconnects while its turn is sampled
@@ -43,10 +46,6 @@ from molt.vision import normalize
 
 MAX_BODY_BYTES = 4 << 20
 READ_TIMEOUT_S = 30.0   # for a request's head (request line + headers) and, separately, its body
-# Accepted by the wire schemas but not honoured by the sampler: refused rather than silently ignored.
-OPENAI_UNSUPPORTED = ("logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                      "stop", "best_of", "echo")
-ANTHROPIC_UNSUPPORTED = ("stop_sequences",)
 
 
 class ApiError(Exception):
@@ -128,9 +127,11 @@ class LoopbackServer:
             self._thread.join(timeout=10)
             self._server = None
 
-    def open(self, trace: Trace, sampler: Sampler, max_turns: int, max_total_tokens: int) -> ChatSession:
+    def open(self, trace: Trace, sampler: Sampler, max_turns: int, max_total_tokens: int,
+             sampling: dict[str, Any] | None = None) -> ChatSession:
+        """A session for one rollout; `sampling` (default: the server's) is what its requests start from."""
         session = ChatSession(trace, self.tokenizer, sampler, asyncio.get_running_loop(), max_turns,
-                              max_total_tokens)
+                              max_total_tokens, dict(sampling or self.sampling))
         self.sessions[session.id] = session
         return session
 
@@ -143,7 +144,7 @@ class LoopbackServer:
         try:
             session, body = await self._admit(sid, request)
             chat = ChatCompletionRequest.model_validate(body)
-            self._check(chat.model, body, OPENAI_UNSUPPORTED)
+            self._check(chat.model, ChatCompletionRequest, body, wire.OPENAI_SUPPORTED)
             outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
             return err.response(anthropic=False)
@@ -159,7 +160,7 @@ class LoopbackServer:
         try:
             session, body = await self._admit(sid, request)
             req = ResponsesRequest.model_validate(body)
-            self._check(req.model, body, responses.UNSUPPORTED)
+            self._check(req.model, ResponsesRequest, body, responses.SUPPORTED)
             chat = responses.chat_request(req)
             outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
@@ -175,8 +176,11 @@ class LoopbackServer:
         try:
             session, body = await self._admit(sid, request)
             msg = AnthropicMessagesRequest.model_validate(body)
-            self._check(msg.model, body, ANTHROPIC_UNSUPPORTED)
+            self._check(msg.model, AnthropicMessagesRequest, body, wire.ANTHROPIC_SUPPORTED)
             chat = AnthropicServingMessages.to_chat_completion_request(msg)
+            # thinking and output_config, checked as the chat fields vLLM's converter made of them
+            converted = chat.model_dump(include=chat.model_fields_set)
+            self._check(None, ChatCompletionRequest, converted, wire.OPENAI_SUPPORTED, wire.ANTHROPIC_AS)
             chat.stream = False
             outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
@@ -218,15 +222,26 @@ class LoopbackServer:
             raise ApiError(400, "request body must be a JSON object")
         return session, body
 
-    def _check(self, model: str | None, body: dict, unsupported: tuple[str, ...]) -> None:
-        """One model is served, and parameters the server would silently ignore are refused."""
+    def _check(self, model: str | None, schema: type, body: dict, supported: frozenset[str],
+               shown: dict[str, str] | None = None) -> None:
+        """One model is served, and a field the server would not honour is refused, never dropped: any
+        field outside `supported` that differs from its schema default (`shown` renames converted ones)."""
         if model and model != self.model_name:
             raise ApiError(404, f"model '{model}' not found: this server serves '{self.model_name}' "
                                 "(ChatContext.model_name)")
-        sent = [k for k in unsupported if body.get(k) not in (None, False, 0, [], {}, {"type": "text"})]
-        if sent:
-            raise ApiError(400, f"unsupported parameter(s) {sent}: the loopback server does not implement "
-                                "them (sampling is the run's policy with temperature/top_p/top_k/seed)")
+        fields, shown = schema.model_fields, shown or {}
+        sent = [k for k, v in body.items() if k not in supported and v not in (None, [], {}) and
+                v != wire.NEUTRAL.get(k) and (k not in fields or v != fields[k].get_default())]
+        if not sent:
+            return
+        known = set().union(*(names for names, _ in wire.REASONS))
+        why = [*wire.REASONS, (set(sent) - known, "not implemented by the loopback server")]
+        parts = [f"{', '.join(shown.get(k, k) for k in sent if k in names)}: {reason}"
+                 for names, reason in why if names & set(sent)]
+        names = [shown.get(k, k) for k in sent]
+        raise ApiError(400, f"unsupported parameter(s) {names}: {'; '.join(parts)}. "
+                            "Leave them unset or at their defaults (the server applies messages, tools, "
+                            "temperature, top_p, top_k, seed, max tokens, n and output formats)")
 
     async def _turn_while_connected(self, request: Request, session: ChatSession,
                                     chat: ChatCompletionRequest) -> tuple[list, list, int]:
@@ -254,7 +269,7 @@ class LoopbackServer:
                      "role": "system" if m.get("role") == "developer" else m.get("role")}
                     for m in self._normalize(chat)]
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
-        sampling = self._sampling(chat, tools)
+        sampling = self._sampling(chat, tools, session.sampling)
         async with session.lock:
             if session.turns >= session.max_turns:
                 raise ApiError(400, f"this session used all {session.max_turns} turns (agent.max_turns)")
@@ -285,14 +300,16 @@ class LoopbackServer:
         except ValueError as err:   # an image that is not a readable data URL
             raise ApiError(400, str(err)) from None
 
-    def _sampling(self, chat: ChatCompletionRequest, tools: list[dict] | None) -> dict[str, Any]:
-        # The run's sampling is the default; a request may set its own, capped at rollout.max_tokens.
-        sampling = dict(self.sampling)
+    def _sampling(self, chat: ChatCompletionRequest, tools: list[dict] | None,
+                  defaults: dict[str, Any]) -> dict[str, Any]:
+        # The session's sampling is the default; a request may set its own, max tokens capped at the
+        # default's (rollout.max_tokens, or rollout.eval.max_tokens in evaluation).
+        sampling = dict(defaults)
         for key in ("temperature", "top_p", "top_k", "seed"):
             if getattr(chat, key) is not None:
                 sampling[key] = getattr(chat, key)
         wanted = chat.max_completion_tokens or vars(chat).get("max_tokens")   # the property warns
-        sampling["max_tokens"] = min(wanted or sampling["max_tokens"], self.sampling["max_tokens"])
+        sampling["max_tokens"] = min(wanted or defaults["max_tokens"], defaults["max_tokens"])
         choice = chat.tool_choice
         if tools and (choice == "required" or not isinstance(choice, str | type(None))):
             named = [t for t in tools

@@ -33,10 +33,11 @@ class Candidate:
 
 class ChatSession:
     def __init__(self, trace: Trace, tokenizer: Any, sampler: Sampler, loop: asyncio.AbstractEventLoop,
-                 max_turns: int, max_total_tokens: int) -> None:
+                 max_turns: int, max_total_tokens: int, sampling: dict[str, Any]) -> None:
         self.id, self.key = secrets.token_hex(8), "sk-molt-" + secrets.token_urlsafe(24)
         self.trace, self.tokenizer, self.sampler, self.loop = trace, tokenizer, sampler, loop
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.sampling = sampling        # the rollout's defaults (training's, or rollout.eval's in evaluation)
         self.turns = 0
         self.lock = asyncio.Lock()      # one request at a time per session (created in the server's loop)
         self.history: list[dict] = []   # messages of the last request (its prompt)

@@ -36,6 +36,36 @@ from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
 Reply = tuple[str | None, list[dict]]   # (content, tool calls in OpenAI shape)
 
+# The request fields each wire applies, plus labels that change neither the tokens nor the reply. Any
+# other field (one of vLLM's schema, a future one, or one it does not know) is refused once it differs
+# from its default: dropped silently, it would leave the agent believing it sampled or rendered
+# otherwise than it did. (Responses: responses.SUPPORTED.)
+OPENAI_SUPPORTED = frozenset({
+    "messages", "model", "max_tokens", "max_completion_tokens", "n", "seed", "temperature", "top_p", "top_k",
+    "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "structured_outputs", "user", "request_id"})
+# `thinking` and `output_config` are checked as what vLLM's converter makes of them (ANTHROPIC_AS).
+ANTHROPIC_SUPPORTED = frozenset({"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k",
+                                 "stream", "tools", "tool_choice", "metadata", "thinking", "output_config"})
+ANTHROPIC_AS = {"thinking_token_budget": "thinking.budget_tokens",
+                "reasoning_effort": "output_config.effort or thinking.type=disabled"}
+# Explicit no-op values of fields whose schema default is None (`presence_penalty: 0` is accepted).
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0}
+# Why a refused field is not honoured, by what it would change; any other is not implemented.
+REASONS = (
+    ({"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+      "allowed_token_ids", "bad_words", "min_tokens", "thinking_token_budget", "use_beam_search",
+      "length_penalty", "repetition_detection", "vllm_xargs"},
+     "changes the sampling distribution, which the trainer does not reproduce (it recomputes "
+     "temperature, top_p and top_k only)"),
+    ({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+      "add_special_tokens", "documents", "reasoning_effort", "reasoning", "mm_processor_kwargs"},
+     "changes how the prompt is rendered: the session renders, and trains on, the model's chat "
+     "template with its defaults"),
+    ({"previous_response_id", "conversation", "prompt", "background"},
+     "needs server-side state, which the loopback server does not keep: send the whole conversation"),
+)
+
 
 def _finish(out: dict, calls: list[dict]) -> str:
     return "tool_calls" if calls else ("length" if out["finish_reason"] == "length" else "stop")

@@ -27,22 +27,40 @@ from molt.vision import collapse, decode
 ENGINE_POLL_S = 0.5   # how often an engine actor checks that vLLM's engine core is alive
 
 
+# The sampling keys a request may carry. None of the others (min_p, penalties, logit biases, min_tokens,
+# stop strings) is passed on: each would change the distribution the tokens are drawn from in a way the
+# trainer's logprob recomputation (temperature, top-p, top-k) does not reproduce, or needs the detokenized
+# text; a request with one fails (AgentError) rather than be sampled without it.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
+                 "structured_outputs", "prompt_logprobs")
+
+
 def sampling_params(sampling: dict[str, Any], max_tokens: int):
-    """vLLM `SamplingParams` asking for the sampled token's logprob and only the final output."""
+    """vLLM `SamplingParams` asking for the sampled token's logprob and only the final output. A key outside
+    `SAMPLING_KEYS`, or a value vLLM refuses, is an `AgentError`: it fails the request's rollout."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+    if unknown:
+        raise AgentError(f"sampling parameters {unknown} are not supported: the trainer could not score the "
+                         f"tokens they change (or they need text); use {', '.join(SAMPLING_KEYS)} "
+                         "(stop_token_ids in place of stop strings)")
     # Constrained decoding ({"regex": ...}): how the agents' chat server honours a forced tool call.
     constrained = sampling.get("structured_outputs")
-    return SamplingParams(
-        temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
-        top_k=sampling.get("top_k", -1), max_tokens=max_tokens,
-        stop_token_ids=sampling.get("stop_token_ids"), seed=sampling.get("seed"),
-        ignore_eos=sampling.get("ignore_eos", False),
-        structured_outputs=StructuredOutputsParams(**constrained) if constrained else None,
-        logprobs=0, prompt_logprobs=sampling.get("prompt_logprobs"), detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
+    try:
+        return SamplingParams(
+            temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
+            top_k=sampling.get("top_k", -1), max_tokens=max_tokens,
+            stop_token_ids=sampling.get("stop_token_ids"), seed=sampling.get("seed"),
+            ignore_eos=sampling.get("ignore_eos", False),
+            structured_outputs=StructuredOutputsParams(**constrained) if constrained else None,
+            logprobs=0, prompt_logprobs=sampling.get("prompt_logprobs"), detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+    except (ValueError, VLLMClientError) as err:   # e.g. an Env's Result.sampling_params={"top_p": 0}
+        raise AgentError(f"vLLM refused the sampling parameters {sampling}: {err}") from None
 
 
 def per_token_versions(spans: list[Any] | None, n: int, fallback: int) -> list[int]:
@@ -143,9 +161,9 @@ class EngineActor:
         if not images:
             return TokensPrompt(prompt_token_ids=self._fit(prompt_ids))
         if self.image_token is None:
-            raise ValueError("this request has images but the engine's model is not a vision-language model")
+            raise AgentError("this request has images but the engine's model is not a vision-language model")
         if len(prompt_ids) > self.max_model_len - 1:   # cutting a prompt could cut an image in half
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens with images does not fit "
+            raise AgentError(f"prompt of {len(prompt_ids)} tokens with images does not fit "
                              f"model.max_model_len={self.max_model_len}")
         return TokensPrompt(prompt_token_ids=collapse(list(prompt_ids), self.image_token),
                             multi_modal_data={"image": [decode(u) for u in images]},
@@ -159,6 +177,7 @@ class EngineActor:
         The result's `sampling` is the [temperature, top_p, top_k] vLLM applied. `images` (data URLs, in
         order) fill the prompt's image placeholders; the result's `prompt_ids` are the ids the engine read,
         image placeholders expanded."""
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         request_id = request_id or uuid.uuid4().hex
@@ -175,6 +194,10 @@ class EngineActor:
         except EngineDeadError:
             self._exit()   # before answering: the caller must see a dead engine, not a failed request
             raise
+        except VLLMClientError as err:
+            # vLLM's own verdict that the request is at fault (e.g. an image prompt that expands past
+            # max_model_len): that rollout fails, the run goes on. (Only the message crosses Ray.)
+            raise AgentError(f"vLLM refused the request: {err}") from None
         finally:
             self._leave(adapter)
         comp = final.outputs[0]
@@ -183,7 +206,7 @@ class EngineActor:
         self.generated += len(ids)
         if self.image_token is not None and self.image_token in ids:
             # The trainer's model would read a sampled placeholder as an image slot without an image.
-            raise ValueError("the model sampled the image placeholder token; a rollout holding it cannot be "
+            raise AgentError("the model sampled the image placeholder token; a rollout holding it cannot be "
                              "trained on (the rollout fails)")
         result: Sample = {
             "token_ids": ids,

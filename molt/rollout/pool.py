@@ -45,8 +45,8 @@ class RolloutPool:
                  refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None,
                  on_generating: Callable[[bool], None] | None = None, first_group: int = 0) -> None:
         self.items = iter(items)
-        # False = sync mode: groups start only when a batch is asked for, so while the trainer steps
-        # nothing generates and every batch is sampled by the current policy.
+        # False = sync mode: groups start only when a batch is asked for, and only those it still lacks,
+        # so while the trainer steps nothing generates and every batch is sampled by the current policy.
         self.refill_during_batch = refill_during_batch
         self.group_items: dict[str, dict] = {}  # prompt item of every group not yet handed out
         self.rollout_fn = rollout_fn
@@ -91,8 +91,9 @@ class RolloutPool:
             self.exhausted = True
             return None
 
-    def _fill(self) -> None:
-        while self.in_flight < self.depth:
+    def _fill(self, target: int | None = None) -> None:
+        """Start groups until `target` (default: the pool's depth) are in flight."""
+        while self.in_flight < (self.depth if target is None else target):
             item = self._next_item()
             if item is None:
                 return
@@ -173,8 +174,13 @@ class RolloutPool:
             if self.crash is not None:
                 raise self.crash
             self._requeue_stale()
-            if self.refill_during_batch or len(batch) + self.in_flight < k:
+            if self.refill_during_batch:
                 self._fill()
+            else:
+                # Sync: only the groups this batch still lacks (a dynamic-sampling refill asks for fewer
+                # than `depth`, an engine death re-queues one). A group started beyond them would generate
+                # through the train step and be handed out after the refit, one policy version old.
+                self._fill(k - len(batch))
             last = need_current and len(batch) == k - 1 and not any(e.newest == self.version for e in batch)
             pick = self._pick(need_current=last and bool(self.tasks))
             if pick is not None:
