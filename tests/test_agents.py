@@ -219,18 +219,20 @@ class NextTurnSampling(Env):
     """Three turns; the first result overrides the second turn's sampling (only) with the row's `next`."""
 
     async def step(self, state: State) -> Result:
+        if state.turn == 1:
+            self.second_turn_max_tokens = state.sampling_params["max_tokens"]
         if state.turn < 2:
             return Result(reward=0.0, observation="again", terminated=False,
                           sampling_params=state.item["next"] if state.turn == 0 else None)
-        return Result(reward=1.0)
+        return Result(reward=1.0, info={"second_turn_max_tokens": self.second_turn_max_tokens})
 
 
 def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_scored(tok, engine):
     """Through the loop's TrainingSampler: a per-turn temperature / top-k override holds for the next turn
-    only and is recorded for the trainer to match; greedy decoding, constrained decoding, keys the trainer
-    cannot reproduce (min_p, penalties, stop strings) and values vLLM refuses fail the rollout with the
-    reason (the engine's refusal crosses Ray as an AgentError) instead of stopping the run or being
-    ignored."""
+    only and is recorded for the trainer to match, a max_tokens override is capped at the run's; greedy
+    decoding, constrained decoding, keys the trainer cannot reproduce (min_p, penalties, stop strings) and
+    values vLLM refuses fail the rollout with the reason (the engine's refusal crosses Ray as an
+    AgentError) instead of stopping the run or being ignored."""
     from molt.rollout.dispatch import Dispatcher
     from molt.rollout.sampling import TrainingSampler, check_trainable
 
@@ -239,10 +241,12 @@ def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_sco
     sampler = TrainingSampler(Dispatcher([engine]), 0, lambda: 0)
     rows = [{"prompt": "a", "label": "a", "next": n} for n in (
         {"temperature": 1.3, "top_k": 7}, {"temperature": 0.0}, {"min_p": 0.3, "repetition_penalty": 1.2},
-        {"stop": ["b"]}, {"top_p": 0.0})]
-    ok, greedy, penalised, stop, refused = run_all(runner, rows, sampler)
+        {"stop": ["b"]}, {"top_p": 0.0}, {"max_tokens": 1000})]
+    ok, greedy, penalised, stop, refused, longer = run_all(runner, rows, sampler)
     assert ok.ok and [span[1:] for span in ok.segments[0].sampling] == [[0.7, 1.0, -1], [1.3, 1.0, 7],
                                                                         [0.7, 1.0, -1]]
+    # an override may shorten a turn, not lengthen it past rollout.max_tokens (8 here)
+    assert longer.ok and longer.info["second_turn_max_tokens"] == 8
     assert not greedy.ok and "temperature=0.0, i.e. greedy decoding" in greedy.error
     assert not penalised.ok and penalised.error.startswith(
         "sampling parameters ['min_p', 'repetition_penalty'] are not supported")   # not Ray's traceback

@@ -77,9 +77,12 @@ class StepEnvRunner(Runner):
         env.tokenizer, env.judge = tok, self.judge
         sampling, observation = dict(self.sampling), text_of(messages[-1].get("content"))
         reward, score, info = 0.0, None, {}
+        # A turn's override may ask for fewer tokens than the run's per-turn bound (rollout.max_tokens, or
+        # rollout.eval.max_tokens in evaluation), never more, as on the chat server: the overlong penalty
+        # and filters measure a response against that bound.
+        cap = self.sampling.get("max_tokens", self.spec.rollout.max_tokens)
         for turn in range(agent.max_turns):
-            budget = min(sampling.get("max_tokens", self.spec.rollout.max_tokens),
-                         agent.max_total_tokens - len(trace.ids))
+            budget = min(sampling.get("max_tokens", cap), cap, agent.max_total_tokens - len(trace.ids))
             if budget < 1:
                 break
             turn_sampling = {**sampling, "max_tokens": budget}
