@@ -100,31 +100,31 @@ def read_best(root: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def carry_best(spec: RunSpec, checkpoint: Path) -> None:
+    """A resumed run writes into a run directory of its own: copy in the best.json of the checkpoints folder
+    it resumes from (when it records the same train.best_metric), naming that checkpoint by its path, so the
+    resumed run's evals are compared with the best before the resume (`new_best`), `molt.export <run> best`
+    finds it, and a run resumed from this one carries it on in turn."""
+    carried = read_best(checkpoint.parent)
+    if spec.train.best_metric is None or carried is None or carried["metric"] != spec.train.best_metric:
+        return
+    root = checkpoints_dir(spec)
+    root.mkdir(parents=True, exist_ok=True)
+    best = {**carried, "checkpoint": str((checkpoint.parent / carried["checkpoint"]).resolve())}
+    (root / "best.json.tmp").write_text(json.dumps(best))
+    os.replace(root / "best.json.tmp", root / "best.json")
+
+
 def new_best(spec: RunSpec, step: int, metrics: dict[str, float]) -> float | None:
     """The value of train.best_metric at this step when it beats best.json's (or there is none yet); None
-    when it does not, when this step did not evaluate, or at step 0 (there is no trained checkpoint).
-
-    A resumed run writes into a new run directory: until its first checkpoint, a best.json of the same
-    metric in the checkpoints folder it resumed from is copied in (naming that checkpoint by its path), so
-    the resumed run's evals are compared with it and a run resumed from this one finds it in turn."""
+    when it does not, when this step did not evaluate, or at step 0 (there is no trained checkpoint)."""
     metric = spec.train.best_metric
-    if metric is None:
-        return None
-    root = checkpoints_dir(spec)
-    best = read_best(root)
-    resumed = find_checkpoint(spec) if best is None and not (root / "latest").is_file() else None
-    carried = read_best(resumed.parent) if resumed else None
-    if resumed and carried and carried["metric"] == metric:
-        best = {**carried, "checkpoint": str((resumed.parent / carried["checkpoint"]).resolve())}
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "best.json.tmp").write_text(json.dumps(best))
-        os.replace(root / "best.json.tmp", root / "best.json")
-    if step == 0 or not any(k.startswith("eval/") for k in metrics):
+    if metric is None or step == 0 or not any(k.startswith("eval/") for k in metrics):
         return None
     if metric not in metrics:
         names = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
         raise KeyError(f"train.best_metric={metric!r} is not an eval metric of this run; it has: {names}")
-    value = metrics[metric]
+    value, best = metrics[metric], read_best(checkpoints_dir(spec))
     if best is None:
         return value
     better = value > best["value"] if spec.train.best_mode == "max" else value < best["value"]

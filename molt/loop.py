@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError
 
 from molt.agents import load_agent_runner
 from molt.algo import adaptive_kl_coef, compute_advantages, with_kl_coef
-from molt.checkpoints import find_checkpoint, latest_of, new_best, save_checkpoint
+from molt.checkpoints import carry_best, find_checkpoint, latest_of, new_best, save_checkpoint
 from molt.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.eval import evaluate
 from molt.fleet import Fleet
@@ -53,6 +53,9 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     runner = load_agent_runner(spec.agent)           # bad input fails before any actor starts
     PromptDataset(spec.data.train_path, spec.data)
     eval_sets = load_eval_sets(spec.data) if spec.train.eval_every else {}
+    checkpoint = find_checkpoint(spec)               # a bad run.resume too
+    if checkpoint:
+        carry_best(spec, checkpoint)
     fleet, trainers, tokenizer, logger = start_run(spec, policy_path, runner)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
     sampler = TrainingSampler(fleet.dispatcher, spec.run.seed, lambda: at.pool.version)
@@ -60,7 +63,6 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
 
-    checkpoint = find_checkpoint(spec)
     at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=checkpoint is not None)
     if checkpoint:
         print(f"molt: resumed from {checkpoint} at step {at.step} (policy version {at.version})")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from molt.checkpoints import new_best, save_checkpoint
+from molt.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
 from molt.export import checkpoint_dir
 from molt.spec import RunSpec
 from molt.trainer import checkpoint
@@ -51,6 +51,7 @@ def test_a_resumed_run_compares_its_evals_with_the_best_before_the_resume(tmp_pa
     checkpoint_at(first, 4, best=0.5)
     checkpoint_at(first, 6)                                     # the latest, not the best
     second = run_spec(tmp_path / "b", resume=tmp_path / "a")
+    carry_best(second, find_checkpoint(second))                 # what the loops do at a resume
     assert new_best(second, 7, {"train/loss": 1.0}) is None    # no eval this step
     assert new_best(second, 8, {metric: 0.4}) is None           # below the 0.5 of step 4
     assert new_best(second, 9, {metric: 0.6}) == 0.6
@@ -59,10 +60,12 @@ def test_a_resumed_run_compares_its_evals_with_the_best_before_the_resume(tmp_pa
     assert checkpoint_dir(str(tmp_path / "b"), "best") == (tmp_path / "a/checkpoints/step_000004").resolve()
     # a run resumed from b (which found no better model) still knows a's best
     third = run_spec(tmp_path / "c", resume=tmp_path / "b")
+    carry_best(third, find_checkpoint(third))
     assert new_best(third, 11, {metric: 0.45}) is None
     assert new_best(third, 11, {metric: 0.55}) == 0.55
     # a record of another metric is not comparable: the resumed run starts its own
     other = run_spec(tmp_path / "d", resume=tmp_path / "a", metric="eval/repeat_eval/mean@1")
+    carry_best(other, find_checkpoint(other))
     assert new_best(other, 7, {"eval/repeat_eval/mean@1": 0.1}) == 0.1
     assert not (tmp_path / "d/checkpoints/best.json").exists()
 

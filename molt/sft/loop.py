@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from molt.checkpoints import find_checkpoint, new_best, save_checkpoint
+from molt.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
 from molt.data import PromptIterator
 from molt.loop import install_stop_handler
 from molt.metrics import RunLogger
@@ -47,11 +47,12 @@ async def _train(spec: RunSpec) -> dict[str, float]:
                  for name, path in zip(eval_names(spec.data.eval), spec.data.eval, strict=True)
                  } if spec.train.eval_every else {}
     pad, ranks = tokenizer.pad_token_id, spec.parallel.dp_size
+    checkpoint = find_checkpoint(spec)   # a bad run.resume fails before any actor starts
     policy = TrainerRanks(spec, "policy")
     logger = RunLogger(spec)
     step, metrics = 0, {}
-    checkpoint = find_checkpoint(spec)
     if checkpoint:
+        carry_best(spec, checkpoint)
         extra = policy.load(str(checkpoint / "policy"))
         step = extra["step"]
         data.load_state_dict(extra["data"])
