@@ -1,8 +1,9 @@
 """`python -m molt.replay RUN_DIR STEP [--checkpoint PATH]`: train on a dumped batch without regenerating.
 
 Loads `<RUN_DIR>/spec.yaml` and `<RUN_DIR>/rollouts/step_<STEP>.jsonl`, starts the trainer (from the
-initial weights, or a checkpoint), and runs the loop's own `learn` step on exactly those tokens: the
-way to reproduce a loss spike or check the trainer/engine gap of one batch in isolation.
+initial weights, or a checkpoint with its adaptive KL weight), and runs the loop's own `learn` step on
+exactly those tokens (the critic alone within train.critic_warmup_steps, as the loop did): the way to
+reproduce a loss spike or check the trainer/engine gap of one batch in isolation.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
         init_ray(spec)
     trainers = start_trainers(spec)
     try:
-        version = load_trainers(trainers, checkpoint)["version"] if checkpoint is not None else 0
-        return asyncio.run(learn(spec, rollouts, *trainers, pad_id, version))
+        extra = load_trainers(trainers, checkpoint) if checkpoint is not None else {}
+        # as the loop ran this step: the adaptive KL weight the checkpoint holds (the spec's without
+        # one), and the critic alone while the step was within train.critic_warmup_steps
+        warmup = step - 1 < spec.train.critic_warmup_steps
+        return asyncio.run(learn(spec, rollouts, *trainers, pad_id, extra.get("version", 0),
+                                 kl_coef=extra.get("kl_coef"), train_policy=not warmup))
     finally:
         stop_trainers(trainers)
 
