@@ -3,7 +3,8 @@
 Without tools it is the minimal agent (reward: the fraction of the reply's characters equal to the
 label). With `options.tools` it offers the `add` tool, answers every `tool_use` block with a
 `tool_result` and stops at the first reply without one (reward 1 when it contains the label);
-`options.tool_choice` is sent on the first turn, `options.stream` streams.
+`options.tool_choice` is sent on the first turn (a forced call, `{"type": "tool"}` / `{"type": "any"}`, is
+constrained decoding: evaluation only, a training rollout with it fails), `options.stream` streams.
 """
 
 import anthropic

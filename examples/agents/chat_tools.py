@@ -3,8 +3,9 @@
 The agent offers an `add` tool, runs every call the model makes, sends the results back as tool
 messages and stops at the first reply without a call (or at agent.max_turns). Reward 1 when the final
 reply contains the label. `options.tool_choice` is sent on the first turn (e.g. a named function, which
-the server honours by constrained decoding: how a small or untrained policy is made to call a tool);
-`options.stream` switches to streamed responses.
+the server honours by constrained decoding: how a small or untrained policy is made to call a tool, in
+evaluation only — a training rollout with a forced call fails); `options.stream` switches to streamed
+responses.
 """
 
 import json

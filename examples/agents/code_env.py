@@ -8,7 +8,8 @@ Anything else gets a hint and another turn, until agent.max_turns.
 
 `options.constrain: true` constrains the turn after a hint to a code block that prints arithmetic and
 the turn after an output to an answer (a regex, decoded by the engine): how a random-init policy is made
-to produce runnable code and an answer. The tokens are still the engine's samples.
+to produce runnable code and an answer. Constrained decoding is for evaluation (python -m molt.eval): in
+training, the first constrained turn fails its rollout (molt.rollout.sampling.check_trainable).
 """
 
 import asyncio

@@ -3,7 +3,8 @@
 The graph is LangGraph's ReAct loop: a model node, a `ToolNode` running `add`, and `tools_condition`
 routing between them until the model answers without a call (or agent.max_turns model calls). Reward 1
 when the final answer contains the label. `options.tool_choice` (e.g. "add") forces the first call: a
-random-init policy never writes tool-call markup by itself. Needs `pip install molt[agents]`.
+random-init policy rarely writes tool-call markup by itself. A forced call is constrained decoding, so it
+is for evaluation; a training rollout with it fails. Needs `pip install molt[agents]`.
 """
 
 from langchain_core.tools import tool

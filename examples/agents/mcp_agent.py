@@ -4,7 +4,8 @@ The agent lists the tools of `options.server` (a Python MCP server on stdio; def
 examples/mcp/calc_server.py), offers them to the policy through the stock OpenAI SDK, runs every call
 the model makes on the MCP server and sends the results back as tool messages, until a reply without a
 call or agent.max_turns. `options.shared` (default false) starts one server for all rollouts instead of
-one per rollout; `options.tool_choice` is sent on the first turn (e.g. a named function: a forced call).
+one per rollout; `options.tool_choice` is sent on the first turn (e.g. a named function: a forced call,
+constrained decoding, for evaluation only; a training rollout with it fails).
 Reward 1 when a tool result or the final reply contains the label.
 """
 

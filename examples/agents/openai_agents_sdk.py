@@ -6,7 +6,8 @@ The agent answers with its `square` tool: the SDK sends the request, runs the ca
 function call and its output) plus the follow-up question, as the SDK's multi-turn chats do. Reward 1
 when the last final output contains the label.
 
-Options: `tool_choice` (e.g. "square": a forced call, how a random-init policy is made to call a tool),
+Options: `tool_choice` (e.g. "square": a forced call, how a random-init policy is made to call a tool;
+constrained decoding, so evaluation only: a training rollout with it fails),
 `follow_up` (a second user turn), `stream` (the SDK's streamed run). A reply cut at max_tokens is an
 `incomplete` response, which the SDK raises on (the rollout fails): give turns room to end.
 Needs `pip install molt[agents]`.

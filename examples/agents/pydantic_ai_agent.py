@@ -1,8 +1,10 @@
-"""A pydantic-ai agent with a structured output, unmodified, over two conversation turns.
+"""A pydantic-ai agent with a structured output, unmodified, over agent.max_turns conversation turns.
 
 The agent's output type is `Answer`; pydantic-ai asks for it as a tool call (its default "tool output"
 mode, sent with `tool_choice="required"`), which the loopback server honours by constrained decoding,
-so even a random-init policy returns a valid `Answer`. The second turn continues the conversation with
+so even a random-init policy returns a valid `Answer`. Constrained decoding is for evaluation: every
+training rollout of this agent fails (molt.rollout.sampling.check_trainable), so use it with
+python -m molt.eval. Each further turn (agent.max_turns > 1) continues the conversation with
 pydantic-ai's own message history. Reward 1 when the last answer equals the label.
 Needs `pip install molt[agents]`.
 """

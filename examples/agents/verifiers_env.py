@@ -4,7 +4,8 @@ verifiers rolls an environment out through an OpenAI client and scores it with t
 rubric; here that client points at the loopback server, so the loop, the tools and the reward are the
 environment's and the trajectory is Molt's token-exact record. Options: `env` (an installed
 environment id for `vf.load_environment`, or a .py file with `load_environment()`), `env_args` (its
-keyword arguments), `sampling_args` (passed to the environment's requests, e.g. a forced `tool_choice`).
+keyword arguments), `sampling_args` (passed to the environment's requests, e.g. a forced `tool_choice`:
+constrained decoding, for evaluation only; a training rollout with it fails).
 The dataset row gives the prompt (`messages` / `prompt`) and the `answer` (the row's label).
 Needs `pip install molt[verifiers]`.
 """
