@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import textwrap
 
@@ -51,6 +52,24 @@ def test_mcp_agent_calls_the_servers_tools_and_trains(tok, engine, runners, trai
         assert r.reward == float("6" in str(args["a"] * args["b"]) or "6" in tok.decode(
             second["out"]["token_ids"], skip_special_tokens=True))
     train_one_step(trainer, rollouts, tok, sampler.calls)
+
+
+def test_a_shared_server_is_started_once_per_event_loop():
+    """sandboxed_server gives every launch its own uid, so each rollout's launch parameters differ: the
+    shared server must still be one."""
+    from test_agents import EXAMPLES
+
+    from molt.agents import mcp
+
+    async def main() -> list:
+        script = EXAMPLES.parent / "mcp" / "calc_server.py"
+        launches = [sandboxed_server(script) for _ in range(3)]
+        assert os.geteuid() != 0 or launches[0].args != launches[1].args   # as root: a uid per launch
+        return [await MCPTools.shared(params) for params in launches]
+
+    before = len(mcp._SHARED)
+    first, second, third = asyncio.run(main())
+    assert first is second is third and len(mcp._SHARED) == before + 1
 
 
 async def _list_tools() -> list[dict]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from mcp import Client, StdioServerParameters
 
-from molt.agents.sandbox import server_command
+from molt.agents.sandbox import launch_independent, server_command
 
 _SHARED: dict[tuple, asyncio.Future] = {}
 
@@ -68,7 +68,8 @@ class MCPTools:
         The connection lives in a task of its own (the SDK's transport must be entered and left by one
         task); it ends with the event loop, and bwrap's --die-with-parent ends the server with Molt.
         """
-        key = (id(asyncio.get_running_loop()), params.command, tuple(params.args))
+        # sandboxed_server gives each launch its own uid: the same server with another uid is the same key
+        key = (id(asyncio.get_running_loop()), params.command, launch_independent(params.args))
         if key not in _SHARED:
             ready = asyncio.get_running_loop().create_future()
             _SHARED[key] = ready

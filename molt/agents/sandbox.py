@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +128,13 @@ def server_command(script: str | os.PathLike, memory_mb: int = 1024, cpu_s: int 
     code = f"import runpy; runpy.run_path({inside!r}, run_name='__main__')"
     return [*sandbox_command(), "--ro-bind", str(Path(script).resolve()), inside, "--",
             *_python(code, cpu_s, memory_mb, file_mb, max_processes)]
+
+
+def launch_independent(argv: Sequence[str]) -> tuple[str, ...]:
+    """`argv` without the per-launch uid `_python` puts after its prelude: two `server_command`s of one
+    script and limits compare equal (what `MCPTools.shared` keys its one server by); other argv as is."""
+    argv = tuple(argv)
+    return argv[:argv.index(_PRELUDE) + 1] + argv[argv.index(_PRELUDE) + 2:] if _PRELUDE in argv else argv
 
 
 def run_python(code: str, stdin: str = "", timeout_s: float = 2.0, memory_mb: int = 256, file_mb: int = 1,
