@@ -1,4 +1,5 @@
-"""Helpers of the agent-integration tests: start chat/env runners from example modules and train one step."""
+"""Helpers of the agent-integration tests: start chat/env runners from example modules, check the
+trainer's scores of their tokens and train one step."""
 
 from __future__ import annotations
 
@@ -30,17 +31,12 @@ class Runners:
             runner.close()
 
 
-def train_one_step(trainer, rollouts: list, tok, calls: list[dict]) -> dict:
-    """One optimizer step of the loop's own `learn` on these rollouts, from the engine's weights.
-
-    Checks that exactly their sampled tokens were trained with a finite loss, and the trainer's logprob of
-    every sampled token against the engine's (`calls`: the Recorder's): equal on a free turn; on a turn
-    the server constrained (a forced tool call, an output format) the engine reports the logprob under
-    the constraint, renormalised over the allowed tokens, so never below the trainer's. A token or logprob
-    the server misplaced would break either.
+def check_trainer_scores(trainer, rollouts: list, tok, calls: list[dict]) -> None:
+    """The trainer's logprob of every sampled token, from the engine's weights, against the engine's
+    (`calls`: the Recorder's): equal on a free turn; on a turn the server constrained (a forced tool call,
+    an output format: evaluation only) the engine reports the logprob under the constraint, renormalised
+    over the allowed tokens, so never below the trainer's. A token or logprob misplaced would break either.
     """
-    from molt.loop import learn
-    from molt.spec import RunSpec
     from molt.trainer.batch import make_batch
 
     trainer.load(trainer.initial)
@@ -59,9 +55,20 @@ def train_one_step(trainer, rollouts: list, tok, calls: list[dict]) -> dict:
             else:
                 assert float((engine - mine).abs().max()) < 1e-3, (engine - mine).abs().max()
 
+
+def train_one_step(trainer, rollouts: list, sampler, tok) -> dict:
+    """One optimizer step of the loop's own `learn` on rollouts sampled as a run samples training rollouts
+    (`sampler`: a `Recorder(engine, training=True)`, i.e. through TrainingSampler), from the engine's
+    weights: the trainer scores every sampled token as the engine did (`check_trainer_scores`), exactly
+    the sampled tokens are trained, with a finite loss and gradient norm."""
+    from molt.loop import learn
+    from molt.spec import RunSpec
+
+    assert sampler.training, "train only on rollouts sampled through the TrainingSampler, as a run does"
+    check_trainer_scores(trainer, rollouts, tok, sampler.calls)
     spec = RunSpec.model_validate({"train": {"micro_batch_size": 8}})
     metrics = asyncio.run(learn(spec, rollouts, trainer, None, None, tok.pad_token_id, 0))
     assert "train/skipped" not in metrics and metrics["rollout/failed"] == 0
-    assert metrics["tokens/trained"] == sum(sum(s.loss_mask) for s in segments)
+    assert metrics["tokens/trained"] == sum(sum(s.loss_mask) for r in rollouts for s in r.segments)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])
     return metrics

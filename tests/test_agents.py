@@ -27,21 +27,28 @@ END = "<|im_end|>"
 
 
 class Recorder:
-    """The sampler the runners get: the generator's Dispatcher over the shared engine, with every call and
-    the engine's result kept for checking. `override` replaces sampling fields of every request (e.g.
-    greedy decoding, which training rollouts refuse)."""
+    """The sampler the runners get, with every call and the engine's result kept for checking: the
+    generator's Dispatcher over the shared engine (evaluation's path), or with `training=True` the loop's
+    TrainingSampler over it (a run's training rollouts: it refuses what the trainer cannot score). `override`
+    replaces sampling fields of every request (e.g. greedy decoding, which training rollouts refuse)."""
 
-    def __init__(self, engine, **override) -> None:
+    def __init__(self, engine, training: bool = False, **override) -> None:
         from molt.rollout.dispatch import Dispatcher
+        from molt.rollout.sampling import TrainingSampler
 
-        self.dispatcher, self.calls, self.override = Dispatcher([engine]), [], override
+        dispatcher = Dispatcher([engine])
+        self.inner = TrainingSampler(dispatcher, 0, lambda: 0) if training else dispatcher
+        self.training, self.calls, self.override = training, [], override
 
     async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
         sampling = {**sampling, **self.override}
-        out = await self.dispatcher.generate(list(prompt_ids), sampling, key)
+        out = await self.inner.generate(list(prompt_ids), sampling, key)
         self.calls.append({"key": key, "prompt_ids": list(prompt_ids), "sampling": dict(sampling),
                            "out": out})
         return out
+
+    def release(self, key: str) -> None:
+        self.inner.release(key)
 
 
 def make_spec(agent: dict, **rollout) -> RunSpec:

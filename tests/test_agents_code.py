@@ -1,7 +1,8 @@
 """The code-execution agent (examples/agents/code_env.py) against the shared engine: the model's Python runs
 in the sandbox and its output returns as observation tokens with loss mask 0, over three turns (hint →
-code → answer), and one training step runs on the rollouts. The policy is random, so `constrain` makes
-the code and answer turns follow a format (constrained decoding); the plumbing is what is tested.
+code → answer), and the trainer scores the sampled tokens as the engine did. The policy is random, so
+`constrain` makes the code and answer turns follow a format (constrained decoding, evaluation only); the
+plumbing is what is tested. Training it: tests/test_agents_train.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import ast
 import re
 import sys
 
-from agentlib import Runners, train_one_step
+from agentlib import Runners, check_trainer_scores
 from test_agents import EXAMPLES, Recorder, assert_exact, chat_ids, run_all, turn_glue
 
 from molt.agents import load_agent_runner
@@ -43,7 +44,7 @@ def test_code_agent_runs_the_models_code_and_shows_it_the_output(tok, engine, tr
         assert answer["prompt_ids"] == code["prompt_ids"] + sampled[1] + observation
         number = re.fullmatch(r"ANSWER: (-?[0-9]+)", tok.decode(sampled[2], skip_special_tokens=True))
         assert r.reward == float(int(number.group(1)) == 84) and r.info == {"code_runs": 1.0}
-    train_one_step(trainer, rollouts, tok, sampler.calls)
+    check_trainer_scores(trainer, rollouts, tok, sampler.calls)
 
 
 def test_errors_and_timeouts_come_back_as_text():

@@ -2,9 +2,10 @@
 
 Each framework's example agent (examples/agents/) runs a group of rollouts with the framework's own loop
 and client; every trajectory is checked against the engine's sampled ids (recorded at the sampler) and
-one real training step runs on the group (tests/agentlib.py: trained tokens, trainer/engine logprob gap).
-A random-init policy never writes tool-call markup by itself, so tool-using agents force their first
-call (`tool_choice`), which the server honours by constrained decoding.
+the trainer's logprobs of them against the engine's (tests/agentlib.py). A random-init policy never
+writes tool-call markup by itself, so tool-using agents force their calls (`tool_choice`), which the
+server honours by constrained decoding: evaluation's feature, which training refuses. Training these
+agents, unforced and through the loop's TrainingSampler, is tests/test_agents_train.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import re
 
 import pytest
-from agentlib import Runners, train_one_step
+from agentlib import Runners, check_trainer_scores
 from test_agents import EXAMPLES, Recorder, assert_exact, chat_ids, encode, run_all
 
 from molt.agents.tools import forced_call_regex
@@ -80,7 +81,7 @@ def test_openai_agents_sdk_over_the_responses_api(tok, sampler, runners, trainer
         assert second["prompt_ids"] == first["prompt_ids"] + first["out"]["token_ids"] + glue
         last = json.loads(sampled_text(tok, second["out"]["token_ids"])[11:-12])["arguments"]["x"]
         assert r.reward == float("9" in str(last * last))
-    train_one_step(trainer, rollouts, tok, sampler.calls)
+    check_trainer_scores(trainer, rollouts, tok, sampler.calls)
 
 
 def test_langgraph_agent_through_langchain_openai(tok, sampler, runners, trainer):
@@ -91,7 +92,7 @@ def test_langgraph_agent_through_langchain_openai(tok, sampler, runners, trainer
         [calls] = assert_exact(r, calls_of(sampler, r))
         assert len(calls) == 2 and r.info["tool_calls"] >= 1.0
         assert calls[0]["prompt_ids"] == chat_ids(tok, QUESTION["messages"], [ADD])
-    train_one_step(trainer, rollouts, tok, sampler.calls)
+    check_trainer_scores(trainer, rollouts, tok, sampler.calls)
 
 
 def test_pydantic_ai_agent_structured_output_over_two_runs(tok, engine, runners, trainer):
@@ -115,7 +116,7 @@ def test_pydantic_ai_agent_structured_output_over_two_runs(tok, engine, runners,
         assert second["prompt_ids"] == first["prompt_ids"] + first["out"]["token_ids"] + glue
         for c in calls:
             assert sampled_text(tok, c["out"]["token_ids"]).startswith('<tool_call>{"name": "final_result"')
-    train_one_step(trainer, rollouts, tok, sampler.calls)
+    check_trainer_scores(trainer, rollouts, tok, sampler.calls)
 
 
 def test_verifiers_environment_as_a_chat_agent(tok, sampler, runners, trainer):
@@ -133,4 +134,4 @@ def test_verifiers_environment_as_a_chat_agent(tok, sampler, runners, trainer):
         # builds the next prompt, so only the first turn's call has a result.
         x = json.loads(sampled_text(tok, calls[0]["out"]["token_ids"])[11:-12])["arguments"]["x"]
         assert r.reward == float("9" in str(x * x))
-    train_one_step(trainer, rollouts, tok, sampler.calls)
+    check_trainer_scores(trainer, rollouts, tok, sampler.calls)

@@ -34,7 +34,7 @@ def reference_p_yes(model, tok, messages: list[dict], temperature: float) -> flo
 def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    sampler, runners = Recorder(engine), Runners(tok)
+    sampler, runners = Recorder(engine, training=True), Runners(tok)
     try:
         runner = runners("judge_env.py", {"judge": {"path": tiny_model_path, "temperature": 0.5}}, kind="env",
                          max_tokens=16)
@@ -55,7 +55,7 @@ def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer,
         assert r.reward == pytest.approx(reference_p_yes(model, tok, verdict, 0.5), abs=1e-3)
     # The judge's requests never went through the policy's sampler.
     assert all("prompt_logprobs" not in c["sampling"] for c in sampler.calls)
-    train_one_step(trainer, rollouts, tok, sampler.calls)
+    train_one_step(trainer, rollouts, sampler, tok)
 
 
 def test_a_judge_on_cuda_is_refused_until_placement_plans_it():

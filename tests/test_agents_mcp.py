@@ -1,9 +1,10 @@
 """MCP tools (the `mcp` SDK over stdio) with the server process in the tool sandbox.
 
 The reference MCP agent (examples/agents/mcp_agent.py) offers the example server's tools to the policy,
-runs the (forced) call on the server and trains one step on the rollouts; the server is launched per
-rollout or shared. A probing MCP server shows the process is contained: no network (not even the host's
-loopback), no view of the host's files, no writes outside its private /tmp.
+runs the (forced: evaluation's constrained decoding) call on the server, and the trainer scores the
+sampled tokens as the engine did; the server is launched per rollout or shared (training it:
+tests/test_agents_train.py). A probing MCP server shows the process is contained: no network (not even
+the host's loopback), no view of the host's files, no writes outside its private /tmp.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 import textwrap
 
 import pytest
-from agentlib import Runners, train_one_step
+from agentlib import Runners, check_trainer_scores
 from test_agents import Recorder, assert_exact, chat_ids, encode, run_all
 
 from molt.agents.mcp import MCPTools, sandboxed_server
@@ -32,7 +33,7 @@ def runners(tok):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_mcp_agent_calls_the_servers_tools_and_trains(tok, engine, runners, trainer, shared):
+def test_mcp_agent_calls_the_servers_tools(tok, engine, runners, trainer, shared):
     sampler = Recorder(engine)
     runner = runners("mcp_agent.py", {"max_turns": 2, "max_total_tokens": 900,
                                       "options": {"tool_choice": FORCED, "shared": shared}}, max_tokens=96)
@@ -51,7 +52,7 @@ def test_mcp_agent_calls_the_servers_tools_and_trains(tok, engine, runners, trai
         assert second["prompt_ids"] == first["prompt_ids"] + sampled + glue
         assert r.reward == float("6" in str(args["a"] * args["b"]) or "6" in tok.decode(
             second["out"]["token_ids"], skip_special_tokens=True))
-    train_one_step(trainer, rollouts, tok, sampler.calls)
+    check_trainer_scores(trainer, rollouts, tok, sampler.calls)
 
 
 def test_a_shared_server_is_started_once_per_event_loop():

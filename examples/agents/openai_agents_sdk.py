@@ -9,11 +9,13 @@ when the last final output contains the label.
 Options: `tool_choice` (e.g. "square": a forced call, how a random-init policy is made to call a tool;
 constrained decoding, so evaluation only: a training rollout with it fails),
 `follow_up` (a second user turn), `stream` (the SDK's streamed run). A reply cut at max_tokens is an
-`incomplete` response, which the SDK raises on (the rollout fails): give turns room to end.
+`incomplete` response, which the SDK raises on; the agent ends the conversation there with reward 0, so
+the cut reply trains like any other (finish reason `length`) instead of failing the rollout.
 Needs `pip install molt[agents]`.
 """
 
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from agents.exceptions import ModelBehaviorError
 from openai import AsyncOpenAI
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
@@ -38,7 +40,14 @@ class AgentsSDKAgent(ChatAgent):
                           model_settings=ModelSettings(tool_choice=self.options.get("tool_choice")),
                           tool_use_behavior="stop_on_first_tool")
             for question in questions:
-                result = await self.turn(agent, history + [{"role": "user", "content": question}])
+                try:
+                    result = await self.turn(agent, history + [{"role": "user", "content": question}])
+                except ModelBehaviorError as err:
+                    # A failed rollout would drop every long reply from the batch (a bias towards short
+                    # ones); a cut reply is an answer that scores 0, and the server kept its tokens.
+                    if "max_output_tokens" not in str(err):
+                        raise
+                    return Result(reward=0.0, info={"tool_calls": float(calls)})
                 history = result.to_input_list()
                 calls += sum(item.type == "tool_call_item" for item in result.new_items)
         return Result(reward=float(str(ctx.label) in str(result.final_output)),
