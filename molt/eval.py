@@ -16,7 +16,6 @@ first), on the composed spec's eval sets and prints the metrics as JSON.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import math
 import sys
@@ -50,15 +49,13 @@ async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[
                    step: int) -> dict[str, float]:
     """Every set's metrics; all prompts of all sets are in flight at once."""
     e = spec.rollout.eval
-    # rollout.eval is the agent's default sampling here, where training's would be (Runner.sampling: what
-    # State / ChatContext.sampling_params report and the chat server starts from), so per-turn overrides
-    # and the agent.max_total_tokens cap still apply. A copy carries it: training rollouts in flight on
-    # `runner` keep the training defaults.
-    runner = copy.copy(runner)
-    runner.sampling = eval_sampling(spec.rollout)
+    # rollout.eval is the agent's default sampling here, where training's would be (what State /
+    # ChatContext.sampling_params report and the chat server starts from), so per-turn overrides and the
+    # agent.max_total_tokens cap still apply; training rollouts in flight on `runner` keep theirs.
+    sampling = eval_sampling(spec.rollout)
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
     results = await asyncio.gather(*[
-        runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher)
+        runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher, sampling)
         for name, i, item in jobs for k in range(e.n)])
     rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
     metrics, start = {}, 0

@@ -40,9 +40,9 @@ class Recorder:
         self.inner = TrainingSampler(dispatcher, 0, lambda: 0) if training else dispatcher
         self.training, self.calls, self.override = training, [], override
 
-    async def generate(self, prompt_ids: list[int], sampling: dict, key: str) -> dict:
+    async def generate(self, prompt_ids: list[int], sampling: dict, key: str, images=None) -> dict:
         sampling = {**sampling, **self.override}
-        out = await self.inner.generate(list(prompt_ids), sampling, key)
+        out = await self.inner.generate(list(prompt_ids), sampling, key, images)
         self.calls.append({"key": key, "prompt_ids": list(prompt_ids), "sampling": dict(sampling),
                            "out": out})
         return out

@@ -49,17 +49,6 @@ def test_set_metrics_names_and_values() -> None:
         f"eval/x/{m}" for m in ("mean@10", "pass@1", "pass@10", "pass@2", "pass@4", "pass@8")]
 
 
-class EvalSampler(Recorder):
-    """The Recorder (the dispatcher over the shared engine, every call kept) with the dispatcher's release,
-    as `evaluate` gets the loop's dispatcher."""
-
-    async def generate(self, prompt_ids: list[int], sampling: dict, key: str, images=None) -> dict:
-        return await super().generate(prompt_ids, sampling, key)
-
-    def release(self, key: str) -> None:
-        self.dispatcher.release(key)
-
-
 def eval_spec(tok, prompt: str, **agent) -> RunSpec:
     # Training samples 8 tokens a turn, evaluation 16 (greedy): the budget (max_total_tokens) allows 12.
     budget = len(chat_ids(tok, [{"role": "user", "content": prompt}])) + 12
@@ -76,7 +65,7 @@ def test_eval_sampling_is_the_agents_default_capped_by_the_token_budget(tok, eng
     spec = eval_spec(tok, "a", module=str(EXAMPLES / "repeat.py"))
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
-    sampler = EvalSampler(engine)
+    sampler = Recorder(engine)
     # The label is the token the greedy policy repeats most after this prompt, so the reward is high.
     asyncio.run(evaluate(spec, runner, sampler, {"probe": [{"prompt": "a", "label": "a"}]}, 0))
     ids = sampler.calls[0]["out"]["token_ids"]
@@ -106,7 +95,7 @@ def test_eval_sampling_is_a_chat_agents_default_and_requests_still_override_it(t
     spec = eval_spec(tok, "b", module="x.py", kind="chat", max_turns=2)
     runner = ChatAgentRunner(Asks)
     runner.setup(tok, spec)
-    sampler = EvalSampler(engine)
+    sampler = Recorder(engine)
     try:
         asyncio.run(evaluate(spec, runner, sampler, {"set": [{"prompt": "b", "label": "b"}]}, 0))
     finally:

@@ -59,17 +59,16 @@ class ChatAgentRunner(Runner):
         self.server = LoopbackServer(tokenizer, model_name, self.sampling, spec.agent.tool_parser)
         self.server.start()
 
-    async def _run(self, item: dict, trace: Trace, sampler: Sampler) -> Rollout:
+    async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
         agent = self.spec.agent
-        # self.sampling, not the server's: evaluation runs a copy of this runner with rollout.eval's.
-        session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens, self.sampling)
+        session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens, defaults)
         prompt = item.get(self.spec.data.prompt_key)
         ctx = ChatContext(
             base_url=f"{self.server.url}/s/{session.id}/v1", session_url=f"{self.server.url}/s/{session.id}",
             api_key=session.key, model_name=self.server.model_name,
             messages=_openai_images(self.messages_of(item)),
             prompt=None if prompt is None else str(prompt), label=self.label_of(item),
-            sampling_params=dict(self.sampling), options=dict(agent.options), max_turns=agent.max_turns,
+            sampling_params=dict(defaults), options=dict(agent.options), max_turns=agent.max_turns,
             item=item, judge=self.judge)
         try:
             with agent_code():

@@ -68,19 +68,19 @@ class StepEnvRunner(Runner):
         super().__init__()
         self.env_cls = env_cls
 
-    async def _run(self, item: dict, trace: Trace, sampler: Sampler) -> Rollout:
+    async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
         agent, tok = self.spec.agent, self.tokenizer
         messages, images = normalize(self.messages_of(item))
         trace.extend_prompt(encode(tok, render(tok, messages)), images)
         with agent_code():
             env = self.env_cls(self.spec.agent.options)
         env.tokenizer, env.judge = tok, self.judge
-        sampling, observation = dict(self.sampling), text_of(messages[-1].get("content"))
+        sampling, observation = dict(defaults), text_of(messages[-1].get("content"))
         reward, score, info = 0.0, None, {}
         # A turn's override may ask for fewer tokens than the run's per-turn bound (rollout.max_tokens, or
         # rollout.eval.max_tokens in evaluation), never more, as on the chat server: the overlong penalty
         # and filters measure a response against that bound.
-        cap = self.sampling.get("max_tokens", self.spec.rollout.max_tokens)
+        cap = defaults.get("max_tokens", self.spec.rollout.max_tokens)
         for turn in range(agent.max_turns):
             budget = min(sampling.get("max_tokens", cap), cap, agent.max_total_tokens - len(trace.ids))
             if budget < 1:
@@ -114,6 +114,6 @@ class StepEnvRunner(Runner):
             observation = text_of(message.get("content"))
             # An override holds for the next turn only (as documented); later turns are back on the run's
             # sampling unless their own step asks again.
-            sampling = {**self.sampling, **(result.sampling_params or {})}
+            sampling = {**defaults, **(result.sampling_params or {})}
         return trace.rollout(reward, score, info, self.label_of(item))
 

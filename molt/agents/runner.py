@@ -53,12 +53,17 @@ class Runner:
         # The run's sampling defaults; a turn may override them (Result.sampling_params, request fields).
         self.sampling = train_sampling(spec.rollout)
 
-    async def run(self, item: dict, rollout_id: str, group_id: str, sampler: Sampler) -> Rollout:
+    async def run(self, item: dict, rollout_id: str, group_id: str, sampler: Sampler,
+                  sampling: dict | None = None) -> Rollout:
+        """One rollout of `item`. `sampling` is its default sampling, where turns start and what the agent
+        is shown (State, ChatContext): the run's training defaults unless given (evaluation passes
+        rollout.eval's), so rollouts of both kinds can be in flight on one runner."""
         if self.spec is None:
             raise RuntimeError(f"{type(self).__name__}.setup(tokenizer, spec) must be called before run()")
-        trace = Trace(rollout_id, group_id)
+        trace, defaults = Trace(rollout_id, group_id), dict(self.sampling if sampling is None else sampling)
         try:
-            return await asyncio.wait_for(self._run(item, trace, sampler), self.spec.agent.timeout_s)
+            return await asyncio.wait_for(self._run(item, trace, sampler, defaults),
+                                          self.spec.agent.timeout_s)
         except TimeoutError:
             error = f"agent timed out after {self.spec.agent.timeout_s}s"
         except AgentError as err:   # its message names what the agent did ("RuntimeError: boom")
@@ -72,7 +77,7 @@ class Runner:
                 sampler.release(rollout_id)
         return failed_rollout(rollout_id, group_id, self.label_of(item), error)
 
-    async def _run(self, item: dict, trace: Trace, sampler: Sampler) -> Rollout:
+    async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
         raise NotImplementedError
 
     def close(self) -> None:
