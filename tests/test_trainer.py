@@ -323,13 +323,23 @@ def _leaves(tree, prefix: str = ""):
         yield prefix, tree
 
 
-def test_critic_fits_returns_and_reference_is_frozen(ray_session, tiny_model_path) -> None:
+@pytest.fixture(scope="module")
+def critic(ray_session, tiny_model_path) -> tuple[RunSpec, TrainerRanks]:
+    """(spec, group) of one critic rank, with activation checkpointing, that the critic tests share: each
+    checks what its own updates do, from whatever weights the one before left (one start, not three)."""
+    spec = make_spec(tiny_model_path, mbs=32, critic_lr=1e-3, prompts_per_step=4)   # 32 rows, one forward
+    spec.model.critic, spec.algo.estimator, spec.algo.lam = True, "gae", 1.0
+    spec.parallel.activation_checkpointing = True
+    group = TrainerRanks(spec, "critic")
+    yield spec, group
+    group.shutdown()
+
+
+def test_critic_fits_returns_and_reference_is_frozen(critic, tiny_model_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    spec = make_spec(tiny_model_path, critic_lr=1e-3)
-    spec.parallel.activation_checkpointing = True
+    _, critic = critic
     b = batch_of(5)
-    critic = TrainerRanks(spec, "critic")
     batch = {**b, "returns": b["loss_mask"] * 1.0}
     errors = []
     for _ in range(6):
@@ -339,7 +349,6 @@ def test_critic_fits_returns_and_reference_is_frozen(ray_session, tiny_model_pat
     assert errors[-1] < errors[0] / 2
     with pytest.raises(ValueError, match="critic"):
         critic.logprobs(b)
-    critic.shutdown()
 
     reference = TrainerRanks(make_spec(tiny_model_path), "reference")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -352,15 +361,14 @@ def test_critic_fits_returns_and_reference_is_frozen(ray_session, tiny_model_pat
     reference.shutdown()
 
 
-def test_gae_with_a_real_critic_learns_the_right_baseline(ray_session, tiny_model_path) -> None:
+def test_gae_with_a_real_critic_learns_the_right_baseline(critic) -> None:
     """Reward 1 when the first response token is one of 8 of the 16 it is drawn from. The right baseline
     of the first action is 0.5 (before it, nothing tells the outcome); after it, the value is the reward,
     so only the first action carries advantage. A critic read one token late would already have seen
     the first action and cancel its advantage."""
     from molt.algo import compute_advantages, token_gae
 
-    spec = make_spec(tiny_model_path, mbs=32, critic_lr=1e-3, prompts_per_step=4)   # 32 rows, one forward
-    spec.model.critic, spec.algo.estimator, spec.algo.lam = True, "gae", 1.0
+    spec, critic = critic
     rng = random.Random(0)
 
     def batch(n: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -372,7 +380,6 @@ def test_gae_with_a_real_critic_learns_the_right_baseline(ray_session, tiny_mode
             rewards.append(float(response[0] < 108))
         return make_batch(segs), torch.tensor(rewards)
 
-    critic = TrainerRanks(spec, "critic")
     for _ in range(STEPS_GAE):
         b, r = batch(32)
         values = critic.values(b)
@@ -380,7 +387,6 @@ def test_gae_with_a_real_critic_learns_the_right_baseline(ray_session, tiny_mode
         critic.update({**b, "old_values": values, "returns": adv.returns})
     b, r = batch(64)
     values = critic.values(b)
-    critic.shutdown()
     assert (values[:, 2] - 0.5).abs().max() < 0.2               # the baseline of the first action
     assert (values[:, 3:] - r[:, None]).abs().max() < 0.2        # afterwards the outcome is known
     assert (values[:, 0] == 0).all()                            # nothing precedes t = 0
@@ -448,7 +454,7 @@ def test_minibatches_and_epochs_match_a_single_process_reference(ray_session, ti
         make_spec(tiny_model_path, minibatches=9)   # 8 rows per rank
 
 
-def test_critic_warmup_trains_the_critic_alone(ray_session, tiny_model_path) -> None:
+def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
     """A warm-up step (train.critic_warmup_steps) runs learn() with train_policy=False: the critic takes
     its step and the policy is never called (None here would raise), the step is marked."""
     import asyncio
@@ -456,16 +462,13 @@ def test_critic_warmup_trains_the_critic_alone(ray_session, tiny_model_path) -> 
     from molt.loop import learn
     from molt.trajectory import Rollout
 
-    spec = make_spec(tiny_model_path, critic_lr=1e-3)
-    spec.model.critic, spec.algo.estimator = True, "gae"
+    spec, critic = critic
     segs = segments(11)
     rollouts = [Rollout(s.rollout_id, s.group_id, [s], reward=float(i % 2)) for i, s in enumerate(segs)]
-    critic = TrainerRanks(spec, "critic")
     b = make_batch(segs)
     before = critic.values(b)
     metrics = asyncio.run(learn(spec, rollouts, None, None, critic, 0, 0, train_policy=False))
     after = critic.values(b)
-    critic.shutdown()
     assert metrics["train/critic_warmup"] == 1.0 and "critic/value_loss" in metrics
     assert "train/loss" not in metrics and "mismatch/mean_abs" not in metrics   # no policy step
     assert float((after - before)[b["loss_mask"] > 0].abs().max()) > 1e-4
