@@ -54,15 +54,6 @@ def batch(tok, engine):
     return asyncio.run(run_batch(small_spec(agent()), tok, engine))
 
 
-@pytest.fixture(scope="module")
-def policy(ray_session):
-    from molt.trainer.ranks import TrainerRanks
-
-    group = TrainerRanks(small_spec(agent()), "policy")
-    yield group
-    group.shutdown()
-
-
 def test_each_fault_fails_only_its_rollout(batch):
     by_id = {r.rollout_id: r for r in batch}
     for g, faults in enumerate(GROUPS):
@@ -85,16 +76,16 @@ def test_on_failure_drops_the_group_or_only_the_rollout(batch):
 
 
 @pytest.mark.parametrize("on_failure", ["drop_group", "keep_group"])
-def test_training_goes_on_with_the_rest(batch, policy, tok, on_failure):
+def test_training_goes_on_with_the_rest(batch, trainer, tok, on_failure):
     spec = small_spec(agent(on_failure=on_failure))
     kept = drop_failed(spec, batch)
-    metrics = asyncio.run(learn(spec, batch, policy, None, None, tok.pad_token_id, 0))
+    metrics = asyncio.run(learn(spec, batch, trainer, None, None, tok.pad_token_id, 0))
     assert "train/skipped" not in metrics and metrics["rollout/failed"] == 5
     # Exactly the sampled tokens of the kept rollouts were trained, none of a failed one.
     assert metrics["tokens/trained"] == sum(sum(s.loss_mask) for r in kept for s in r.segments)
 
 
-def test_too_many_failures_stop_the_run_with_a_clear_message(batch, policy, tok):
+def test_too_many_failures_stop_the_run_with_a_clear_message(batch, trainer, tok):
     spec = small_spec(agent(max_failure_rate=0.25))
     message = (r"5/16 rollouts failed, above agent.max_failure_rate=0.25; "
                r"first errors: \['FaultyEnv.step returned NoneType, not Result', "
@@ -102,4 +93,4 @@ def test_too_many_failures_stop_the_run_with_a_clear_message(batch, policy, tok)
     with pytest.raises(RuntimeError, match=message):
         rollout_metrics(spec, batch)
     with pytest.raises(RuntimeError, match=message):   # learn stops before any trainer call
-        asyncio.run(learn(spec, batch, policy, None, None, tok.pad_token_id, 0))
+        asyncio.run(learn(spec, batch, trainer, None, None, tok.pad_token_id, 0))
