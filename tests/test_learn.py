@@ -64,18 +64,17 @@ def rows_by_rollout(batch: dict[str, torch.Tensor], kept: list[Rollout]) -> dict
 
 
 @pytest.fixture(scope="module")
-def trainers(ray_session):
-    """A policy and a critic (one spec: the trainer's loss settings do not change what `learn` feeds it)."""
-    spec = compose([*SMALL, "algo=gae", "model.critic=true"])
-    groups = TrainerRanks(spec), TrainerRanks(spec, "critic")
-    yield groups
-    for group in groups:
-        group.shutdown()
+def critic(ray_session):
+    """A critic rank; the policy is the session's `trainer` (the trainer's loss settings do not change
+    what `learn` feeds it)."""
+    group = TrainerRanks(compose([*SMALL, "algo=gae", "model.critic=true"]), "critic")
+    yield group
+    group.shutdown()
 
 
-def test_learn_trains_exactly_the_estimators_advantages(trainers):
+def test_learn_trains_exactly_the_estimators_advantages(trainer):
     spec = compose([*SMALL, "algo=grpo"])
-    policy = Recording(trainers[0])
+    policy = Recording(trainer)
     batch_in = rollouts()
     metrics = asyncio.run(learn(spec, batch_in, policy, None, None, 0, 0))
     [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
@@ -92,11 +91,11 @@ def test_learn_trains_exactly_the_estimators_advantages(trainers):
     assert metrics["tokens/trained"] == float(batch["loss_mask"].sum())
 
 
-def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainers):
+def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainer, critic):
     """GAE by hand over each rollout's sampled tokens (across its segments) with the values the critic
     returned; the policy gets them whitened, the critic is trained towards A + V on the same positions."""
     spec = compose([*SMALL, "algo=gae", "model.critic=true", "algo.lam=0.9"])
-    policy, critic = Recording(trainers[0]), Recording(trainers[1])
+    policy, critic = Recording(trainer), Recording(critic)
     batch_in = rollouts()
     asyncio.run(learn(spec, batch_in, policy, None, critic, 0, 0))
     [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
