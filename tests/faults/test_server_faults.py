@@ -331,15 +331,11 @@ def test_hundreds_of_concurrent_sessions_with_timeouts_and_cancellations(tok, en
                 return Result(reward=0.5)
             return Result(reward=len((await create()).choices))
 
-    class Sampler(Recorder):
-        def release(self, key: str) -> None:
-            self.dispatcher.release(key)
-
     spec = small_spec({"kind": "chat", "max_turns": 2, "max_total_tokens": 256, "timeout_s": 300.0},
                       rollout={"max_tokens": 4})
     runner = ChatAgentRunner(Busy)
     runner.setup(tok, spec)
-    sampler = Sampler(engine)
+    sampler = Recorder(engine)
     n = 250
 
     async def main() -> list:
@@ -358,7 +354,7 @@ def test_hundreds_of_concurrent_sessions_with_timeouts_and_cancellations(tok, en
         runner.close()
     for r in rollouts:
         assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])   # ok, and token-exact
-    assert gave_up and sessions_left == {} and sampler.dispatcher.sticky == {}
+    assert gave_up and sessions_left == {} and sampler.inner.sticky == {}
     deadline = time.time() + 60
     while ray_in_flight(engine) and time.time() < deadline:
         time.sleep(0.1)
