@@ -167,40 +167,39 @@ def reference_run(path: str, batches: list[dict[str, torch.Tensor]], spec: RunSp
 
 
 def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp_path) -> None:
-    """3 steps at world size 2 (micro-batch 2, FSDP2 CPU offload: offload=full) and world size 1
-    (micro-batch 3, uneven) give the weights, losses and gradient norms of one single-process whole-batch
-    run (fp32, 1e-5). On CPU the offload's moves are no-ops, but its code path runs. AdamW and clipping
-    hide a wrong gradient scale from the weights, so the pre-clipping gradient norm is compared too."""
+    """3 steps at world size 2 (micro-batch 2, FSDP2 CPU offload: offload=full) give the weights, losses
+    and gradient norms of one single-process whole-batch run (fp32, 1e-5). On CPU the offload's moves are
+    no-ops, but its code path runs. AdamW and clipping hide a wrong gradient scale from the weights, so the
+    pre-clipping gradient norm is compared too. (One rank with uneven micro-batches against the same kind
+    of reference: test_minibatches_and_epochs_match_a_single_process_reference.) The exported folder
+    loads in transformers and scores like the trainer."""
+    from transformers import AutoModelForCausalLM
+
     batches = [batch_of(s) for s in range(3)]
     # Adam turns round-off in near-zero gradients into lr-sized steps; a small lr keeps that below 1e-5
     ref_losses, ref_weights = reference_run(tiny_model_path, batches, make_spec(tiny_model_path, lr=1e-4))
-    for ws, mbs in ((2, 2), (1, 3)):
-        spec = make_spec(tiny_model_path, ws, mbs, lr=1e-4)
-        spec.parallel.offload = "full" if ws == 2 else "none"
-        group = TrainerRanks(spec)
-        metrics = [group.update(b) for b in batches]
-        weights = full_weights(group)
-        if ws == 2:  # the exported folder loads in transformers and scores like the trainer
-            from transformers import AutoModelForCausalLM
-
-            group.export_hf(str(tmp_path / "hf"))
-            hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-            b = batches[0]
-            with torch.no_grad():
-                logits = hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            hf_logp, _ = token_logprobs(logits, b["input_ids"], b["attention_mask"], 0.7)
-            assert float((hf_logp - group.logprobs(b)).abs().max()) < 1e-5
-        group.shutdown()
-        assert max_diff(ref_weights, weights) <= 1e-5, (ws, mbs)
-        for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
-            assert abs(m["loss"] - loss) < 1e-5
-            assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), (ws, mbs)
-        b, logp = batches[0], ref_losses[0][1]
-        gap = (logp - b["behaviour_logp"])[b["loss_mask"] > 0].abs()
-        m = metrics[0]
-        assert abs(m["mismatch/mean_abs"] - float(gap.mean())) < 1e-5
-        assert abs(m["mismatch/max_abs"] - float(gap.max())) < 1e-5
-        assert m["lr"] == pytest.approx(1e-4) and m["tokens"] == float(b["loss_mask"].sum())
+    spec = make_spec(tiny_model_path, 2, 2, lr=1e-4)
+    spec.parallel.offload = "full"
+    group = TrainerRanks(spec)
+    metrics = [group.update(b) for b in batches]
+    weights = full_weights(group)
+    group.export_hf(str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    b = batches[0]
+    with torch.no_grad():
+        logits = hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    hf_logp, _ = token_logprobs(logits, b["input_ids"], b["attention_mask"], 0.7)
+    assert float((hf_logp - group.logprobs(b)).abs().max()) < 1e-5
+    group.shutdown()
+    assert max_diff(ref_weights, weights) <= 1e-5
+    for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
+        assert abs(m["loss"] - loss) < 1e-5
+        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    logp, m = ref_losses[0][1], metrics[0]
+    gap = (logp - b["behaviour_logp"])[b["loss_mask"] > 0].abs()
+    assert abs(m["mismatch/mean_abs"] - float(gap.mean())) < 1e-5
+    assert abs(m["mismatch/max_abs"] - float(gap.max())) < 1e-5
+    assert m["lr"] == pytest.approx(1e-4) and m["tokens"] == float(b["loss_mask"].sum())
     assert loss_normalizer(b["loss_mask"], make_spec(tiny_model_path).algo, 8) == m["tokens"]
 
 
