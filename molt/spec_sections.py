@@ -65,6 +65,9 @@ class ModelSpec(Strict):
     freeze_router: bool = Field(False, description="MoE: do not train the router weights")
     freeze_vision: bool = Field(False, description="VLM: train the language model only, not the vision tower")
     trust_remote_code: bool = Field(False, description="run the model repository's own Python code")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="variables of the chat template wherever Molt renders it (agent "
+        "prompts and turns, chat sessions, SFT rows); e.g. Qwen3's {enable_thinking: false}")
     lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters instead of full fine-tuning")
 
 

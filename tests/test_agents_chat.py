@@ -274,20 +274,22 @@ def test_chat_context_urls_and_options(tok, sampler, runners):
 # Fields vLLM's schemas accept that the loopback server does not apply, with a value away from the default
 # and the reason the 400 gives: each would be silently dropped otherwise.
 DISTRIBUTION, RENDER, MISSING = "sampling distribution", "how the prompt is rendered", "not implemented"
+RUN_VARIABLES = "differs from the run's model.chat_template_kwargs={}"   # the run's are accepted
 REFUSED_OPENAI = {
     "min_p": (0.2, DISTRIBUTION), "repetition_penalty": (1.3, DISTRIBUTION), "min_tokens": (5, DISTRIBUTION),
     "allowed_token_ids": ([1, 2], DISTRIBUTION), "bad_words": (["x"], DISTRIBUTION),
     "use_beam_search": (True, DISTRIBUTION), "length_penalty": (0.5, DISTRIBUTION),
     "thinking_token_budget": (10, DISTRIBUTION), "stop_token_ids": ([5], MISSING),
-    "ignore_eos": (True, MISSING),
-    "chat_template_kwargs": ({"enable_thinking": False}, RENDER), "add_generation_prompt": (False, RENDER),
+    "ignore_eos": (True, MISSING), "chat_template_kwargs": ({"enable_thinking": False}, RUN_VARIABLES),
+    "add_generation_prompt": (False, RENDER),
     "continue_final_message": (True, RENDER), "reasoning_effort": ("low", RENDER),
     "a_future_vllm_field": (1, MISSING)}   # unknown to the schema: refused too, not ignored
 REFUSED_ANTHROPIC = {
     "thinking.budget_tokens": ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, DISTRIBUTION),
     "output_config.effort": ({"extra_body": {"output_config": {"effort": "low"}}}, RENDER),
     "thinking.type=disabled": ({"thinking": {"type": "disabled"}}, RENDER),
-    "chat_template_kwargs": ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, RENDER)}
+    "chat_template_kwargs": ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+                             RUN_VARIABLES)}
 
 
 def test_parameters_the_server_does_not_apply_are_refused_not_dropped(tok, sampler, runners):
@@ -317,7 +319,7 @@ def test_parameters_the_server_does_not_apply_are_refused_not_dropped(tok, sampl
             defaults = {"min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "allowed_token_ids": None,
                         "bad_words": [], "use_beam_search": False, "length_penalty": 1.0,
                         "stop_token_ids": [], "ignore_eos": False, "add_generation_prompt": True,
-                        "continue_final_message": False}
+                        "continue_final_message": False, "chat_template_kwargs": {}}
             await oa.chat.completions.create(model=ctx.model_name, messages=ctx.messages, extra_body=defaults)
             await an.messages.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8,
                                      thinking={"type": "adaptive"})   # pins nothing in vLLM either

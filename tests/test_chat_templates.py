@@ -42,28 +42,29 @@ def qwen_tok(tok):
     return qwen
 
 
-def rendered(tok, messages: list[dict], prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+def rendered(tok, messages: list[dict], prompt: bool, **variables) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt, **variables)
 
 
-def ids(tok, messages: list[dict]) -> list[int]:
-    return tok.encode(rendered(tok, messages, True), add_special_tokens=False)
+def ids(tok, messages: list[dict], **variables) -> list[int]:
+    return tok.encode(rendered(tok, messages, True, **variables), add_special_tokens=False)
 
 
-def expected_seals(tok, requests: list[list[dict]], replies: list[dict]) -> list[bool]:
-    """For each request after the first: does the template render the earlier conversation (with the reply
-    the model gave) differently once the new messages follow?"""
-    return [not rendered(tok, requests[k], True).startswith(rendered(tok, requests[k - 1] + [replies[k - 1]],
-                                                                     False))
-            for k in range(1, len(requests))]
+def expected_seals(tok, requests: list[list[dict]], replies: list[dict], **variables) -> list[bool]:
+    """For each request after the first: does the template (with these variables) render the earlier
+    conversation (with the reply the model gave) differently once the new messages follow?"""
+    return [not rendered(tok, requests[k], True, **variables).startswith(
+        rendered(tok, requests[k - 1] + [replies[k - 1]], False, **variables))
+        for k in range(1, len(requests))]
 
 
-def check_segments(tok, rollout, calls: list[dict], requests: list[list[dict]], seals: list[bool]) -> None:
+def check_segments(tok, rollout, calls: list[dict], requests: list[list[dict]], seals: list[bool],
+                   **variables) -> None:
     """Segments = requests grouped at the seals; each segment opens with its request's rendering."""
     per_segment = assert_exact(rollout, calls)
     assert [len(c) for c in per_segment] == [len(g) for g in _groups(len(requests), seals)]
     for segment, group in zip(per_segment, _groups(len(requests), seals), strict=True):
-        assert segment[0]["prompt_ids"] == ids(tok, requests[group[0]])
+        assert segment[0]["prompt_ids"] == ids(tok, requests[group[0]], **variables)
 
 
 def _groups(n: int, seals: list[bool]) -> list[list[int]]:
@@ -135,6 +136,61 @@ def test_chat_session_seals_where_qwen3_drops_the_think_block(qwen_tok, engine):
     seals = expected_seals(qwen_tok, requests, replies)
     assert seals == [True]
     check_segments(qwen_tok, r, [c for c in sampler.calls if c["key"] == r.rollout_id], requests, seals)
+
+
+class Again(Env):
+    """Two turns: the reply, then "again"."""
+
+    async def step(self, state: State) -> Result:
+        if state.turn == 0:
+            return Result(reward=0.0, observation="again", terminated=False)
+        return Result(reward=1.0)
+
+
+def test_model_chat_template_kwargs_render_every_turn(qwen_tok, engine):
+    """model.chat_template_kwargs are the template's variables in every render: with Qwen3's
+    enable_thinking=false each generation prompt ends in an empty think block, on the Env path and in a
+    chat session (whose agent may send the same variables), and a request asking for others is refused
+    rather than rendered otherwise than the rest of its session."""
+    off, seen, refused = {"enable_thinking": False}, [], []
+    hi = [{"role": "user", "content": "hi"}]
+    assert rendered(qwen_tok, hi, True, **off).endswith("<think>\n\n</think>\n\n")
+
+    class Asker(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            messages = list(ctx.messages)
+            for question in ("again", None):
+                reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,
+                                                             extra_body={"chat_template_kwargs": off})
+                seen.append((list(messages), reply.choices[0].message.model_dump(exclude_none=True)))
+                if question:
+                    messages += [seen[-1][1], {"role": "user", "content": question}]
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model=ctx.model_name, messages=messages, extra_body={
+                    "chat_template_kwargs": {"enable_thinking": True}})
+            refused.append(err.value.message)
+            return Result(reward=0.0)
+
+    for kind, runner in (("env", StepEnvRunner(Again)), ("chat", ChatAgentRunner(Asker))):
+        spec = make_spec({"module": "x.py", "kind": kind, "max_turns": 3}, max_tokens=8)
+        spec.model.chat_template_kwargs = off
+        sampler = Recorder(engine, seed=0)
+        runner.setup(qwen_tok, spec)
+        try:
+            [r] = run_all(runner, [{"prompt": "hi", "label": ""}], sampler, group=f"vars-{kind}")
+        finally:
+            runner.close()
+        calls = [c for c in sampler.calls if c["key"] == r.rollout_id]
+        if kind == "env":   # the Env's messages: each reply as text, then the observation
+            texts = [qwen_tok.decode(c["out"]["token_ids"], skip_special_tokens=True) for c in calls]
+            replies = [{"role": "assistant", "content": text} for text in texts]
+            requests = [hi, hi + [replies[0], {"role": "user", "content": "again"}]]
+        else:
+            requests, replies = [m for m, _ in seen], [reply for _, reply in seen]
+        seals = expected_seals(qwen_tok, requests, replies, **off)
+        check_segments(qwen_tok, r, calls, requests, seals, **off)
+    assert "differs from the run's model.chat_template_kwargs={'enable_thinking': False}" in refused[0]
 
 
 def test_tool_parser_is_a_config_key(tok):

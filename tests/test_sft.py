@@ -81,6 +81,18 @@ def test_qwen3_style_template_splits_where_the_history_is_re_rendered(tok) -> No
     assert [t.split("</think>")[0] for t in targets(qwen, example)] == ["<think>\nuse it\n", "<think>\nok\n"]
 
 
+def test_model_chat_template_kwargs_render_the_rows(tok) -> None:
+    """model.chat_template_kwargs reach the template (sft/loop.py passes them): with Qwen3's
+    enable_thinking=false its generation prompt holds the empty think block, which becomes context."""
+    qwen = qwen3_style(tok)
+    conv = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
+    [default] = tokenize_conversation(qwen, conv)
+    [off] = tokenize_conversation(qwen, conv, None, {"enable_thinking": False})
+    assert targets(qwen, default) == ["<think>\n\n</think>\n\n5<|im_end|>"]
+    assert targets(qwen, off) == ["5<|im_end|>"]
+    assert qwen.decode(off.token_ids[:off.loss_mask.index(1)]).endswith("<think>\n\n</think>\n\n")
+
+
 def test_bad_conversations_fail_naming_file_and_line(tmp_path: Path, tok) -> None:
     data = DataSpec()
     path = tmp_path / "sft.jsonl"

@@ -56,7 +56,8 @@ class ChatAgentRunner(Runner):
     def setup(self, tokenizer: Any, spec: Any) -> None:
         super().setup(tokenizer, spec)
         model_name = spec.model.path or "molt-tiny"
-        self.server = LoopbackServer(tokenizer, model_name, self.sampling, spec.agent.tool_parser)
+        self.server = LoopbackServer(tokenizer, model_name, self.sampling, spec.agent.tool_parser,
+                                     spec.model.chat_template_kwargs)
         self.server.start()
 
     async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:

@@ -69,9 +69,9 @@ class StepEnvRunner(Runner):
         self.env_cls = env_cls
 
     async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
-        agent, tok = self.spec.agent, self.tokenizer
+        agent, tok, template_kwargs = self.spec.agent, self.tokenizer, self.spec.model.chat_template_kwargs
         messages, images = normalize(self.messages_of(item))
-        trace.extend_prompt(encode(tok, render(tok, messages)), images)
+        trace.extend_prompt(encode(tok, render(tok, messages, chat_template_kwargs=template_kwargs)), images)
         with agent_code():
             env = self.env_cls(self.spec.agent.options)
         env.tokenizer, env.judge = tok, self.judge
@@ -105,10 +105,11 @@ class StepEnvRunner(Runner):
                 {"role": "user", "content": result.observation}
             [message], images = normalize([message])   # image parts -> placeholders + data URLs
             glue = continuation(tok, messages[:-1], messages[-1], [message], None,
-                                eos_sampled=bool(ids) and ids[-1] == tok.eos_token_id)
+                                bool(ids) and ids[-1] == tok.eos_token_id, template_kwargs)
             messages.append(message)
             if glue is None:   # the template re-renders earlier turns (Qwen3 drops old <think> blocks)
-                trace.restart(encode(tok, render(tok, messages)), normalize(messages)[1])
+                trace.restart(encode(tok, render(tok, messages, chat_template_kwargs=template_kwargs)),
+                              normalize(messages)[1])
             else:
                 trace.extend_prompt(encode(tok, glue), images)
             observation = text_of(message.get("content"))

@@ -12,9 +12,12 @@ from typing import Any
 
 
 def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-           generation_prompt: bool = True) -> str:
+           generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The template's text; `chat_template_kwargs` are the template's variables (model.chat_template_kwargs),
+    the same for every render of a run, or a prefix would not render as it did before."""
     return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
+                                         add_generation_prompt=generation_prompt,
+                                         **(chat_template_kwargs or {}))
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -22,13 +25,14 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def continuation(tokenizer: Any, before: list[dict], reply: dict, after: list[dict],
-                 tools: list[dict] | None, eos_sampled: bool) -> str | None:
+                 tools: list[dict] | None, eos_sampled: bool,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> str | None:
     """Text to append after a sampled `reply` so that the sequence reads like the template's rendering
     of before + reply + after (with a generation prompt); None when the template renders `before`
     differently once the reply is added (the prefix was rewritten, e.g. old `<think>` blocks dropped)."""
-    prompt = render(tokenizer, before, tools)
-    closed = render(tokenizer, before + [reply], tools, generation_prompt=False)
-    full = render(tokenizer, before + [reply] + after, tools)
+    prompt = render(tokenizer, before, tools, True, chat_template_kwargs)
+    closed = render(tokenizer, before + [reply], tools, False, chat_template_kwargs)
+    full = render(tokenizer, before + [reply] + after, tools, True, chat_template_kwargs)
     if not (closed.startswith(prompt) and full.startswith(closed)):
         return None
     turn, eos = closed[len(prompt):], tokenizer.eos_token

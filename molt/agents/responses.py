@@ -43,12 +43,13 @@ from vllm.entrypoints.openai.responses.utils import (
 )
 
 # What `chat_request` carries over, plus labels that change neither the tokens nor the reply (`store`:
-# nothing is kept, and previous_response_id is refused). Anything else is refused once it differs from
+# nothing is kept, and previous_response_id is refused), and chat_template_kwargs equal to the run's
+# (LoopbackServer._admit). Anything else is refused once it differs from
 # its default (molt.agents.wire.OPENAI_SUPPORTED says why).
 SUPPORTED = frozenset({
     "input", "instructions", "model", "max_output_tokens", "temperature", "top_p", "top_k", "seed", "stream",
     "tools", "tool_choice", "parallel_tool_calls", "text", "structured_outputs", "metadata", "user", "store",
-    "service_tier", "prompt_cache_key", "request_id"})
+    "service_tier", "prompt_cache_key", "request_id", "chat_template_kwargs"})
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:

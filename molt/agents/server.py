@@ -94,8 +94,10 @@ class HeadDeadlineProtocol(H11Protocol):
 
 class LoopbackServer:
     def __init__(self, tokenizer: Any, model_name: str, sampling: dict[str, Any],
-                 tool_parser: str = AgentSpec().tool_parser) -> None:
+                 tool_parser: str = AgentSpec().tool_parser,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer, self.model_name, self.sampling = tokenizer, model_name, sampling
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})   # model.chat_template_kwargs
         self.tool_parser, self.parser = tool_parser, make_parser(tokenizer, tool_parser)
         self.sessions: dict[str, ChatSession] = {}
         self.app = FastAPI()
@@ -131,7 +133,7 @@ class LoopbackServer:
              sampling: dict[str, Any] | None = None) -> ChatSession:
         """A session for one rollout; `sampling` (default: the server's) is what its requests start from."""
         session = ChatSession(trace, self.tokenizer, sampler, asyncio.get_running_loop(), max_turns,
-                              max_total_tokens, dict(sampling or self.sampling))
+                              max_total_tokens, dict(sampling or self.sampling), self.chat_template_kwargs)
         self.sessions[session.id] = session
         return session
 
@@ -220,6 +222,11 @@ class LoopbackServer:
             raise ApiError(400, f"request body is not valid JSON: {err}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
+        asked = body.get("chat_template_kwargs")
+        if asked and asked != session.chat_template_kwargs:   # every turn renders with the same variables
+            raise ApiError(400, f"chat_template_kwargs={asked} differs from the run's "
+                                f"model.chat_template_kwargs={session.chat_template_kwargs}, which every "
+                                "request of a session is rendered with: set them there")
         return session, body
 
     def _check(self, model: str | None, schema: type, body: dict, supported: frozenset[str],

@@ -33,11 +33,13 @@ class Candidate:
 
 class ChatSession:
     def __init__(self, trace: Trace, tokenizer: Any, sampler: Sampler, loop: asyncio.AbstractEventLoop,
-                 max_turns: int, max_total_tokens: int, sampling: dict[str, Any]) -> None:
+                 max_turns: int, max_total_tokens: int, sampling: dict[str, Any],
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.id, self.key = secrets.token_hex(8), "sk-molt-" + secrets.token_urlsafe(24)
         self.trace, self.tokenizer, self.sampler, self.loop = trace, tokenizer, sampler, loop
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.sampling = sampling        # the rollout's defaults (training's, or rollout.eval's in evaluation)
+        self.chat_template_kwargs = chat_template_kwargs   # the template's variables, the same every turn
         self.turns = 0
         self.lock = asyncio.Lock()      # one request at a time per session (created in the server's loop)
         self.history: list[dict] = []   # messages of the last request (its prompt)
@@ -60,7 +62,7 @@ class ChatSession:
         if continued is None:
             if self.candidates:   # the agent did not continue from any reply: keep the first one it got
                 self.trace.add_sample(self.candidates[0].out)
-            self.trace.restart(encode(tok, render(tok, messages, tools)), normalize(messages)[1])
+            self.trace.restart(encode(tok, self._render(messages, tools)), normalize(messages)[1])
         else:
             chosen, glue = continued
             self.trace.add_sample(chosen.out)
@@ -74,23 +76,25 @@ class ChatSession:
             return None
         # Equal messages render equally; only a rewritten prefix pays for two renders to compare.
         if messages[:n] != self.history and \
-                render(tok, messages[:n], tools) != render(tok, self.history, tools):
+                self._render(messages[:n], tools) != self._render(self.history, tools):
             return None
         if normalize(messages[:n])[1] != normalize(self.history)[1]:   # templates render no image bytes
             return None
-        rendered = render(tok, messages[:n] + [_canonical(messages[n])], tools, generation_prompt=False)
+        rendered = self._render(messages[:n] + [_canonical(messages[n])], tools, generation_prompt=False)
         chosen = next((c for c in self.candidates if c.rendered == rendered), None)
         if chosen is None:
             return None
         ids = list(chosen.out["token_ids"])
         glue = continuation(tok, messages[:n], messages[n], messages[n + 1:], tools,
-                            eos_sampled=bool(ids) and ids[-1] == tok.eos_token_id)
+                            bool(ids) and ids[-1] == tok.eos_token_id, self.chat_template_kwargs)
         return None if glue is None else (chosen, glue)
 
     def offer(self, out: dict[str, Any], message: dict) -> None:
-        rendered = render(self.tokenizer, self.history + [_canonical(message)], self.tools,
-                          generation_prompt=False)
+        rendered = self._render(self.history + [_canonical(message)], self.tools, generation_prompt=False)
         self.candidates.append(Candidate(out, message, rendered))
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = True) -> str:
+        return render(self.tokenizer, messages, tools, generation_prompt, self.chat_template_kwargs)
 
     def finish(self) -> None:
         """The agent returned: the reply it got last is part of the trajectory."""

@@ -43,10 +43,11 @@ Reply = tuple[str | None, list[dict]]   # (content, tool calls in OpenAI shape)
 OPENAI_SUPPORTED = frozenset({
     "messages", "model", "max_tokens", "max_completion_tokens", "n", "seed", "temperature", "top_p", "top_k",
     "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-    "structured_outputs", "user", "request_id"})
+    "structured_outputs", "user", "request_id", "chat_template_kwargs"})
 # `thinking` and `output_config` are checked as what vLLM's converter makes of them (ANTHROPIC_AS).
 ANTHROPIC_SUPPORTED = frozenset({"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k",
-                                 "stream", "tools", "tool_choice", "metadata", "thinking", "output_config"})
+                                 "stream", "tools", "tool_choice", "metadata", "thinking", "output_config",
+                                 "chat_template_kwargs"})
 ANTHROPIC_AS = {"thinking_token_budget": "thinking.budget_tokens",
                 "reasoning_effort": "output_config.effort or thinking.type=disabled"}
 # Explicit no-op values of fields whose schema default is None (`presence_penalty: 0` is accepted).
@@ -58,10 +59,10 @@ REASONS = (
       "length_penalty", "repetition_detection", "vllm_xargs"},
      "changes the sampling distribution, which the trainer does not reproduce (it recomputes "
      "temperature, top_p and top_k only)"),
-    ({"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    ({"chat_template", "add_generation_prompt", "continue_final_message",
       "add_special_tokens", "documents", "reasoning_effort", "reasoning", "mm_processor_kwargs"},
      "changes how the prompt is rendered: the session renders, and trains on, the model's chat "
-     "template with its defaults"),
+     "template with model.chat_template_kwargs"),
     ({"previous_response_id", "conversation", "prompt", "background"},
      "needs server-side state, which the loopback server does not keep: send the whole conversation"),
 )

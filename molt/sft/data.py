@@ -58,15 +58,15 @@ def load_conversations(path: str | Path, data: DataSpec) -> list[dict[str, Any]]
     return read_rows(path, lambda row: _check_conversation(row, data), data.messages_key)
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
-                          ) -> list[Example]:
+def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None) -> list[Example]:
     """One example, or several where the template re-renders earlier turns (see the module doc)."""
     examples, ids, mask, text = [], [], [], ""
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(tokenizer, messages[:i], tools)
-        turn = render(tokenizer, messages[:i + 1], tools, generation_prompt=False)
+        prompt = render(tokenizer, messages[:i], tools, True, chat_template_kwargs)
+        turn = render(tokenizer, messages[:i + 1], tools, False, chat_template_kwargs)
         if not turn.startswith(prompt):
             raise ValueError(f"message {i}: the chat template's rendering of this assistant turn does not "
                              "start with its generation prompt, so its tokens cannot be told apart")
@@ -85,11 +85,12 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict
 
 
 def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, data: DataSpec, max_len: int,
-                  source: str) -> list[Example]:
+                  source: str, chat_template_kwargs: dict[str, Any] | None = None) -> list[Example]:
     """All examples of the rows; an example longer than `max_len` tokens is an error naming its row."""
     out = []
     for i, row in enumerate(rows):
-        for example in tokenize_conversation(tokenizer, row[data.messages_key], row.get(TOOLS_KEY)):
+        for example in tokenize_conversation(tokenizer, row[data.messages_key], row.get(TOOLS_KEY),
+                                             chat_template_kwargs):
             if len(example.token_ids) > max_len:
                 raise ValueError(f"{source}: row {i} renders to {len(example.token_ids)} tokens, above "
                                  f"model.max_model_len={max_len}; shorten or drop it")

@@ -34,7 +34,8 @@ def train(spec: RunSpec) -> dict[str, float]:
 
 def load_examples(spec: RunSpec, tokenizer: Any, path: str) -> list[Example]:
     rows = load_conversations(path, spec.data)
-    return tokenize_rows(rows, tokenizer, spec.data, spec.model.max_model_len, path)
+    return tokenize_rows(rows, tokenizer, spec.data, spec.model.max_model_len, path,
+                         spec.model.chat_template_kwargs)
 
 
 async def _train(spec: RunSpec) -> dict[str, float]:
