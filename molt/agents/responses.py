@@ -44,8 +44,8 @@ from vllm.entrypoints.openai.responses.utils import (
 
 # What `chat_request` carries over, plus labels that change neither the tokens nor the reply (`store`:
 # nothing is kept, and previous_response_id is refused), and chat_template_kwargs equal to the run's
-# (LoopbackServer._admit). Anything else is refused once it differs from
-# its default (molt.agents.wire.OPENAI_SUPPORTED says why).
+# (LoopbackServer._admit). Anything else is refused once it differs from its default
+# (molt.agents.wire.OPENAI_SUPPORTED says why).
 SUPPORTED = frozenset({
     "input", "instructions", "model", "max_output_tokens", "temperature", "top_p", "top_k", "seed", "stream",
     "tools", "tool_choice", "parallel_tool_calls", "text", "structured_outputs", "metadata", "user", "store",

@@ -34,7 +34,7 @@ class Candidate:
 class ChatSession:
     def __init__(self, trace: Trace, tokenizer: Any, sampler: Sampler, loop: asyncio.AbstractEventLoop,
                  max_turns: int, max_total_tokens: int, sampling: dict[str, Any],
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any]) -> None:
         self.id, self.key = secrets.token_hex(8), "sk-molt-" + secrets.token_urlsafe(24)
         self.trace, self.tokenizer, self.sampler, self.loop = trace, tokenizer, sampler, loop
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
