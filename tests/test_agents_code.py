@@ -23,8 +23,11 @@ ITEM = {"prompt": "What is 12*7?", "label": "84"}
 def test_code_agent_runs_the_models_code_and_shows_it_the_output(tok, engine, trainer):
     sampler, runners = Recorder(engine), Runners(tok)
     try:
-        runner = runners("code_env.py", {"max_turns": 3, "options": {"constrain": True}}, kind="env",
-                         max_tokens=64)
+        # A generous run limit: under the suite's load the example's 2 s wall limit is tight for a sandbox
+        # start, and a run cut short shows the model another observation than the output checked here
+        # (timeouts have the test below).
+        runner = runners("code_env.py", {"max_turns": 3, "options": {"constrain": True, "timeout_s": 30.0}},
+                         kind="env", max_tokens=64)
         rollouts = run_all(runner, [ITEM] * 4, sampler, group="code")
     finally:
         runners.close()
