@@ -15,6 +15,7 @@ import pytest
 import ray
 import torch
 from test_trainer import batch_of
+from trainerlib import one_rank
 
 from molt.spec import RunSpec
 
@@ -62,12 +63,8 @@ def test_only_the_adapter_trains_and_the_export_merges_it(tiny_model_path, tmp_p
     from safetensors.torch import load_file
 
     from molt.trainer.weights import adapter_chunks
-    from molt.trainer.worker import TrainerWorker
 
-    environ = dict(os.environ)   # the rank sets torch.distributed's variables
-    worker = TrainerWorker(lora_spec(tiny_model_path), "policy", 0, tiny_model_path)
-    try:
-        worker.setup(*worker.address())
+    with one_rank(lora_spec(tiny_model_path)) as worker:
         before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
         adapter = {n for n in before if ".lora_A." in n or ".lora_B." in n}
         held = {id(p) for g in worker.optimizer.param_groups for p in g["params"]}
@@ -80,10 +77,6 @@ def test_only_the_adapter_trains_and_the_export_merges_it(tiny_model_path, tmp_p
         trained = worker.forward(b)
         [chunk] = adapter_chunks(worker.model, 1 << 30, torch.float32, worker.device, worker.device)
         worker.export_hf(str(tmp_path / "hf"))
-    finally:
-        worker.shutdown()
-        os.environ.clear()
-        os.environ.update(environ)
     assert sorted(chunk) == sorted(f"base_model.model.{n}" for n in adapter)
     assert sum(t.numel() * t.element_size() for t in chunk.values()) == adapter_bytes(tiny_model_path)
 

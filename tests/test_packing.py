@@ -1,10 +1,11 @@
 """Sequence packing: token-budget micro-batches, packed into padding-free rows, score and train exactly like
-padded row micro-batches (real FSDP2 ranks in Ray actors, fp32)."""
+padded row micro-batches (real FSDP2 ranks, in Ray actors or one in this process, fp32)."""
 
 from __future__ import annotations
 
 import pytest
 from test_trainer import batch_of, make_spec, reference_run
+from trainerlib import one_rank
 
 from molt.spec import RunSpec
 from molt.trainer import TrainerRanks
@@ -46,18 +47,10 @@ def test_packed_equals_padded(ray_session, tiny_model_path) -> None:
 def test_packed_critic_values_and_entropy_equal_padded(tiny_model_path) -> None:
     """One rank in this process, packed token-budget micro-batches against padded row micro-batches on
     the same ragged batch: the critic's values and the policy's per-token entropy agree to 1e-6 (max)."""
-    import os
-
     import torch
 
-    from molt.trainer.worker import TrainerWorker
-
     def per_token(role: str, budget: int | None) -> torch.Tensor:
-        spec = make_spec(tiny_model_path, micro_batch_tokens=budget)
-        environ = dict(os.environ)   # the rank sets torch.distributed's variables
-        worker = TrainerWorker(spec, role, 0, tiny_model_path)
-        try:
-            worker.setup(*worker.address())
+        with one_rank(make_spec(tiny_model_path, micro_batch_tokens=budget), role) as worker:
             if role == "critic":
                 return worker.forward(batch)
             out, start = torch.zeros(batch["input_ids"].shape), 0
@@ -66,10 +59,6 @@ def test_packed_critic_values_and_entropy_equal_padded(tiny_model_path) -> None:
                 out[start:start + rows, :length] = worker._forward(mb, entropy=True)[1]
                 start += rows
             return out
-        finally:
-            worker.shutdown()
-            os.environ.clear()
-            os.environ.update(environ)
 
     batch = batch_of(3)
     for role in ("critic", "policy"):

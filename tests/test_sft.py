@@ -113,7 +113,7 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
     """One SFT step of 2 FSDP2 ranks with micro-batches of 2 = the token-mean NLL of the assistant tokens
     and one AdamW step of a plain single-process model (fp32, 1e-5). rollout.temperature=0.5 and a seq
     loss norm in the spec must not change SFT (the model's own distribution, a token mean)."""
-    from test_trainer import full_weights
+    from trainerlib import full_weights
     from transformers import AutoModelForCausalLM
 
     from molt.trainer import TrainerRanks

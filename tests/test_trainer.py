@@ -1,4 +1,5 @@
-"""Trainer: real FSDP2 ranks in Ray actors (gloo), checked against single-process and independent numbers."""
+"""Trainer: real FSDP2 ranks (gloo; Ray actors, or one rank in this process), checked against single-process
+and independent numbers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 
 import pytest
 import torch
+from trainerlib import full_weights, one_rank
 
 from molt.algo import loss_normalizer, policy_loss
 from molt.spec import RunSpec
@@ -45,19 +47,6 @@ def batch_of(seed: int) -> dict[str, torch.Tensor]:
     rng = random.Random(seed + 100)
     adv = [[rng.gauss(0, 1)] * len(s.token_ids) for s in segs]
     return make_batch(segs, advantages=adv)
-
-
-def full_weights(group: TrainerRanks) -> dict[str, torch.Tensor]:
-    """The group's full weights in checkpoint names, read back from an exported folder."""
-    import tempfile
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    with tempfile.TemporaryDirectory() as tmp:
-        group.export_hf(f"{tmp}/export")
-        files = sorted(Path(tmp, "export").glob("*.safetensors"))
-        return {k: v for f in files for k, v in load_file(f).items()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -225,7 +214,7 @@ def test_tensor_parallel_with_optimizer_offload_equals_one_process(ray_session, 
     assert max_diff(ref_weights, weights) <= 1e-5
 
 
-def test_bfloat16_on_cpu_is_autocast_over_fp32_weights(ray_session, tiny_model_path) -> None:
+def test_bfloat16_on_cpu_is_autocast_over_fp32_weights(tiny_model_path) -> None:
     """model.dtype=bfloat16 on CPU trains like a single-process run under torch's CPU autocast with fp32
     weights (logprobs, losses and gradient norms of 2 steps), and bf16 is really used: its logprobs are
     more than 1e-3 away from fp32's."""
@@ -234,10 +223,9 @@ def test_bfloat16_on_cpu_is_autocast_over_fp32_weights(ray_session, tiny_model_p
     spec = base.model_copy(update={"model": base.model.model_copy(update={"dtype": "bfloat16"})})
     ref_losses, _ = reference_run(tiny_model_path, batches, spec)
     fp32_logp = reference_run(tiny_model_path, batches[:1], base)[0][0][1]
-    group = TrainerRanks(spec)
-    logp = group.logprobs(batches[0])
-    metrics = [group.update(b) for b in batches]
-    group.shutdown()
+    with one_rank(spec) as rank:
+        logp = rank.forward(batches[0])
+        metrics = [rank.update(b) for b in batches]
     mask = batches[0]["loss_mask"] > 0
     assert float((logp - ref_losses[0][1])[mask].abs().max()) < 1e-5
     assert float((logp - fp32_logp)[mask].abs().max()) > 1e-3
@@ -428,7 +416,7 @@ def reference_updates(path: str, b: dict[str, torch.Tensor], spec: RunSpec) -> t
     return updates, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def test_minibatches_and_epochs_match_a_single_process_reference(ray_session, tiny_model_path) -> None:
+def test_minibatches_and_epochs_match_a_single_process_reference(tiny_model_path) -> None:
     """train.minibatches=2, train.epochs=2: four AdamW steps on one batch with the old logprobs fixed
     before the first, as a single-process reference does (weights, mean loss and gradient norm, the last
     update's ratio and approx KL; fp32, 1e-5). The reference's first update has ratio exactly 1 and the
@@ -439,10 +427,9 @@ def test_minibatches_and_epochs_match_a_single_process_reference(ray_session, ti
     ref, ref_weights = reference_updates(tiny_model_path, b, spec)
     assert ref[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-7) and ref[0]["approx_kl"] < 1e-12
     assert abs(ref[-1]["ratio_mean"] - 1) > 1e-4 and ref[-1]["approx_kl"] > 1e-9
-    group = TrainerRanks(spec)
-    m = group.update(b)
-    weights = full_weights(group)
-    group.shutdown()
+    with one_rank(spec) as rank:
+        m = rank.update(b)
+        weights = full_weights(rank)
     assert m["updates"] == 4 and m["tokens"] == float(b["loss_mask"].sum())
     assert max_diff(ref_weights, weights) <= 1e-5
     assert m["loss"] == pytest.approx(sum(u["loss"] for u in ref) / 4, abs=1e-5)

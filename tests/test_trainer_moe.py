@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file, save_file
-from test_trainer import full_weights
+from trainerlib import full_weights, one_rank
 
 from molt.spec import RunSpec
 from molt.trainer import TrainerRanks, make_batch
@@ -180,18 +180,15 @@ def test_router_replay_beats_a_perturbed_router(across_refit, exported, tmp_path
             if k.endswith("mlp.gate.weight"):
                 tensors[k] = tensors[k] + 0.02 * torch.randn(tensors[k].shape, generator=g)
         save_file(tensors, str(perturbed / name), metadata={"format": "pt"})
-    group = TrainerRanks(moe_spec(str(perturbed), freeze_router=True))
-    try:
-        with_replay = float((group.logprobs(batch) - batch["behaviour_logp"]).abs()[current].mean())
-        without = float((group.logprobs(plain) - batch["behaviour_logp"]).abs()[current].mean())
+    with one_rank(moe_spec(str(perturbed), freeze_router=True)) as rank:
+        with_replay = float((rank.forward(batch) - batch["behaviour_logp"]).abs()[current].mean())
+        without = float((rank.forward(plain) - batch["behaviour_logp"]).abs()[current].mean())
         print(f"perturbed router: replay gap {with_replay:.2e}, no-replay gap {without:.2e}")
         assert without > 1e-3 and with_replay < without / 2
 
-        before = full_weights(group)
-        group.update(dict(batch, advantages=torch.ones_like(batch["loss_mask"])))
-        after = full_weights(group)
-    finally:
-        group.shutdown()
+        before = full_weights(rank)
+        rank.update(dict(batch, advantages=torch.ones_like(batch["loss_mask"])))
+        after = full_weights(rank)
     gates = [k for k in before if k.endswith("mlp.gate.weight")]
     assert gates and all(torch.equal(before[k], after[k]) for k in gates)
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in before and "lm_head.weight" not in before

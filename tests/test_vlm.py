@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from trainerlib import full_weights, one_rank
 
 from molt.trajectory import Segment
 from molt.vision import collapse, data_url, normalize, pixel_inputs, processor
@@ -202,7 +203,6 @@ def test_image_prompt_engine_matches_trainer(ray_session, vlm_engine, vlm_spec, 
     logprob (fp32, max). With model.freeze_vision a train step moves the language model only."""
     from molt.trainer import make_batch
     from molt.trainer.batch import add_images
-    from molt.trainer.ranks import TrainerRanks
 
     rollouts, results = run_image_env(vlm_engine, vlm_spec, vlm_path)
     proc = processor(vlm_path, True)
@@ -228,32 +228,17 @@ def test_image_prompt_engine_matches_trainer(ray_session, vlm_engine, vlm_spec, 
     spec = vlm_spec.model_copy(deep=True)
     spec.model.freeze_vision, spec.train.lr = True, 1e-2
     spec.rollout.temperature = 0.7
-    group = TrainerRanks(spec)
-    try:
-        logp = group.logprobs(batch)
+    with one_rank(spec) as rank:
+        logp = rank.forward(batch)
         assert (logp - batch["behaviour_logp"])[sampled].abs().max().item() <= 1e-5
-        before = full_weights(group)
+        before = full_weights(rank)
         batch["advantages"] = torch.where(sampled, 1.0, 0.0)
-        metrics = group.update(batch)
-        after = full_weights(group)
-    finally:
-        group.shutdown()
+        metrics = rank.update(batch)
+        after = full_weights(rank)
     assert metrics["mismatch/max_abs"] <= 1e-5
     visual = [k for k in before if ".visual." in k or k.startswith("visual.")]
     assert visual and all(torch.equal(before[k], after[k]) for k in visual)
     assert any(not torch.equal(before[k], after[k]) for k in before if k not in visual)
-
-
-def full_weights(group) -> dict[str, torch.Tensor]:
-    import tempfile
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    with tempfile.TemporaryDirectory() as tmp:
-        group.export_hf(f"{tmp}/export")
-        files = sorted(Path(tmp, "export").glob("*.safetensors"))
-        return {k: v for f in files for k, v in load_file(f).items()}
 
 
 def test_three_step_vlm_run_trains_and_its_dump_replays(tmp_path, ray_session) -> None:

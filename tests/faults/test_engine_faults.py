@@ -22,7 +22,6 @@ from molt.fleet import Fleet
 from molt.rollout.dispatch import Dispatcher, EngineDiedError
 from molt.rollout.engine import start_engine, start_engines
 from molt.rollout.pool import RolloutPool
-from molt.trainer.ranks import TrainerRanks
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 0}
 # A rollout waits while its engine restarts (tens of seconds, more on a loaded machine): the default
@@ -103,13 +102,15 @@ async def until(condition, what: str, timeout: float = 300.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare, tok):
+def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare, trainer, tok):
+    """The session's `trainer` is the policy: it trains and refits these two engines (tests that need its
+    initial weights load `trainer.initial`)."""
     spec = small_spec(REPEAT, model={"max_model_len": 128},
                       rollout={"prompt_too_long": "truncate",
                                "engine": {"kv_cache_gib": 0.1, "num_engines": 2, "max_restarts": 1}})
     path = ray.get(spare.__ray_call__.remote(lambda self: self.llm.model_config.model))
     second = start_engine(spec, path, 1)
-    policy = TrainerRanks(spec, "policy")   # starts while the second engine loads
+    policy = trainer
     ray.get(second.ready.remote())
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
@@ -188,7 +189,4 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
         await p.close()
         await fleet.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        policy.shutdown()
+    asyncio.run(scenario())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import ray
 import torch
 from faultlib import small_spec, train_once
-from safetensors.torch import load_file
+from trainerlib import full_weights, one_rank
 
 from molt.checkpoints import find_checkpoint, save_checkpoint
 from molt.data import PromptDataset, PromptIterator
@@ -27,27 +26,19 @@ from molt.trainer.ranks import TrainerRanks, gather
 from molt.trajectory import Segment
 
 
-def weights(group: TrainerRanks) -> dict[str, torch.Tensor]:
-    """Full weights in checkpoint names, read back from an exported folder."""
-    with tempfile.TemporaryDirectory() as tmp:
-        group.export_hf(f"{tmp}/export")
-        files = sorted(Path(tmp, "export").glob("*.safetensors"))
-        return {k: v for f in files for k, v in load_file(f).items()}
-
-
 def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_session, tmp_path):
     spec = small_spec(run={"dir": str(tmp_path), "resume": "auto"})
     data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=0)
     pool = RolloutPool(iter([]), None, 1, 1, 0)
     policy = TrainerRanks(spec, "policy")
     train_once(policy)
-    saved = weights(policy)
+    saved = full_weights(policy)
     def extra(step: int) -> dict:
         return {"step": step, "version": step, "data": data.state_dict(), "pending": pool.pending_items()}
 
     first = save_checkpoint(spec, 1, {"policy": policy}, extra(1))
     train_once(policy)
-    assert any(not torch.equal(saved[k], v) for k, v in weights(policy).items())
+    assert any(not torch.equal(saved[k], v) for k, v in full_weights(policy).items())
 
     [rank] = policy.workers
     pid = ray.get(rank.__ray_call__.remote(lambda self: os.getpid()))
@@ -75,14 +66,11 @@ def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_sessi
         policy.logprobs(make_batch([Segment([3, 4], [0, 1], [0.0, -1.0], [-1, 0], "r", "g")], 0))
     policy.shutdown()                    # tolerates the dead rank
 
-    fresh = TrainerRanks(spec, "policy")
-    try:
+    with one_rank(spec) as fresh:
         extra = fresh.load(str(first / "policy"))
-        assert extra["step"] == 1 and extra["version"] == 1
-        restored = weights(fresh)
-        assert restored.keys() == saved.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
-    finally:
-        fresh.shutdown()
+        restored = full_weights(fresh)
+    assert extra["step"] == 1 and extra["version"] == 1
+    assert restored.keys() == saved.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
 
 
 def test_a_dead_rank_is_reported_as_its_death_not_as_the_survivors_error(ray_session, tmp_path):
