@@ -153,11 +153,15 @@ def test_tool_env_multi_turn_observations_are_rendered_tokens(tok, sampler):
 def test_tool_env_calls_the_sandboxed_calculator():
     runner = load_agent_runner(AgentSpec(module=str(EXAMPLES / "tool_env.py")))
     module = sys.modules[runner.env_cls.__module__]
-    assert module.calculator("2+3*4") == "14"
-    assert module.calculator("__import__('os').system('true')").startswith("error:")
+    # Generous run limits where a result is checked: under the suite's load a sandbox start alone can
+    # take longer than the example's 2 s (a rehearsal saw "timed out after 2.0s" for 2+3*4).
+    assert module.calculator("2+3*4", timeout_s=30.0) == "14"
+    refused = "error: ValueError: only numbers and + - * / % ** are allowed"
+    assert module.calculator("__import__('os').system('true')", timeout_s=30.0) == refused
     assert module.calculator("9**9**9**9", timeout_s=0.5) == "error: timed out after 0.5s"
     action = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
-    result = asyncio.run(runner.env_cls({}).step(State("q", action, [], "stop", "42", 0, [], {}, {})))
+    env = runner.env_cls({"tool_timeout_s": 30.0})
+    result = asyncio.run(env.step(State("q", action, [], "stop", "42", 0, [], {}, {})))
     assert result.observation == {"role": "tool", "content": "42"} and not result.terminated
     answer = asyncio.run(runner.env_cls({}).step(State("q", "ANSWER: 42", [], "stop", "42", 1, [], {}, {})))
     assert answer.reward == 1.0 and answer.terminated
