@@ -73,9 +73,10 @@ def runners(turns: int, latencies: dict[str, list[float]]):
             return Result(reward=0.0)
 
     class TimedEnvRunner(StepEnvRunner):
-        async def _run(self, item, trace, sampler):
-            # the first turn counts from here, before the prompt is rendered (as the chat path's first call)
-            return await super()._run({**item, "start": time.perf_counter()}, trace, sampler)
+        async def _run(self, item, *rest):
+            # the first turn counts from here, before the prompt is rendered (as the chat path's first call);
+            # the rest of the arguments pass through whole, so this stand-in follows StepEnvRunner's
+            return await super()._run({**item, "start": time.perf_counter()}, *rest)
 
     return TimedEnvRunner(TurnsEnv), ChatAgentRunner(TurnsChat)
 
