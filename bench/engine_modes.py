@@ -1,0 +1,144 @@
+"""vLLM's engine core in a child process (`AsyncLLM`, what Molt's engine actor runs) against the same core
+in-process (`LLMEngine` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, stepped by its caller), which Molt does not
+run: what moving to it would buy (issue 15's start-up and tiny-scale targets, bench/RESULTS.md `targets`).
+
+Each run is a fresh process: start-up is from the process's start to a built engine (the imports included),
+CPU the process's and its waited children's user + system seconds, then `--rounds` rounds of `--requests`
+seeded requests of `--tokens` tokens at once on the tiny model (the first round untimed). Modes alternate.
+
+    python bench/engine_modes.py --quick
+    python bench/engine_modes.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import fmt_spread, header, table, write_section  # noqa: E402
+
+MODES = ("child", "inproc")   # AsyncLLM (the core in a child process) / LLMEngine (the core in-process)
+
+
+def engine_args(path: str) -> dict:
+    """The tiny model as Molt's CPU engine runs it (molt/rollout/engine_args.py: eager, no chunked
+    prefill)."""
+    return dict(model=path, dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+                kv_cache_memory_bytes=2**28, enable_chunked_prefill=False, distributed_executor_backend="uni")
+
+
+def child(mode: str, requests: int, tokens: int, rounds: int, start: float) -> dict:
+    """One run in this process: start-up seconds, then seconds per round of `requests` at once."""
+    from vllm import AsyncEngineArgs, EngineArgs, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from molt.tiny import tiny_model_path
+
+    prompts = [TokensPrompt(prompt_token_ids=[1, 5 + i % 200, 9, 13]) for i in range(requests)]
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, logprobs=0, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    kwargs, seconds = engine_args(str(tiny_model_path())), []
+    if mode == "inproc":
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        ready = time.time() - start
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                engine.add_request(f"{r}-{i}", p, params(i))
+            while engine.has_unfinished_requests():
+                engine.step()
+            seconds.append(time.perf_counter() - t0)
+    else:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        ready = time.time() - start
+
+        async def one(key: str, prompt: TokensPrompt, i: int) -> None:
+            async for _ in engine.generate(prompt, params(i), key):
+                pass
+
+        async def timed() -> None:
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                await asyncio.gather(*[one(f"{r}-{i}", p, i) for i, p in enumerate(prompts)])
+                seconds.append(time.perf_counter() - t0)
+        asyncio.run(timed())
+        engine.shutdown()
+    return {"ready_s": ready, "round_s": seconds}
+
+
+def run(mode: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if mode == "inproc" else {}))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, __file__, "--child", mode, "--requests", str(args.requests),
+                           "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{mode} run failed (rc {done.returncode}): {done.stderr[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {**json.loads(lines[-1]), "cpu_s": cpu}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=6, help="rounds per run; the first is untimed")
+    p.add_argument("--quick", action="store_true", help="one run per mode, 3 rounds; prints only")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.requests, args.tokens, args.rounds, START)), flush=True)
+        return
+    if args.quick:
+        args.repeats, args.rounds = 1, 3
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for r in range(args.repeats):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            runs[mode].append(run(mode, args))
+            print(f"[engine_modes] r{r} {mode}: {runs[mode][-1]}", flush=True)
+    names = {"child": "AsyncLLM, core in a child process (Molt today)",
+             "inproc": "LLMEngine, core in-process"}
+    rows = [[names[mode], fmt_spread([x["ready_s"] for x in got], 1),
+             fmt_spread([x["cpu_s"] for x in got], 1),
+             fmt_spread([1e3 * statistics.median(x["round_s"][1:]) for x in got], 0)]
+            for mode, got in runs.items()]
+    command = "python " + " ".join(["bench/engine_modes.py", *sys.argv[1:]])
+    body = "\n".join([
+        "## vLLM engine core: child process vs in-process", "", header(),
+        f"- work: the tiny model, {args.requests} seeded requests x {args.tokens} tokens at once, "
+        f"{args.rounds} rounds per run (first untimed), {args.repeats} run(s) per mode, modes alternating",
+        f"- command: `{command}`",
+        "- median (min–max) over runs; a round's ms is the median of its run's timed rounds",
+        "", table(["engine", "start-up s (process start → engine built)", "CPU s (process + core)",
+                   "ms per round"], rows)])
+    if not args.quick:
+        write_section("engine_modes", body)
+    print(body)
+
+
+START = time.time()   # the child's start-up clock: module import time, before vLLM is imported
+
+if __name__ == "__main__":
+    main()
