@@ -124,15 +124,13 @@ def main() -> None:
              fmt_spread([x["cpu_s"] for x in got], 1),
              fmt_spread([1e3 * statistics.median(x["round_s"][1:]) for x in got], 0)]
             for mode, got in runs.items()]
-    command = "python " + " ".join(["bench/engine_modes.py", *sys.argv[1:]])
-    body = "\n".join([
-        "## vLLM engine core: child process vs in-process", "", header(),
-        f"- work: the tiny model, {args.requests} seeded requests x {args.tokens} tokens at once, "
-        f"{args.rounds} rounds per run (first untimed), {args.repeats} run(s) per mode, modes alternating",
-        f"- command: `{command}`",
-        "- median (min–max) over runs; a round's ms is the median of its run's timed rounds",
-        "", table(["engine", "start-up s (process start → engine built)", "CPU s (process + core)",
-                   "ms per round"], rows)])
+    about = (f"- work: the tiny model, {args.requests} seeded requests x {args.tokens} tokens at once, "
+             f"{args.rounds} rounds per run (first untimed), {args.repeats} run(s) per mode, modes "
+             "alternating\n"
+             f"- command: `python bench/engine_modes.py {' '.join(sys.argv[1:])}`\n"
+             "- median (min–max) over runs; a round's ms is the median of its run's timed rounds")
+    head = ["engine", "start-up s (process start → engine built)", "CPU s (process + core)", "ms per round"]
+    body = f"## vLLM engine core: child process vs in-process\n\n{header(about)}\n\n{table(head, rows)}"
     if not args.quick:
         write_section("engine_modes", body)
     print(body)
