@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+START = time.time()   # a run's start-up clock: the script's first lines, before any import of Molt or vLLM
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fmt_spread, header, table, write_section  # noqa: E402
@@ -135,8 +137,6 @@ def main() -> None:
         write_section("engine_modes", body)
     print(body)
 
-
-START = time.time()   # the child's start-up clock: module import time, before vLLM is imported
 
 if __name__ == "__main__":
     main()
