@@ -1,6 +1,7 @@
-"""vLLM's engine core in a child process (`AsyncLLM`, what Molt's engine actor runs) against the same core
-in-process (`LLMEngine` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, stepped by its caller), which Molt does not
-run: what moving to it would buy (issue 15's start-up and tiny-scale targets, bench/RESULTS.md `targets`).
+"""vLLM's engine core in a child process (`AsyncLLM`, what Molt's engine actor ran until 2026-12-02) against
+the same core in-process (`LLMEngine` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, stepped by its caller, what it
+runs now): plain vLLM, without Molt's actor around it (issue 15's start-up and tiny-scale targets,
+bench/RESULTS.md `targets`).
 
 Each run is a fresh process: start-up is from the process's start to a built engine (the imports included),
 CPU the process's and its waited children's user + system seconds, then `--rounds` rounds of `--requests`
@@ -120,8 +121,8 @@ def main() -> None:
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
             runs[mode].append(run(mode, args))
             print(f"[engine_modes] r{r} {mode}: {runs[mode][-1]}", flush=True)
-    names = {"child": "AsyncLLM, core in a child process (Molt today)",
-             "inproc": "LLMEngine, core in-process"}
+    names = {"child": "AsyncLLM, core in a child process (Molt until 2026-12-02)",
+             "inproc": "LLMEngine, core in-process (Molt since 2026-12-02)"}
     rows = [[names[mode], fmt_spread([x["ready_s"] for x in got], 1),
              fmt_spread([x["cpu_s"] for x in got], 1),
              fmt_spread([1e3 * statistics.median(x["round_s"][1:]) for x in got], 0)]

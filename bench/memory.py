@@ -1,7 +1,7 @@
 """Resident memory of every process a Molt run starts, by role, sampled while it runs.
 
-A run is a process tree: the driver (`python -m molt`), Ray's own services, the engine actor with vLLM's
-engine core under it, and one process per trainer rank. `RssWatch` samples the RSS of each process in the
+A run is a process tree: the driver (`python -m molt`), Ray's own services, the engine actor (vLLM's
+engine core runs in it), and one process per trainer rank. `RssWatch` samples the RSS of each process in the
 tree every `period` seconds; `summary` gives per role the peak and the growth between two moments of the
 run (the end of the first timed step and the end of the last one), so a leak shows as growth per step.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 # Process title or command line fragment -> role; the first match wins, anything else is "other".
-ROLES = (("EngineCore", "engine core"), ("EngineActor", "engine actor"), ("TrainerWorker", "trainer rank"),
+ROLES = (("EngineActor", "engine actor"), ("TrainerWorker", "trainer rank"),
          ("-m molt", "driver"), ("raylet", "ray"), ("gcs_server", "ray"), ("site-packages/ray/", "ray"),
          ("ray::IDLE", "ray worker (idle)"), ("ray::", "ray"))
 

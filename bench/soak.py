@@ -7,10 +7,10 @@ Both runs use the default experiment with `rollout.engine.num_engines=2`, checkp
 steps, and the faulty agent (examples/agents/faulty.py: the repeat task, reward 1 when the reply holds the
 letter) on a copy of the training set in which 1 row in 32 makes the agent crash: agent crashes happen
 throughout both runs. Into the disturbed run the injector, watching its metrics.jsonl, does in order:
-SIGKILL one engine's vLLM engine-core process (at 20% of the steps), SIGKILL a trainer rank (40%), SIGKILL
-another engine actor (55%), SIGKILL the driver and every process it started (70%, a lost node), then runs
-the same command again with `run.resume=auto`. Writes the `soak` section of bench/RESULTS.md and
-bench/soak.png (reward of both runs, driver RSS and open fds over time).
+SIGKILL one engine actor, vLLM's engine core with it (at 20% of the steps), SIGKILL a trainer rank
+(40%), SIGKILL an engine actor again (55%), SIGKILL the driver and every process it started (70%, a lost
+node), then runs the same command again with `run.resume=auto`. Writes the `soak` section of
+bench/RESULTS.md and bench/soak.png (reward of both runs, driver RSS and open fds over time).
 
 "Rollouts lost" is checked where it can be exact: the run is sync, so every step trains exactly
 `train.prompts_per_step` prompt groups; the final checkpoint's data position must then equal steps x
@@ -106,8 +106,7 @@ class Watch:
 
     def inject(self, fault: tuple[int, str], proc: subprocess.Popen) -> None:
         at, kind = fault
-        targets = {"engine_core": b"VLLM::EngineCore", "trainer_rank": b"ray::TrainerWorker",
-                   "engine_actor": b"ray::EngineActor"}
+        targets = {"trainer_rank": b"ray::TrainerWorker", "engine_actor": b"ray::EngineActor"}
         if kind == "driver":
             victims = [proc.pid, *descendants(proc.pid)]
         else:
@@ -162,7 +161,7 @@ def main() -> None:
     base_s = time.time() - t0 if not a.reuse_baseline else float((base / "wall_s").read_text())
     (base / "wall_s").write_text(f"{base_s:.0f}")
 
-    plan = [(int(a.steps * f), kind) for f, kind in ((0.2, "engine_core"), (0.4, "trainer_rank"),
+    plan = [(int(a.steps * f), kind) for f, kind in ((0.2, "engine_actor"), (0.4, "trainer_rank"),
                                                      (0.55, "engine_actor"), (0.7, "driver"))]
     watch, stop = Watch(plan), threading.Event()
     sampler = threading.Thread(target=watch.loop, args=(stop,), daemon=True)

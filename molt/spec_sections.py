@@ -109,7 +109,7 @@ class ParallelSpec(Strict):
 class EngineSpec(Strict):
     num_engines: int = Field(1, description="vLLM engine actors (the dispatcher spreads requests over them)")
     tp_size: int = Field(1, description="tensor-parallel GPUs per engine")
-    dp_size: int = Field(1, description="data-parallel replicas inside one engine")
+    dp_size: int = Field(1, description="vLLM replicas inside one engine: 1 (more: num_engines)")
     enable_expert_parallel: bool = Field(False, description="MoE: shard experts over the engine's GPUs")
     gpu_memory_utilization: float = Field(0.85, description="fraction of GPU memory vLLM may use")
     kv_cache_gib: float = Field(1.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
@@ -124,6 +124,16 @@ class EngineSpec(Strict):
         3, ge=0, description="restarts of each engine after it dies (then the run goes on without it)")
     start_timeout_s: float = Field(
         600.0, gt=0, description="seconds a (re)started engine may take to come up before it counts as dead")
+
+    @field_validator("dp_size")
+    @classmethod
+    def _one_replica(cls, value: int) -> int:
+        # vLLM runs data-parallel replicas as engine cores in processes of their own; Molt's engine actor
+        # keeps its one engine core in-process (molt/rollout/engine.py).
+        if value != 1:
+            raise ValueError(f"dp_size={value}: an engine actor runs one vLLM replica; for more replicas "
+                             "raise rollout.engine.num_engines (the dispatcher balances requests over them)")
+        return value
 
 
 class SamplingSpec(Strict):

@@ -98,6 +98,8 @@ def test_bad_type_is_reported_with_key_and_value():
         (["+experiment=qwen30b_tools", "parallel.ep_size=8"], "router_replay with parallel.ep_size=8"),
         (["parallel.offload=full"], "offload=full needs world_size > 1"),
         (["parallel.nodes=2", "parallel.trainer_nodes=2"], "trainer_nodes=2 must leave the engines"),
+        # an engine actor holds one vLLM engine core, in its own process (molt/rollout/engine.py)
+        (["+experiment=qwen30b_tools", "rollout.engine.dp_size=2"], "raise rollout.engine.num_engines"),
         # combinations peers refuse
         (["+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
          "speculative_config with enable_prefix_caching=true"),
@@ -363,7 +365,8 @@ def test_engine_ray_resources_follow_the_specs_device():
     gpu = compose(["+experiment=qwen30b_tools"])
     engine = gpu.rollout.engine
     assert actor_options(engine, gpu.parallel.device) == {
-        "num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000}
+        "num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000,
+        "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}}   # the core in the actor
     cpu = actor_options(compose([]).rollout.engine, "cpu", 2)
     assert cpu["num_cpus"] < 1 and "num_gpus" not in cpu
     assert cpu["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
@@ -372,6 +375,17 @@ def test_engine_ray_resources_follow_the_specs_device():
     assert cpu["runtime_env"]["env_vars"]["TORCH_COMPILE_DISABLE"] == "1"
     compiled = compose(["rollout.engine.enforce_eager=false"]).rollout.engine
     assert "TORCH_COMPILE_DISABLE" not in actor_options(compiled, "cpu", 2)["runtime_env"]["env_vars"]
+
+
+def test_partial_rollouts_turn_off_async_scheduling(tiny_model_path):
+    """A refit with partial rollouts runs between two engine steps and keeps the requests in flight: no
+    batch the old weights sampled may still be out (async scheduling, vLLM's default on GPU)."""
+    from molt.rollout.engine_args import engine_kwargs
+
+    for partial in (True, False):
+        spec = compose([f"rollout.partial_rollout={str(partial).lower()}"])
+        kwargs = engine_kwargs(str(tiny_model_path), spec.rollout, spec.model, 0)
+        assert kwargs.get("async_scheduling", "vLLM's default") == (False if partial else "vLLM's default")
 
 
 def test_the_driver_imports_the_loop_without_the_model_stacks():

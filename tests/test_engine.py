@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import ray
@@ -327,15 +328,18 @@ def test_eval_sampling_uses_eval_params(direct, engine, engine_spec):
     assert out["token_ids"] == ray.get(direct)[0][1][1][0][:5]      # greedy, 5 tokens
 
 
-def test_engine_core_runs_with_the_planned_threads(engine, engine_spec):
-    """`molt.placement.cpu_threads` reaches the process that generates: vLLM's engine core, a child of the
-    engine actor (the rule itself and the trainer's side: tests/test_config.py)."""
+def test_engine_runs_in_its_actor_with_the_planned_threads(engine, engine_spec):
+    """vLLM's engine core and its worker run in the engine actor's own process (no child process: one
+    vLLM import per engine), with the threads `molt.placement.cpu_threads` plans (the rule itself and the
+    trainer's side: tests/test_config.py)."""
     from molt.placement import cpu_threads
 
-    def core_threads(_actor) -> list[str]:
+    def layout(actor) -> tuple:
         import psutil
 
-        return [p.environ().get("OMP_NUM_THREADS") for p in psutil.Process().children(recursive=True)]
+        return (type(actor.llm.engine_core).__name__, os.environ.get("OMP_NUM_THREADS"),
+                [p.name() for p in psutil.Process().children(recursive=True)])
 
-    cores = ray.get(engine.__ray_call__.remote(core_threads))
-    assert cores and set(cores) == {str(cpu_threads(engine_spec, "engine", 0))}
+    client, omp, children = ray.get(engine.__ray_call__.remote(layout))
+    assert client == "InprocClient" and omp == str(cpu_threads(engine_spec, "engine", 0))
+    assert not [name for name in children if "EngineCore" in name], children

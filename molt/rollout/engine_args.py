@@ -1,7 +1,7 @@
 """The one place where the run spec becomes vLLM engine arguments and the engine actor's Ray options.
 
 Every performance flag a user may want is either an `EngineSpec` field mapped here or goes through
-`rollout.engine.extra_args`, which is passed to `AsyncEngineArgs` unchanged and wins over the mapped
+`rollout.engine.extra_args`, which is passed to `EngineArgs` unchanged and wins over the mapped
 values, so a new vLLM flag never needs a code change.
 """
 
@@ -24,7 +24,7 @@ def on_cpu() -> bool:
 
 
 def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int) -> dict[str, Any]:
-    """`AsyncEngineArgs(**kwargs)` for one engine."""
+    """`EngineArgs(**kwargs)` for one engine."""
     eng = rollout.engine
     kwargs: dict[str, Any] = dict(
         model=model_path,
@@ -46,6 +46,11 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
         # top-p), which the trainer recomputes; vLLM's default is the raw model distribution.
         logprobs_mode=LOGPROBS_MODE,
     )
+    if rollout.partial_rollout:
+        # A refit runs between two engine steps and keeps the requests in flight; with async scheduling
+        # (vLLM's default on GPU; CPU engines never schedule ahead) a batch the old weights sampled could
+        # still be out, and its tokens would be labelled with the new policy version.
+        kwargs["async_scheduling"] = False
     if model.lora.rank:
         kwargs.update(lora_kwargs(model.lora.rank, rollout.max_staleness))
     if is_vision_model(model_path, model.trust_remote_code):
@@ -79,17 +84,18 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
     the driver's host, which may have no GPU). On CPU a tiny fraction, so engines and trainer ranks share
     cores.
 
-    On CPU the engine runs its worker inside vLLM's engine process (≈2× faster on few cores than a
+    On CPU the engine runs its worker inside the actor's process (≈2× faster on few cores than a
     separate worker process) with `threads` OpenMP threads (`molt.placement.cpu_threads`), not pinned,
     so several engines can share cores.
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
+    # vLLM's engine core in the actor's process, which drives it (molt/rollout/engine.py).
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cuda":
-        return {"num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000}
-    env = {"OMP_NUM_THREADS": str(threads),
+        return {"num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000,
+                "runtime_env": {"env_vars": in_process}}
+    env = {**in_process, "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-    if engine.tp_size * engine.dp_size == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # lets engine_args' "uni" executor stand on CPU
     if engine.enforce_eager:
         # An eager engine still torch.compiles one sampler helper (the sampled token's rank, which Molt
         # never reads) on its first request: 3.5-4 s of every engine's start on an idle 2-core host, for no

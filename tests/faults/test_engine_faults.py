@@ -1,6 +1,7 @@
 """Engine faults, against real vLLM engines: over-long prompts (rejected or truncated per
 rollout.prompt_too_long, the engine keeps serving), and engines that die and come back: the actor
-killed, or vLLM's engine-core process killed under a live actor (what an out-of-memory kill does).
+process killed (what an out-of-memory kill does; vLLM's engine core runs in it), or vLLM's engine failing
+inside a live actor.
 
 The shared engine runs with `reject`; a second engine, started here with `truncate` and a shorter
 context, and a third one form the fleet of the last test, which kills them.
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 
 import pytest
 import ray
@@ -85,12 +85,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 PROBE = [5, 40, 41, 42]
 
 
-def engine_core_pid(engine) -> int:
-    """The pid of vLLM's engine-core process under an engine actor (its child named VLLM::EngineCore)."""
-    actor = ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))
-    children = subprocess.run(["pgrep", "-P", str(actor)], capture_output=True, text=True).stdout.split()
-    [core] = [int(c) for c in children if "EngineCore" in open(f"/proc/{c}/cmdline").read()]
-    return core
+def actor_pid(engine) -> int:
+    return ray.get(engine.__ray_call__.remote(lambda self: os.getpid()))
 
 
 async def until(condition, what: str, timeout: float = 300.0) -> None:
@@ -154,13 +150,22 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
         await fleet.refit(1)
         before = await dispatcher.engines[0].generate.remote(PROBE, GREEDY)
 
-        # 1+2. both kinds of death in the same batch: engine 0's actor is killed, and engine 1's engine-core
-        # process (its actor stays up, then exits itself); both come back, at once, with version 1's weights
-        core = engine_core_pid(dispatcher.engines[1])
+        # 1+2. both kinds of death in the same batch: engine 0's process is killed (SIGKILL, as by the OOM
+        # killer), and engine 1's vLLM engine fails under its live actor (which then exits itself); both
+        # come back, at once, with version 1's weights
+        pid = actor_pid(dispatcher.engines[0])
+
+        def fail_next_step(actor) -> None:
+            """Runs in the engine actor: vLLM's next engine step raises, as an internal vLLM error would
+            (a fault this test cannot cause otherwise)."""
+            def step():
+                raise RuntimeError("vLLM's engine step failed (injected by the test)")
+            actor.llm.step = step
 
         def kill_both() -> None:
-            ray.kill(dispatcher.engines[0])
-            os.kill(core, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+            # not waited for: the actor may exit before it answers
+            dispatcher.engines[1].__ray_call__.remote(fail_next_step)
         await batch_while(kill_both)
         await until(lambda: dispatcher.live == {0, 1} and fleet.metrics()["engine/restarts"] == 2.0,
                     "both engines to come back")
