@@ -1,12 +1,12 @@
 """The run's engines over its life: they die, come back, and always serve the current policy.
 
-An engine dies when its actor is killed or when vLLM's engine core dies under it (an OOM kill; the actor
-then exits itself, `EngineActor._exit_when_engine_dies`). The dispatcher stops routing to it and the pool
-restarts the groups it was sampling (`Dispatcher.take_lost`). The fleet restarts the engine on its plan node,
-at most `rollout.engine.max_restarts` times; a restarted engine joins a re-formed refit group
-(`molt.refit`) and receives the current weights before the dispatcher gives it work. With its restarts used
-up an engine stays down and the run goes on with the others; with none left, and none coming back, the
-run stops with one message.
+An engine dies when its actor's process is killed (an OOM kill; vLLM's engine core runs in it) or when
+vLLM's engine fails in it (the actor then exits itself, `EngineActor._serve`). The dispatcher stops
+routing to it and the pool restarts the groups it was sampling (`Dispatcher.take_lost`). The fleet
+restarts the engine on its plan node, at most `rollout.engine.max_restarts` times; a restarted engine
+joins a re-formed refit group (`molt.refit`) and receives the current weights before the dispatcher gives
+it work. With its restarts used up an engine stays down and the run goes on with the others; with none
+left, and none coming back, the run stops with one message.
 
 The refit group holds trainer rank 0 and the workers of the engines that are in it (`members`); it is
 re-formed whenever the live engines differ from its members. Every wait on an engine is bounded: start-up

@@ -4,7 +4,7 @@ A multi-turn rollout resends its whole history every turn; on the engine that se
 turn that history is a prefix-cache hit, anywhere else it is recomputed. So the first request of a
 key (a rollout id) picks the live engine with the fewest requests in flight, and later ones follow it.
 
-Engines die (a killed actor, an OOM-killed engine core: the engine actor then exits itself). The dispatcher
+Engines die (a killed or OOM-killed actor, vLLM's engine failing in it: the actor then exits). The dispatcher
 stops sending work to a dead engine, remembers which rollouts were on it (`take_lost`: the pool restarts
 their groups whole) and tells `on_death` (the fleet, which restarts it). A restarted engine takes work
 again only once `set_live` says it holds the current weights.
