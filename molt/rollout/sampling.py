@@ -1,4 +1,5 @@
-"""Sampling parameters for `EngineActor.generate`: spec defaults, what training accepts, request seeds."""
+"""Sampling parameters for `EngineActor.generate`: spec defaults, what training accepts, request seeds, and
+vLLM's `SamplingParams` for a request."""
 
 from __future__ import annotations
 
@@ -62,3 +63,39 @@ class TrainingSampler:
         """Forget rollout `key` (it ended; `Runner.run` calls this)."""
         self.calls.pop(key, None)
         self.dispatcher.release(key)
+
+
+# The sampling keys a request may carry. None of the others (min_p, penalties, logit biases, min_tokens,
+# stop strings) is passed on: each would change the distribution the tokens are drawn from in a way the
+# trainer's logprob recomputation (temperature, top-p, top-k) does not reproduce, or needs the detokenized
+# text; a request with one fails (AgentError) rather than be sampled without it.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
+                 "structured_outputs", "prompt_logprobs")
+
+
+def sampling_params(sampling: dict[str, Any], max_tokens: int):
+    """vLLM `SamplingParams` asking for the sampled token's logprob and only the final output. A key outside
+    `SAMPLING_KEYS`, or a value vLLM refuses, is an `AgentError`: it fails the request's rollout."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+    if unknown:
+        raise AgentError(f"sampling parameters {unknown} are not supported: the trainer could not score the "
+                         f"tokens they change (or they need text); use {', '.join(SAMPLING_KEYS)} "
+                         "(stop_token_ids in place of stop strings)")
+    # Constrained decoding ({"regex": ...}): how the agents' chat server honours a forced tool call.
+    constrained = sampling.get("structured_outputs")
+    try:
+        return SamplingParams(
+            temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
+            top_k=sampling.get("top_k", -1), max_tokens=max_tokens,
+            stop_token_ids=sampling.get("stop_token_ids"), seed=sampling.get("seed"),
+            ignore_eos=sampling.get("ignore_eos", False),
+            structured_outputs=StructuredOutputsParams(**constrained) if constrained else None,
+            logprobs=0, prompt_logprobs=sampling.get("prompt_logprobs"), detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+    except (ValueError, VLLMClientError) as err:   # e.g. an Env's Result.sampling_params={"top_p": 0}
+        raise AgentError(f"vLLM refused the sampling parameters {sampling}: {err}") from None
