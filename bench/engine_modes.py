@@ -6,9 +6,14 @@ bench/RESULTS.md `targets`).
 Each run is a fresh process: start-up is from the process's start to a built engine (the imports included),
 CPU the process's and its waited children's user + system seconds, then `--rounds` rounds of `--requests`
 seeded requests of `--tokens` tokens at once on the tiny model (the first round untimed). Modes alternate.
+A third mode builds the in-process engine on the main thread and steps it on another: OpenMP keeps a team
+per computing thread, and at more than one thread the stepping thread's workers then sleep between
+parallel regions (why Molt's engine thread builds its engine itself).
 
     python bench/engine_modes.py --quick
-    python bench/engine_modes.py --repeats 3
+    python bench/engine_modes.py --repeats 3 --modes child,inproc
+    python bench/engine_modes.py --quick --size 30m --tokens 128 --threads 2 \
+        --modes inproc,inproc_other_thread
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fmt_spread, header, table, write_section  # noqa: E402
 
-MODES = ("child", "inproc")   # AsyncLLM (the core in a child process) / LLMEngine (the core in-process)
+# AsyncLLM (the core in a child process) / LLMEngine (the core in-process), built and stepped on one thread /
+# LLMEngine built on the main thread and stepped on another (what Molt's engine thread must avoid)
+MODES = ("child", "inproc", "inproc_other_thread")
 
 
 def engine_args(path: str) -> dict:
@@ -40,8 +48,9 @@ def engine_args(path: str) -> dict:
                 kv_cache_memory_bytes=2**28, enable_chunked_prefill=False, distributed_executor_backend="uni")
 
 
-def child(mode: str, requests: int, tokens: int, rounds: int, start: float) -> dict:
+def child(mode: str, requests: int, tokens: int, rounds: int, start: float, size: str) -> dict:
     """One run in this process: start-up seconds, then seconds per round of `requests` at once."""
+    from common import SIZES
     from vllm import AsyncEngineArgs, EngineArgs, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -54,19 +63,27 @@ def child(mode: str, requests: int, tokens: int, rounds: int, start: float) -> d
         return SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, logprobs=0, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
-    kwargs, seconds = engine_args(str(tiny_model_path())), []
-    if mode == "inproc":
+    kwargs, seconds = engine_args(str(tiny_model_path(**SIZES[size]))), []
+    if mode.startswith("inproc"):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         ready = time.time() - start
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            for i, p in enumerate(prompts):
-                engine.add_request(f"{r}-{i}", p, params(i))
-            while engine.has_unfinished_requests():
-                engine.step()
-            seconds.append(time.perf_counter() - t0)
+
+        def timed() -> None:
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                for i, p in enumerate(prompts):
+                    engine.add_request(f"{r}-{i}", p, params(i))
+                while engine.has_unfinished_requests():
+                    engine.step()
+                seconds.append(time.perf_counter() - t0)
+        if mode == "inproc_other_thread":
+            stepper = threading.Thread(target=timed)
+            stepper.start()
+            stepper.join()
+        else:
+            timed()
     else:
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -88,11 +105,12 @@ def child(mode: str, requests: int, tokens: int, rounds: int, start: float) -> d
 
 
 def run(mode: str, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if mode == "inproc" else {}))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TORCH_COMPILE_DISABLE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind",
+               **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if mode.startswith("inproc") else {}))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, __file__, "--child", mode, "--requests", str(args.requests),
-                           "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
+                           "--tokens", str(args.tokens), "--rounds", str(args.rounds), "--size", args.size],
                           env=env, capture_output=True, text=True, timeout=900)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -109,25 +127,32 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=6, help="rounds per run; the first is untimed")
     p.add_argument("--quick", action="store_true", help="one run per mode, 3 rounds; prints only")
+    p.add_argument("--size", default="tiny", help="a bench/common.py SIZES model")
+    p.add_argument("--threads", type=int, default=1, help="the engine's OpenMP threads")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.requests, args.tokens, args.rounds, START)), flush=True)
+        out = child(args.child, args.requests, args.tokens, args.rounds, START, args.size)
+        print(json.dumps(out), flush=True)
         return
     if args.quick:
         args.repeats, args.rounds = 1, 3
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for r in range(args.repeats):
-        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             runs[mode].append(run(mode, args))
             print(f"[engine_modes] r{r} {mode}: {runs[mode][-1]}", flush=True)
     names = {"child": "AsyncLLM, core in a child process (Molt until 2026-12-02)",
-             "inproc": "LLMEngine, core in-process (Molt since 2026-12-02)"}
+             "inproc": "LLMEngine, core in-process (Molt since 2026-12-02)",
+             "inproc_other_thread": "LLMEngine, core in-process, stepped on another thread than built on"}
     rows = [[names[mode], fmt_spread([x["ready_s"] for x in got], 1),
              fmt_spread([x["cpu_s"] for x in got], 1),
              fmt_spread([1e3 * statistics.median(x["round_s"][1:]) for x in got], 0)]
             for mode, got in runs.items()]
-    about = (f"- work: the tiny model, {args.requests} seeded requests x {args.tokens} tokens at once, "
+    about = (f"- work: the {args.size} model at {args.threads} thread(s), {args.requests} seeded requests x "
+             f"{args.tokens} tokens at once, "
              f"{args.rounds} rounds per run (first untimed), {args.repeats} run(s) per mode, modes "
              "alternating\n"
              f"- command: `python bench/engine_modes.py {' '.join(sys.argv[1:])}`\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import os
 import queue
 import shutil
@@ -63,6 +64,7 @@ class EngineActor:
         self.router_replay = model.router_replay
         self.engine_args = EngineArgs(**engine_kwargs(model_path, rollout, model, seed + index))
         self.llm: Any = None                       # vLLM's LLMEngine, built by the engine thread
+        self.built: concurrent.futures.Future = concurrent.futures.Future()
         self.calls: queue.SimpleQueue = queue.SimpleQueue()   # (function, future, drain) for the thread
         self.finals: dict[str, asyncio.Future] = {}            # request id -> its final output
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -81,12 +83,12 @@ class EngineActor:
         self.adapter_users: dict[Any, int] = {}    # loaded adapters -> requests in flight on each
         self.adapter_dir = tempfile.mkdtemp(prefix="molt-lora-", dir="/dev/shm" if os.path.isdir(
             "/dev/shm") else None) if self.lora else None
+        # the engine is built while the driver sets itself up (the caller awaits `ready`)
+        threading.Thread(target=self._serve, name="molt-engine", daemon=True).start()
 
     async def ready(self) -> int:
-        self.loop = asyncio.get_running_loop()
-        built = self.loop.create_future()
-        threading.Thread(target=self._serve, args=(built,), name="molt-engine", daemon=True).start()
-        await built
+        self.loop = asyncio.get_running_loop()   # (the engine thread needs it only for calls: after this)
+        await asyncio.wrap_future(self.built)
         self.image_token = getattr(self.llm.model_config.hf_config, "image_token_id", None)  # VLMs only
         await self._on_engine(lambda: self.llm.set_weight_version("0"))
         if self.router_replay:
@@ -102,7 +104,7 @@ class EngineActor:
         self.calls.put((function, future, drain))
         return await future
 
-    def _serve(self, built: asyncio.Future) -> None:
+    def _serve(self) -> None:
         """The engine thread: build vLLM's engine, run the calls handed over, step the engine while it holds
         requests, and pass each finished request's output to the actor's loop. An exception from a step
         means vLLM's engine is broken: the actor exits, which Ray reports to every caller as a dead actor,
@@ -116,9 +118,9 @@ class EngineActor:
         try:
             self.llm = LLMEngine.from_engine_args(self.engine_args)
         except Exception as err:   # noqa: BLE001 - raised by `ready`
-            self.loop.call_soon_threadsafe(_settle, built, None, err)
+            self.built.set_exception(err)
             return
-        self.loop.call_soon_threadsafe(_settle, built, None, None)
+        self.built.set_result(None)
         waiting: collections.deque = collections.deque()
         try:
             while not self.closing:
@@ -347,8 +349,10 @@ class EngineActor:
 
     async def shutdown(self) -> None:
         """Stop the engine thread and vLLM's engine (its workers, on a GPU its memory)."""
-        if self.llm is not None:
+        if self.llm is not None and self.loop is not None:
             await self._on_engine(self._stop)
+        elif self.llm is not None:   # built, never ready: the engine thread waits for calls, idle
+            self._stop()
         if self.adapter_dir:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
