@@ -1,4 +1,4 @@
-"""vLLM's engine core in a child process (`AsyncLLM`, what Molt's engine actor ran until 2026-12-02) against
+r"""vLLM's engine core in a child process (`AsyncLLM`, what Molt's engine actor ran until 2026-12-02) against
 the same core in-process (`LLMEngine` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, stepped by its caller, what it
 runs now): plain vLLM, without Molt's actor around it (issue 15's start-up and tiny-scale targets,
 bench/RESULTS.md `targets`).
