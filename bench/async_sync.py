@@ -51,7 +51,7 @@ def main() -> None:
     head = ["model", "max tokens", "step s sync / async", "step time async/sync",
             "trained tok/s sync / async", "engine idle sync / async", "trainer idle sync / async", "repeats"]
     body = intro("Async vs sync", args) + "\n".join([table(head, rows), "", "![async](async_sync.png)"])
-    if not args.quick and bars:
+    if not args.no_results and bars:
         draw(bars)
     finish(args, "async_sync", body)
 

@@ -129,7 +129,8 @@ def limit_row(size: str, length: int, mode: str, runs: list[dict], lim: dict[str
     return [size, length, mode,
             f"{med['time/step']:.3g} / ({formula} = {parts:.3g}) = {med['time/step'] / parts:.2f}",
             f"{med['time/refit'] / med['time/step']:.3f}",
-            ratio(med["tokens/sampled"] / med["time/generate"], lim["engine_tok_s"]),
+            ratio(med["tokens/sampled"] / med["time/generate"], lim["engine_tok_s"])
+            + f" (s: {ratio(med['time/generate'], lim['engine_s'])})",
             f"{lim['train_flop_s'] / 1e9:.3g} / {lim['peak_flop_s'] / 1e9:.3g} = "
             f"{lim['train_flop_s'] / lim['peak_flop_s']:.2f} ({lim['threads']} thr)",
             f"{statistics.median(startup):.1f}" if startup else "—"]
@@ -181,17 +182,21 @@ def main() -> None:
             "alone: generate / update (s)"]
     target_head = ["model", "max tokens", "mode", "overhead: step / parts alone (target ≤ 1.1 sync, ≤ 1.15 "
                    "async)", "refit / step (≤ 0.05)",
-                   "generation tok/s: loop while generating / engine alone",
+                   "generation tok/s: loop while generating / engine alone (s: engine busy per step / "
+                   "alone)",
                    "trainer GFLOP/s / fp32 matmul peak (≥ 0.5)", "start-up to first step (s)"]
     body = intro("Where the time goes", args) + "\n".join([
         table(head, rows), "", "![stages](breakdown.png)", "",
         "Against the targets (engine alone, trainer alone and the matmul peak measured in this command; "
         "trainer FLOPs = 3 x (2 x parameters x tokens + causal attention); start-up = process start to the "
-        "first step's start):", "", table(target_head, targets), "",
+        "first step's start). The engine alone runs every request to max tokens; the loop's samples stop "
+        "at EOS, yet a round lasts until its longest sample, so its tok/s counts fewer tokens for the same "
+        "engine steps: the seconds compare one round of generation in the loop with one alone:", "",
+        table(target_head, targets), "",
         "Peak RSS per process role (MiB, the largest process of that role) and its change from the end of "
         "step 2 to the end of the last step, per run:", "",
         table(["model", "mode", "process", "peak RSS MiB", "growth MiB (per run)"], memory)])
-    if not args.quick and bars:
+    if not args.no_results and bars:
         draw(bars)
     finish(args, "breakdown", body)
 

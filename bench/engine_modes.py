@@ -8,20 +8,25 @@ CPU the process's and its waited children's user + system seconds, then `--round
 seeded requests of `--tokens` tokens at once on the tiny model (the first round untimed). Modes alternate.
 A third mode builds the in-process engine on the main thread and steps it on another: OpenMP keeps a team
 per computing thread, and at more than one thread the stepping thread's workers then sleep between
-parallel regions (why Molt's engine thread builds its engine itself).
+parallel regions (why Molt's engine thread builds its engine itself). `--profile` runs the in-process mode
+once under cProfile and prints how an engine step splits: model forward, input preparation, sampler,
+scheduler, output processing (the tiny target: how much of a step is vLLM's own per-step work).
 
     python bench/engine_modes.py --quick
     python bench/engine_modes.py --repeats 3 --modes child,inproc
     python bench/engine_modes.py --quick --size 30m --tokens 128 --threads 2 \
         --modes inproc,inproc_other_thread
+    python bench/engine_modes.py --profile --tokens 128 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import resource
 import statistics
 import subprocess
@@ -39,6 +44,12 @@ from common import fmt_spread, header, table, write_section  # noqa: E402
 # AsyncLLM (the core in a child process) / LLMEngine (the core in-process), built and stepped on one thread /
 # LLMEngine built on the main thread and stepped on another (what Molt's engine thread must avoid)
 MODES = ("child", "inproc", "inproc_other_thread")
+# --profile: vLLM 0.32 functions (file, name) whose cumulative time splits an in-process engine's step
+PARTS = {"engine step": ("llm_engine.py", "step"), "model forward": ("gpu_model_runner.py", "_model_forward"),
+         "input preparation": ("gpu_model_runner.py", "_prepare_inputs"),
+         "sampler": ("gpu_model_runner.py", "sample_tokens"), "scheduler": ("scheduler.py", "schedule"),
+         "scheduler update": ("scheduler.py", "update_from_output"),
+         "output processing": ("output_processor.py", "process_outputs")}
 
 
 def engine_args(path: str) -> dict:
@@ -48,7 +59,15 @@ def engine_args(path: str) -> dict:
                 kv_cache_memory_bytes=2**28, enable_chunked_prefill=False, distributed_executor_backend="uni")
 
 
-def child(mode: str, requests: int, tokens: int, rounds: int, start: float, size: str) -> dict:
+def parts(profiler: cProfile.Profile) -> dict[str, float]:
+    """Cumulative seconds of each of `PARTS` (cProfile's own cost inflates the Python-heavy ones)."""
+    stats = pstats.Stats(profiler).stats   # (file, line, name) -> (calls, ..., total, cumulative, callers)
+    return {part: sum(v[3] for (path, _, name), v in stats.items() if path.endswith(file) and name == fn)
+            for part, (file, fn) in PARTS.items()}
+
+
+def child(mode: str, requests: int, tokens: int, rounds: int, start: float, size: str,
+          profile: bool = False) -> dict:
     """One run in this process: start-up seconds, then seconds per round of `requests` at once."""
     from common import SIZES
     from vllm import AsyncEngineArgs, EngineArgs, SamplingParams
@@ -82,6 +101,10 @@ def child(mode: str, requests: int, tokens: int, rounds: int, start: float, size
             stepper = threading.Thread(target=timed)
             stepper.start()
             stepper.join()
+        elif profile:
+            profiler = cProfile.Profile()
+            profiler.runcall(timed)
+            return {"ready_s": ready, "round_s": seconds, "parts_s": parts(profiler)}
         else:
             timed()
     else:
@@ -110,7 +133,8 @@ def run(mode: str, args: argparse.Namespace) -> dict:
                **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if mode.startswith("inproc") else {}))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, __file__, "--child", mode, "--requests", str(args.requests),
-                           "--tokens", str(args.tokens), "--rounds", str(args.rounds), "--size", args.size],
+                           "--tokens", str(args.tokens), "--rounds", str(args.rounds), "--size", args.size]
+                          + ["--profile"] * args.profile,
                           env=env, capture_output=True, text=True, timeout=900)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -130,11 +154,20 @@ def main() -> None:
     p.add_argument("--size", default="tiny", help="a bench/common.py SIZES model")
     p.add_argument("--threads", type=int, default=1, help="the engine's OpenMP threads")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--profile", action="store_true",
+                   help="one in-process run under cProfile: where an engine step's time goes (prints only)")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        out = child(args.child, args.requests, args.tokens, args.rounds, START, args.size)
+        out = child(args.child, args.requests, args.tokens, args.rounds, START, args.size, args.profile)
         print(json.dumps(out), flush=True)
+        return
+    if args.profile:
+        got = run("inproc", args)["parts_s"]
+        print(f"{args.size} model, {args.threads} thread(s), {args.rounds} rounds of {args.requests} x "
+              f"{args.tokens} tokens, under cProfile:")
+        print(table(["part of vLLM's engine step", "seconds", "share of the step"],
+                    [[part, f"{sec:.2f}", f"{sec / got['engine step']:.2f}"] for part, sec in got.items()]))
         return
     if args.quick:
         args.repeats, args.rounds = 1, 3

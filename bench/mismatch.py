@@ -52,7 +52,7 @@ def main() -> None:
             "KL k3 (median)"]
     body = intro("Mismatch: engine vs trainer logprobs (trainer fp32)", args) + "\n".join(
         [table(head, rows), "", "![mismatch](mismatch.png)"])
-    if not args.quick and points:
+    if not args.no_results and points:
         draw(points, dtypes)
     finish(args, "mismatch", body)
 

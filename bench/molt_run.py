@@ -139,11 +139,14 @@ def add_flags(p: argparse.ArgumentParser, sizes: str, lengths: str, steps: str =
                    help="reuse finished runs with identical overrides (scaling/refit/mismatch/breakdown)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny, 16 tokens, 3 steps, 1 repeat; "
                    "prints the section instead of writing RESULTS.md")
+    p.add_argument("--no-results", action="store_true",
+                   help="print the section; write neither bench/RESULTS.md nor the PNG")
 
 
 def apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.sizes, args.lengths, args.steps, args.warmup, args.repeats = "tiny", "16", "3", 1, 1
+        args.no_results = True
 
 
 def cells(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -180,10 +183,10 @@ def sweep(args: argparse.Namespace, variants: dict[str, list[str]]) -> list[dict
 
 
 def finish(args: argparse.Namespace, name: str, body: str) -> None:
-    """Write the section (a real run) or only print it (--quick)."""
+    """Write the section (a real run) or only print it (--quick, --no-results)."""
     from common import write_section
 
-    if not args.quick:
+    if not args.no_results:
         write_section(name, body)
     print(body)
 

@@ -44,7 +44,7 @@ def main() -> None:
     head = ["model", "max tokens", "refit s median (min–max)", "refit / step", "GB/s (fp32 weights)",
             "step s"]
     body = intro("Refit cost", args) + "\n".join([table(head, rows), "", "![refit](refit.png)"])
-    if not args.quick and points:
+    if not args.no_results and points:
         draw(points)
     finish(args, "refit", body)
 

@@ -39,7 +39,7 @@ def main() -> None:
             *(f"{k.removeprefix('time/')} s" for k in STAGES)]
     body = intro("Scaling: step time vs model size and response length (sync)", args) + "\n".join(
         [table(head, rows), "", "![scaling](scaling.png)"])
-    if not args.quick and points:
+    if not args.no_results and points:
         draw(points, params)
     finish(args, "scaling", body)
 
