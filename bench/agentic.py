@@ -95,7 +95,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=256, help="concurrent rollouts")
     p.add_argument("--turns", type=int, default=4)
@@ -106,6 +106,11 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.sessions, args.turns, args.repeats = 16, 2, 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     from transformers import AutoTokenizer
 
     from molt.config import compose

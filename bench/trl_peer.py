@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from common import LETTERS, summarize
 
@@ -40,6 +41,41 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def grpo_config(args: argparse.Namespace, output_dir: str, batch: int) -> Any:
+    """TRL's GRPO settings for Molt's peer work: the same batch, sampling, loss and optimizer."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir, use_cpu=True, bf16=args.bf16, fp16=False, use_vllm=False, report_to="none",
+        max_steps=args.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=args.samples_per_prompt, max_completion_length=args.max_tokens,
+        temperature=1.0, top_k=0, top_p=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, num_iterations=1, epsilon=0.2,
+        loss_type="dapo", scale_rewards="group", gradient_checkpointing=False, logging_steps=1,
+        save_strategy="no", disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
+        shuffle_dataset=True,
+    )
+
+
+def write_result(args: argparse.Namespace, steps: list[dict], model: Any, setup_s: float,
+                 wall_s: float) -> None:
+    """The run's JSON at `args.out` (what bench/peer.py reads); prints the summary."""
+    import torch
+    import transformers
+    import trl
+
+    result = {
+        "framework": "trl", "model": args.model, "params": sum(p.numel() for p in model.parameters()),
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "model")},
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                     "torch": torch.__version__, "python": sys.version.split()[0]},
+        "setup_s": setup_s, "wall_s": wall_s, "steps": steps, "summary": summarize(steps, args.warmup),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"]))
+
+
 def main() -> None:
     args = parse_args()
     if args.quick:
@@ -47,11 +83,9 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     start = time.perf_counter()
     import torch
-    import transformers
-    import trl
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -81,16 +115,7 @@ def main() -> None:
 
     batch = args.prompts_per_step * args.samples_per_prompt
     with tempfile.TemporaryDirectory() as tmp:
-        config = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=args.bf16, fp16=False, use_vllm=False, report_to="none",
-            max_steps=args.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-            num_generations=args.samples_per_prompt, max_completion_length=args.max_tokens,
-            temperature=1.0, top_k=0, top_p=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
-            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, num_iterations=1, epsilon=0.2,
-            loss_type="dapo", scale_rewards="group", gradient_checkpointing=False, logging_steps=1,
-            save_strategy="no", disable_tqdm=True, seed=args.seed, dataloader_num_workers=0,
-            shuffle_dataset=True,
-        )
+        config = grpo_config(args, tmp, batch)
         trainer = GRPOTrainer(model=args.model, reward_funcs=repeat_reward, args=config, train_dataset=data,
                               processing_class=tokenizer, callbacks=[StepClock()])
         # Seconds in generation (transformers' generate) per step, to set beside Molt's engine time.
@@ -110,18 +135,7 @@ def main() -> None:
         trainer.train()
     steps = [{**rec, "time": b - a, "generate": g}
              for rec, a, b, g in zip(per_step, ends, ends[1:], generate_s, strict=False)]
-    params = sum(p.numel() for p in trainer.model.parameters())
-    result = {
-        "framework": "trl", "model": args.model, "params": params,
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "model")},
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                     "torch": torch.__version__, "python": sys.version.split()[0]},
-        "setup_s": setup_s, "wall_s": time.perf_counter() - start,
-        "steps": steps, "summary": summarize(steps, args.warmup),
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"]))
+    write_result(args, steps, trainer.model, setup_s, time.perf_counter() - start)
 
 
 if __name__ == "__main__":
