@@ -75,9 +75,9 @@ def machine() -> str:
     name differ 3x in fp32 matmul, and bf16 needs AVX512-BF16), cores, memory, Python."""
     cpu = platform.processor() or platform.machine()
     try:
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-                    .splitlines() if ":" in line)
-        info = {key.strip(): value.strip() for key, value in info.items()}
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+        info = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in first_cpu
+                                                               if ":" in line)}
         flags = set(info.get("flags", "").split())
         isa = next((name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
                                             ("avx2", "AVX2")) if flag in flags), "no AVX2")
