@@ -110,7 +110,7 @@ class EngineActor:
         means vLLM's engine is broken: the actor exits, which Ray reports to every caller as a dead actor,
         the one failure the dispatcher handles (and restarts).
 
-        Built on another thread, the same engine stepped here ran 1.15-1.9x slower on 2 cores (30M model,
+        Built on another thread, the same engine stepped here ran 1.15x slower on 2 cores (30M model,
         32 x 128 tokens: bench/engine_modes.py mode inproc_other_thread): OpenMP keeps a thread team per
         thread that computes, and the builder's idle team let this one's workers sleep between regions."""
         from vllm.v1.engine.llm_engine import LLMEngine
