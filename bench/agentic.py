@@ -1,15 +1,17 @@
 """Agentic path: what the loopback chat server adds per turn, against the same turns through `Env`.
 
-N concurrent multi-turn rollouts run the same conversation twice, in one process: through `Env` (the
-framework samples, renders and decodes) and as a `ChatAgent` talking to the loopback server with the
-stock OpenAI SDK (HTTP, wire validation, history re-encoding, reply parsing). Both sample from the same
-stand-in engine: it answers every request after a fixed delay with the same tokens, so the engine's
-own speed and noise drop out and the difference per turn is the server path's cost. A turn's latency
-is, for the chat agent, the SDK call; for `Env`, from the previous `step()`'s return (or the rollout's
-start) to the next `step()` call. Paths alternate per repeat. With every session in one process, a
-turn's latency is mostly its wait behind the other sessions' Python work, so the work itself is
-reported too: the run's wall time per turn (all sessions' turns), whose chat − Env difference is what
-the server path costs each turn in CPU.
+N concurrent multi-turn rollouts run the same conversation three times, in one process: through `Env`
+(the framework samples, renders and decodes) and as a `ChatAgent` talking to the loopback server with the
+stock OpenAI SDK (HTTP, wire validation, history re-encoding, reply parsing), once with an SDK client
+each rollout builds for itself and once with `http_client=ctx.http_client` (the runner's TLS context).
+All three sample from the same stand-in engine: it answers every request after a fixed delay with the
+same tokens, so the engine's own speed and noise drop out and the difference per turn is the server
+path's cost. A turn's latency is, for the chat agent, the SDK call; for `Env`, from the previous
+`step()`'s return (or the rollout's start) to the next `step()` call. Each path runs first in one repeat
+of three. With every session in one process, a turn's latency is mostly its wait behind the other
+sessions' Python work, so the work itself is reported too: the run's wall time per turn (all sessions'
+turns), whose chat − Env difference is what the chat path (the agent's SDK client and the server) costs
+each turn in CPU.
 
     python bench/agentic.py --quick
     python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
@@ -45,8 +47,12 @@ class StandInEngine:
                              sampling.get("top_k", -1)]}
 
 
-def runners(turns: int, latencies: dict[str, list[float]]):
-    """(Env runner, chat runner) doing `turns` turns each and appending per-turn seconds to `latencies`."""
+# chat: each rollout builds its own SDK client; chat_lent: it passes ctx.http_client
+PATHS = ("env", "chat", "chat_lent")
+
+
+def runners(turns: int, latencies: dict[str, list[float]]) -> dict:
+    """{path: runner} doing `turns` turns each and appending per-turn seconds to `latencies[path]`."""
     import openai
 
     from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Env, Result, State, StepEnvRunner
@@ -60,13 +66,16 @@ def runners(turns: int, latencies: dict[str, list[float]]):
             return result
 
     class TurnsChat(ChatAgent):
+        path = "chat"
+
         async def run(self, ctx: ChatContext) -> Result:
-            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+            lent = {"http_client": ctx.http_client} if self.path == "chat_lent" else {}
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, **lent)
             messages = list(ctx.messages)
             for _ in range(turns):
                 t0 = time.perf_counter()
                 reply = await client.chat.completions.create(model=ctx.model_name, messages=messages)
-                latencies["chat"].append(time.perf_counter() - t0)
+                latencies[self.path].append(time.perf_counter() - t0)
                 messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                              {"role": "user", "content": "again"}]
             await client.close()
@@ -78,7 +87,11 @@ def runners(turns: int, latencies: dict[str, list[float]]):
             # the rest of the arguments pass through whole, so this stand-in follows StepEnvRunner's
             return await super()._run({**item, "start": time.perf_counter()}, *rest)
 
-    return TimedEnvRunner(TurnsEnv), ChatAgentRunner(TurnsChat)
+    class TurnsChatLent(TurnsChat):
+        path = "chat_lent"
+
+    return {"env": TimedEnvRunner(TurnsEnv), "chat": ChatAgentRunner(TurnsChat),
+            "chat_lent": ChatAgentRunner(TurnsChatLent)}
 
 
 async def run_path(runner, engine: StandInEngine, sessions: int) -> list:
@@ -123,44 +136,44 @@ def main() -> None:
     reply = (tok.encode("b" * args.reply_tokens, add_special_tokens=False)[:args.reply_tokens - 1]
              + [tok.eos_token_id])
     engine = StandInEngine(reply, args.delay_ms / 1000)
-    latencies: dict[str, list[float]] = {"env": [], "chat": []}
-    env_runner, chat_runner = runners(args.turns, latencies)
-    medians = {"env": [], "chat": []}
-    p99 = {"env": [], "chat": []}
-    walls = {"env": [], "chat": []}   # wall seconds per turn of a whole run (sessions x turns)
+    latencies: dict[str, list[float]] = {path: [] for path in PATHS}
+    runner_of = runners(args.turns, latencies)
+    medians, p99, walls = ({path: [] for path in PATHS} for _ in range(3))   # walls: s per turn of a run
 
     async def measure() -> None:
-        for runner in (env_runner, chat_runner):
+        for runner in runner_of.values():
             runner.setup(tok, spec)
             await run_path(runner, engine, min(16, args.sessions))   # warm-up: imports, first connections
         for r in range(args.repeats):
-            order = ["env", "chat"] if r % 2 == 0 else ["chat", "env"]
-            for name in order:
+            for name in PATHS[r % 3:] + PATHS[:r % 3]:   # each path goes first once in three repeats
                 latencies[name].clear()
                 start = time.perf_counter()
-                await run_path(env_runner if name == "env" else chat_runner, engine, args.sessions)
+                await run_path(runner_of[name], engine, args.sessions)
                 walls[name].append((time.perf_counter() - start) / (args.sessions * args.turns))
                 medians[name].append(statistics.median(latencies[name]))
                 p99[name].append(percentile(latencies[name], 0.99))
                 print(f"[agentic] r{r} {name}: median {medians[name][-1] * 1e3:.1f} ms, p99 "
                       f"{p99[name][-1] * 1e3:.1f} ms over {len(latencies[name])} turns", flush=True)
-        for runner in (env_runner, chat_runner):
+        for runner in runner_of.values():
             runner.close()
 
     asyncio.run(measure())
     ms = lambda x: f"{statistics.median(x) * 1e3:.1f} ({min(x) * 1e3:.1f}–{max(x) * 1e3:.1f})"  # noqa: E731
-    added = lambda d: [c - e for c, e in zip(d["chat"], d["env"], strict=True)]  # noqa: E731
-    rows = [["median", ms(medians["env"]), ms(medians["chat"]), ms(added(medians)), "≤ 2 ms"],
-            ["p99", ms(p99["env"]), ms(p99["chat"]), ms(added(p99)), "≤ 10 ms"],
-            ["run wall / turns (work per turn)", ms(walls["env"]), ms(walls["chat"]), ms(added(walls)), "—"]]
+    rows = [[label, *(ms(d[p]) for p in PATHS),
+             *(ms([c - e for c, e in zip(d[p], d["env"], strict=True)]) for p in PATHS[1:]), target]
+            for label, d, target in [("median", medians, "≤ 2 ms"), ("p99", p99, "≤ 10 ms"),
+                                     ("run wall / turns (work per turn)", walls, "—")]]
     command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
     body = "\n".join([
         "## Agentic path: loopback server vs Env", "", header(),
         f"- work: {args.sessions} concurrent rollouts x {args.turns} turns, a stand-in engine answering "
-        f"{args.reply_tokens} tokens after {args.delay_ms:g} ms; {args.repeats} repeat(s), paths alternating",
+        f"{args.reply_tokens} tokens after {args.delay_ms:g} ms; {args.repeats} repeat(s), each path first "
+        "in turn",
         f"- command: `{command}`",
-        "- ms per turn, median over repeats (min–max); added = chat − Env per repeat",
-        "", table(["per turn", "Env", "chat (OpenAI SDK → server)", "added by the server", "target"], rows)])
+        "- ms per turn, median over repeats (min–max); added = chat − Env per repeat. chat: each rollout"
+        " builds its own `AsyncOpenAI` client; lent: it passes `http_client=ctx.http_client`",
+        "", table(["per turn", "Env", "chat (OpenAI SDK → server)", "chat, lent client", "added: chat",
+                   "added: lent client", "target"], rows)])
     if not args.quick:
         write_section("agentic", body)
     print(body)

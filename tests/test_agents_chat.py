@@ -271,6 +271,48 @@ def test_chat_context_urls_and_options(tok, sampler, runners):
     assert r.score == 2.0 and r.info == {"turns": 1.0}
 
 
+def test_the_lent_http_client_bypasses_proxies_survives_the_agent_and_closes_after(tok, sampler, runners,
+                                                                                  monkeypatch):
+    """ctx.http_client: both SDKs reach the server through it although the environment names a dead proxy
+    (which an SDK's own client takes), an SDK closing it (`async with`) is allowed, its timeout is the
+    rollout's, each rollout gets its own, and the runner closes it when the rollout ends."""
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:9")   # nothing listens on the discard port
+    lent = []
+
+    class Lent(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            lent.append(ctx.http_client)
+            assert ctx.http_client.timeout.read == 60.0   # agent.timeout_s
+            with pytest.raises(openai.APIConnectionError):   # the SDK's own client goes through the proxy
+                await openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) \
+                    .chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            an = anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key,
+                                          http_client=ctx.http_client, max_retries=0)
+            await an.messages.create(model=ctx.model_name, messages=ctx.messages, max_tokens=4)
+            async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                                          http_client=ctx.http_client) as oa:
+                await oa.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=4)
+            assert ctx.http_client.is_closed
+            return Result(reward=1.0)
+
+    rollouts = run_all(runners(Lent, {"max_turns": 2}), [{"prompt": "p", "label": "p"}] * 2, sampler)
+    assert all(r.ok for r in rollouts), [r.error for r in rollouts]
+    assert len({id(c) for c in lent}) == 2 and all(c.is_closed for c in lent)
+
+    class LeavesItOpen(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            lent.append(ctx.http_client)
+            oa = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+            await oa.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            assert not ctx.http_client.is_closed
+            return Result(reward=1.0)
+
+    [r] = run_all(runners(LeavesItOpen), [{"prompt": "q", "label": "q"}], sampler)
+    assert r.ok and lent[-1].is_closed
+
+
 # Fields vLLM's schemas accept that the loopback server does not apply, with a value away from the default
 # and the reason the 400 gives: each would be silently dropped otherwise.
 DISTRIBUTION, RENDER, MISSING = "sampling distribution", "how the prompt is rendered", "not implemented"

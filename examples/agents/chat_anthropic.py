@@ -18,7 +18,8 @@ ADD = {"name": "add", "description": "a+b",
 
 class AnthropicAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        client = anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)
+        client = anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key,
+                                          http_client=ctx.http_client)
         system = "\n".join(m["content"] for m in ctx.messages if m["role"] == "system")
         messages = [m for m in ctx.messages if m["role"] != "system"]
         tools = [ADD] if self.options.get("tools") else []

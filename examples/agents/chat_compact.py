@@ -9,7 +9,7 @@ from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
 
 class CompactingAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
         messages, texts = list(ctx.messages), []
         for turn in range(ctx.max_turns):
             if turn and turn % int(self.options.get("keep_turns", 2)) == 0:

@@ -12,7 +12,7 @@ from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
 
 class MinimalAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
         messages = list(ctx.messages)
         for _ in range(int(self.options.get("turns", 1))):
             reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,

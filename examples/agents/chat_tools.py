@@ -26,7 +26,7 @@ def add(a: int, b: int) -> str:
 
 class ToolsAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
         messages, calls_made, text = list(ctx.messages), 0, ""
         choice = self.options.get("tool_choice", "auto")
         stream = bool(self.options.get("stream", False))

@@ -23,7 +23,8 @@ def add(a: int, b: int) -> int:
 
 class LangGraphAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        llm = ChatOpenAI(model=ctx.model_name, base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        llm = ChatOpenAI(model=ctx.model_name, base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                         http_async_client=ctx.http_client)
         forced = llm.bind_tools([add], tool_choice=self.options.get("tool_choice"))
         free = llm.bind_tools([add])
 

@@ -32,7 +32,8 @@ class MCPAgent(ChatAgent):
             return await self.converse(ctx, tools)
 
     async def converse(self, ctx: ChatContext, tools: MCPTools) -> Result:
-        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                                    http_client=ctx.http_client)
         messages, seen, calls = list(ctx.messages), [], 0
         choice = self.options.get("tool_choice", "auto")
         for _ in range(ctx.max_turns):

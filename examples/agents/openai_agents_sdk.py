@@ -34,7 +34,8 @@ class AgentsSDKAgent(ChatAgent):
         questions = [ctx.messages[-1]["content"], *([self.options["follow_up"]] if "follow_up" in self.options
                                                     else [])]
         history, calls = [], 0
-        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                               http_client=ctx.http_client) as client:
             agent = Agent(name="squarer", instructions="Use the square tool.", tools=[square],
                           model=OpenAIResponsesModel(ctx.model_name, client),
                           model_settings=ModelSettings(tool_choice=self.options.get("tool_choice")),

@@ -23,7 +23,7 @@ class Answer(BaseModel):
 
 class PydanticAIAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        provider = OpenAIProvider(base_url=ctx.base_url, api_key=ctx.api_key)
+        provider = OpenAIProvider(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
         agent = Agent(OpenAIChatModel(ctx.model_name, provider=provider), output_type=Answer, retries=0)
         result = await agent.run(ctx.messages[-1]["content"])
         for _ in range(ctx.max_turns - 1):

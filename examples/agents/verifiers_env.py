@@ -38,7 +38,7 @@ class VerifiersAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
         env = load(self.options["env"], json.dumps(self.options.get("env_args", {}), sort_keys=True))
         client = OpenAIChatCompletionsClient(AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
-                                                         max_retries=0))
+                                                         max_retries=0, http_client=ctx.http_client))
         row = {"prompt": ctx.messages, "example_id": 0, "answer": "" if ctx.label is None else str(ctx.label)}
         out = await env.run_rollout(row, client, ctx.model_name, dict(self.options.get("sampling_args", {})))
         if out.get("error"):   # verifiers records a failed rollout instead of raising: not trainable

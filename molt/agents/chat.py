@@ -1,15 +1,19 @@
 """The `ChatAgent` path: the user owns the loop and talks to the policy through a stock SDK.
 
 Each rollout opens a session on the loopback server; `ChatContext` carries its URLs and key, so
-`openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)` and
-`anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)` work unchanged. The server
-records the token-exact trajectory; the agent only returns a `Result` with the reward.
+`openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)` and
+`anthropic.AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, http_client=ctx.http_client)`
+work unchanged. The server records the token-exact trajectory; the agent only returns a `Result` with
+the reward.
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx2
 
 from molt.agents.env import Result
 from molt.agents.runner import Runner, agent_code
@@ -33,6 +37,9 @@ class ChatContext:
     max_turns: int = 1
     item: dict = field(default_factory=dict)
     judge: Any = None                # the LLM judge (agent.judge), for rewards: `await judge.p_yes(messages)`
+    # For the SDKs' `http_client=`: an httpx2 client (what the OpenAI and Anthropic SDKs build on) for this
+    # rollout, closed when it ends. An SDK client built without it sets up TLS for itself (≈60 ms on CPU).
+    http_client: httpx2.AsyncClient | None = None
 
 
 class ChatAgent:
@@ -52,6 +59,7 @@ class ChatAgentRunner(Runner):
         super().__init__()
         self.agent_cls = agent_cls
         self.server: LoopbackServer | None = None
+        self.tls: ssl.SSLContext | None = None
 
     def setup(self, tokenizer: Any, spec: Any) -> None:
         super().setup(tokenizer, spec)
@@ -59,23 +67,30 @@ class ChatAgentRunner(Runner):
         self.server = LoopbackServer(tokenizer, model_name, self.sampling, spec.agent.tool_parser,
                                      spec.model.chat_template_kwargs)
         self.server.start()
+        # httpx2 builds a TLS context for every client (≈60 ms of certificate loading on CPU); the
+        # rollouts' clients share this one, so a rollout's client costs ≈0.1 ms.
+        self.tls = httpx2.create_ssl_context()
 
     async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
         agent = self.spec.agent
         session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens, defaults)
         prompt = item.get(self.spec.data.prompt_key)
+        # trust_env=False: a proxy from the environment must never sit between an agent and the loopback
+        # server; the timeout is the rollout's own (agent.timeout_s), not httpx2's 5 s.
+        http_client = httpx2.AsyncClient(verify=self.tls, trust_env=False, timeout=agent.timeout_s)
         ctx = ChatContext(
             base_url=f"{self.server.url}/s/{session.id}/v1", session_url=f"{self.server.url}/s/{session.id}",
             api_key=session.key, model_name=self.server.model_name,
             messages=_openai_images(self.messages_of(item)),
             prompt=None if prompt is None else str(prompt), label=self.label_of(item),
             sampling_params=dict(defaults), options=dict(agent.options), max_turns=agent.max_turns,
-            item=item, judge=self.judge)
+            item=item, judge=self.judge, http_client=http_client)
         try:
             with agent_code():
                 result = await self.agent_cls(agent.options).run(ctx)
         finally:
             self.server.close(session)   # later requests with this key get a 404
+            await http_client.aclose()   # the agent may have closed it already: that is fine
         if not isinstance(result, Result):
             raise AgentError(f"{self.agent_cls.__name__}.run returned {type(result).__name__}, not Result")
         session.finish()
