@@ -313,6 +313,43 @@ def test_the_lent_http_client_bypasses_proxies_survives_the_agent_and_closes_aft
     assert r.ok and lent[-1].is_closed
 
 
+def test_stop_token_ids_and_ignore_eos_end_the_reply_where_asked(tok, engine, runners):
+    """vLLM's two request fields that only say where a reply ends reach the engine on the training path:
+    with ignore_eos the reply runs to max_tokens, with stop_token_ids it ends at the first stop token
+    (included, finish reason "stop"); the trajectories stay token-exact, and the next turn closes a reply
+    that did not end on eos with the template's end marker."""
+    sampler, replies = Recorder(engine, training=True), {}
+
+    class Stops(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            oa = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+            reply = await oa.chat.completions.create(model=ctx.model_name, messages=ctx.messages, seed=3,
+                                                     extra_body=ctx.options["extra"])
+            replies[ctx.options["name"]] = reply
+            again = [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "a"}]
+            await oa.chat.completions.create(model=ctx.model_name, messages=ctx.messages + again)
+            return Result(reward=1.0)
+
+    def run(name: str, extra: dict) -> dict:
+        runner = runners(Stops, {"max_turns": 2, "options": {"name": name, "extra": extra}})
+        [r] = run_all(runner, [{"prompt": "s", "label": "s"}], sampler, group=name)
+        [[call, then]] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+        ids = call["out"]["token_ids"]
+        assert then["prompt_ids"] == call["prompt_ids"] + ids + turn_glue(tok, ids, "user", "a")
+        assert "ignore_eos" not in then["sampling"] and "stop_token_ids" not in then["sampling"]
+        return call
+
+    free = run("free", {"ignore_eos": True})
+    ids = free["out"]["token_ids"]
+    assert free["sampling"]["ignore_eos"] is True
+    assert len(ids) == 8 and free["out"]["finish_reason"] == "length"
+    stop = ids[3]
+    stopped = run("stopped", {"ignore_eos": True, "stop_token_ids": [stop]})
+    assert stopped["sampling"]["stop_token_ids"] == [stop]
+    assert stopped["out"]["token_ids"] == ids[:ids.index(stop) + 1]   # the same seed samples the same tokens
+    assert stopped["out"]["finish_reason"] == "stop" and replies["stopped"].choices[0].finish_reason == "stop"
+
+
 # Fields vLLM's schemas accept that the loopback server does not apply, with a value away from the default
 # and the reason the 400 gives: each would be silently dropped otherwise.
 DISTRIBUTION, RENDER, MISSING = "sampling distribution", "how the prompt is rendered", "not implemented"
@@ -321,8 +358,8 @@ REFUSED_OPENAI = {
     "min_p": (0.2, DISTRIBUTION), "repetition_penalty": (1.3, DISTRIBUTION), "min_tokens": (5, DISTRIBUTION),
     "allowed_token_ids": ([1, 2], DISTRIBUTION), "bad_words": (["x"], DISTRIBUTION),
     "use_beam_search": (True, DISTRIBUTION), "length_penalty": (0.5, DISTRIBUTION),
-    "thinking_token_budget": (10, DISTRIBUTION), "stop_token_ids": ([5], MISSING),
-    "ignore_eos": (True, MISSING), "chat_template_kwargs": ({"enable_thinking": False}, RUN_VARIABLES),
+    "thinking_token_budget": (10, DISTRIBUTION), "stop": (["x"], MISSING),
+    "chat_template_kwargs": ({"enable_thinking": False}, RUN_VARIABLES),
     "add_generation_prompt": (False, RENDER),
     "continue_final_message": (True, RENDER), "reasoning_effort": ("low", RENDER),
     "a_future_vllm_field": (1, MISSING)}   # unknown to the schema: refused too, not ignored

@@ -248,7 +248,8 @@ class LoopbackServer:
         names = [shown.get(k, k) for k in sent]
         raise ApiError(400, f"unsupported parameter(s) {names}: {'; '.join(parts)}. "
                             "Leave them unset or at their defaults (the server applies messages, tools, "
-                            "temperature, top_p, top_k, seed, max tokens, n and output formats)")
+                            "temperature, top_p, top_k, seed, max tokens, n, stop_token_ids, ignore_eos "
+                            "and output formats)")
 
     async def _turn_while_connected(self, request: Request, session: ChatSession,
                                     chat: ChatCompletionRequest) -> tuple[list, list, int]:
@@ -312,9 +313,15 @@ class LoopbackServer:
         # The session's sampling is the default; a request may set its own, max tokens capped at the
         # default's (rollout.max_tokens, or rollout.eval.max_tokens in evaluation).
         sampling = dict(defaults)
+        # stop_token_ids and ignore_eos (vLLM's extensions) only say where a reply ends: the trainer's
+        # distribution stays the same, and a reply that does not end on eos is closed as a cut one.
         for key in ("temperature", "top_p", "top_k", "seed"):
             if getattr(chat, key) is not None:
                 sampling[key] = getattr(chat, key)
+        if chat.stop_token_ids:
+            sampling["stop_token_ids"] = list(chat.stop_token_ids)
+        if chat.ignore_eos:
+            sampling["ignore_eos"] = True
         wanted = chat.max_completion_tokens or vars(chat).get("max_tokens")   # the property warns
         sampling["max_tokens"] = min(wanted or defaults["max_tokens"], defaults["max_tokens"])
         choice = chat.tool_choice

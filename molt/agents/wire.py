@@ -43,7 +43,7 @@ Reply = tuple[str | None, list[dict]]   # (content, tool calls in OpenAI shape)
 OPENAI_SUPPORTED = frozenset({
     "messages", "model", "max_tokens", "max_completion_tokens", "n", "seed", "temperature", "top_p", "top_k",
     "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-    "structured_outputs", "user", "request_id", "chat_template_kwargs"})
+    "structured_outputs", "user", "request_id", "chat_template_kwargs", "stop_token_ids", "ignore_eos"})
 # `thinking` and `output_config` are checked as what vLLM's converter makes of them (ANTHROPIC_AS).
 ANTHROPIC_SUPPORTED = frozenset({"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k",
                                  "stream", "tools", "tool_choice", "metadata", "thinking", "output_config",
