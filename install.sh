@@ -23,9 +23,11 @@ links=$(echo $links | tr ' ' ',')
 [ -z "$links" ] || export UV_FIND_LINKS="${UV_FIND_LINKS:-$links}"
 [ -z "${PIP_EXTRA_INDEX_URL:-}" ] || export UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$PIP_EXTRA_INDEX_URL}"
 [ -z "${PIP_INDEX_URL:-}" ] || export UV_INDEX_URL="${UV_INDEX_URL:-$PIP_INDEX_URL}"
-# every index may serve any package, as with pip (uv's default takes a package from its first index only);
-# bytecode compiled now, as pip does, or every process would compile vLLM's sources on import
-UV=(.venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match --compile-bytecode)
+# every index may serve any package, as with pip (uv's default takes a package from its first index only).
+# Bytecode: Python caches a module's on its first import; where PYTHONDONTWRITEBYTECODE forbids that, all
+# of it is compiled now (≈100 s on 2 cores), or every process would compile vLLM's sources on import.
+UV=(.venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match)
+[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || UV+=(--compile-bytecode)
 if [ "$TARGET" = cpu ]; then
   "${UV[@]}" "torch==2.13.0"
 fi

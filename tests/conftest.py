@@ -112,8 +112,8 @@ LOAD_TOGETHER = {"engine": "engine_loading", "second_engine": "second_engine_loa
 SHARED = {*LOAD_TOGETHER, "trainer"}
 # The longest files (minutes, by `--durations`) start first, right after the shared group, so that the
 # suite does not end on one of them while the other worker idles. A file missing here only starts later.
-LONG_FILES = ("tests/test_trainer.py", "tests/test_loop.py", "tests/test_trainer_moe.py",
-              "tests/faults/test_trainer_faults.py")
+LONG_FILES = ("tests/test_trainer.py", "tests/test_loop.py", "tests/faults/test_trainer_faults.py",
+              "tests/test_trainer_moe.py", "tests/test_lora.py")
 
 
 @pytest.fixture(autouse=True)
