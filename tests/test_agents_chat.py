@@ -250,6 +250,10 @@ def test_a_failing_chat_agent_gives_an_error_rollout(tok, sampler, runners):
         [r] = run_all(runner, [{"prompt": "g", "label": "g"}], sampler)
         assert not r.ok and message in r.error and r.segments == []
         assert runner.server.sessions == {}   # the failed rollout's session is closed
+    runner = runners(Crashes)   # a row the runner cannot make messages of fails before the agent runs
+    [r] = run_all(runner, [{"label": "g"}], sampler)
+    assert not r.ok and "dataset row has neither 'prompt' nor 'messages'" in r.error
+    assert runner.server.sessions == {}
 
 
 def test_chat_context_urls_and_options(tok, sampler, runners):

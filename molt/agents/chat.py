@@ -38,7 +38,7 @@ class ChatContext:
     item: dict = field(default_factory=dict)
     judge: Any = None                # the LLM judge (agent.judge), for rewards: `await judge.p_yes(messages)`
     # For the SDKs' `http_client=`: an httpx2 client (what the OpenAI and Anthropic SDKs build on) for this
-    # rollout, closed when it ends. An SDK client built without it sets up TLS for itself (≈60 ms on CPU).
+    # rollout, closed when it ends. An SDK client built without it sets up TLS for itself (≈30–60 ms of CPU).
     http_client: httpx2.AsyncClient | None = None
 
 
@@ -74,21 +74,21 @@ class ChatAgentRunner(Runner):
     async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
         agent = self.spec.agent
         session = self.server.open(trace, sampler, agent.max_turns, agent.max_total_tokens, defaults)
-        prompt = item.get(self.spec.data.prompt_key)
+        prompt, url = item.get(self.spec.data.prompt_key), f"{self.server.url}/s/{session.id}"
         # trust_env=False: a proxy from the environment must never sit between an agent and the loopback
         # server; the timeout is the rollout's own (agent.timeout_s), not httpx2's 5 s.
         http_client = httpx2.AsyncClient(verify=self.tls, trust_env=False, timeout=agent.timeout_s)
-        ctx = ChatContext(
-            base_url=f"{self.server.url}/s/{session.id}/v1", session_url=f"{self.server.url}/s/{session.id}",
-            api_key=session.key, model_name=self.server.model_name,
-            messages=_openai_images(self.messages_of(item)),
-            prompt=None if prompt is None else str(prompt), label=self.label_of(item),
-            sampling_params=dict(defaults), options=dict(agent.options), max_turns=agent.max_turns,
-            item=item, judge=self.judge, http_client=http_client)
         try:
+            ctx = ChatContext(
+                base_url=f"{url}/v1", session_url=url,
+                api_key=session.key, model_name=self.server.model_name,
+                messages=_openai_images(self.messages_of(item)),
+                prompt=None if prompt is None else str(prompt), label=self.label_of(item),
+                sampling_params=dict(defaults), options=dict(agent.options), max_turns=agent.max_turns,
+                item=item, judge=self.judge, http_client=http_client)
             with agent_code():
                 result = await self.agent_cls(agent.options).run(ctx)
-        finally:
+        finally:   # a row without messages (AgentError) closes both too
             self.server.close(session)   # later requests with this key get a 404
             await http_client.aclose()   # the agent may have closed it already: that is fine
         if not isinstance(result, Result):
