@@ -182,7 +182,8 @@ class LoopbackServer:
             chat = AnthropicServingMessages.to_chat_completion_request(msg)
             # thinking and output_config, checked as the chat fields vLLM's converter made of them
             converted = chat.model_dump(include=chat.model_fields_set)
-            self._check(None, ChatCompletionRequest, converted, wire.OPENAI_SUPPORTED, wire.ANTHROPIC_AS)
+            self._check(None, ChatCompletionRequest, converted, wire.OPENAI_SUPPORTED, wire.ANTHROPIC_AS,
+                        wire.ANTHROPIC_SUPPORTED)
             chat.stream = False
             outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
         except ApiError as err:
@@ -230,9 +231,10 @@ class LoopbackServer:
         return session, body
 
     def _check(self, model: str | None, schema: type, body: dict, supported: frozenset[str],
-               shown: dict[str, str] | None = None) -> None:
+               shown: dict[str, str] | None = None, wire_fields: frozenset[str] | None = None) -> None:
         """One model is served, and a field the server would not honour is refused, never dropped: any
-        field outside `supported` that differs from its schema default (`shown` renames converted ones)."""
+        field outside `supported` that differs from its schema default (`shown` renames converted ones;
+        the refusal lists `wire_fields`, the fields of the wire the agent spoke, default `supported`)."""
         if model and model != self.model_name:
             raise ApiError(404, f"model '{model}' not found: this server serves '{self.model_name}' "
                                 "(ChatContext.model_name)")
@@ -247,9 +249,8 @@ class LoopbackServer:
                  for names, reason in why if names & set(sent)]
         names = [shown.get(k, k) for k in sent]
         raise ApiError(400, f"unsupported parameter(s) {names}: {'; '.join(parts)}. "
-                            "Leave them unset or at their defaults (the server applies messages, tools, "
-                            "temperature, top_p, top_k, seed, max tokens, n, stop_token_ids, ignore_eos "
-                            "and output formats)")
+                            "Leave them unset or at their defaults (this wire applies: "
+                            f"{', '.join(sorted(wire_fields or supported))})")
 
     async def _turn_while_connected(self, request: Request, session: ChatSession,
                                     chat: ChatCompletionRequest) -> tuple[list, list, int]:
