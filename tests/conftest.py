@@ -31,13 +31,17 @@ def tok(tiny_model_path):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the whole test session; logical CPUs > cores so small actors never starve."""
+    """One local Ray for the whole test session; logical CPUs > cores so small actors never starve.
+
+    No prestarted workers: every actor here gets a worker of its own anyway, so Ray's spare ones only
+    idled through the session (4 of them, ≈9 CPU-s each, on the cores the tests share)."""
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
-                                           "TOKENIZERS_PARALLELISM": "false"}})
+                                           "TOKENIZERS_PARALLELISM": "false"}},
+                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
     yield ray
     ray.shutdown()
 

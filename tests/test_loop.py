@@ -77,9 +77,12 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
 
     # The resumed run starts now, and its start-up (mostly imports on one core) overlaps the checks of
     # the killed run below; SIGTERM stops it after its first step: it finishes the step in flight,
-    # checkpoints and exits 0.
+    # checkpoints and exits 0. It attaches to this test's Ray (`ray.address`, as on a cluster): the
+    # killed run started its own, and a second local start would only repeat that path.
+    address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=0",
-                             "train.eval_every=0", f"run.resume={run_a}", f"hydra.run.dir={run_b}"], cwd=REPO,
+                             "train.eval_every=0", f"run.resume={run_a}", f"hydra.run.dir={run_b}",
+                             f"ray.address={address}"], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     try:
