@@ -241,9 +241,9 @@ def test_image_prompt_engine_matches_trainer(ray_session, vlm_engine, vlm_spec, 
     assert any(not torch.equal(before[k], after[k]) for k in before if k not in visual)
 
 
-def test_two_step_vlm_run_trains_and_its_dump_replays(tmp_path, ray_session) -> None:
-    """experiments/tiny_vlm_geo.yaml for 2 steps: both train on image prompts with the engine's logprobs
-    reproduced, step 2's after the refit (mismatch max <= 1e-5), the dump keeps the images, and
+def test_three_step_vlm_run_trains_and_its_dump_replays(tmp_path, ray_session) -> None:
+    """experiments/tiny_vlm_geo.yaml for 3 steps: every step trains on image prompts with the engine's
+    logprobs reproduced after each refit (mismatch max <= 1e-5), the dump keeps the images, and
     replaying step 1's dump on the initial weights reproduces its loss and gradient norm."""
     import json
 
@@ -254,14 +254,14 @@ def test_two_step_vlm_run_trains_and_its_dump_replays(tmp_path, ray_session) -> 
 
     # A random-init model answers no diagram, so every advantage is 0; the entropy bonus gives the steps
     # a gradient, so the weights move and every refit is checked by the next step's mismatch.
-    spec = compose(["+experiment=tiny_vlm_geo", "train.steps=2", "train.eval_every=0", "logging.plots=false",
+    spec = compose(["+experiment=tiny_vlm_geo", "train.steps=3", "train.eval_every=0", "logging.plots=false",
                     "logging.progress=false", "logging.wandb.mode=disabled", "rollout.temperature=0.7",
                     "algo.loss.entropy_coef=0.01"])
     spec.run.dir = str(tmp_path)
     (tmp_path / "spec.yaml").write_text(spec_yaml(spec))   # as the launcher writes it; replay reads it
     train(spec)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["mismatch/max_abs"] <= 1e-5 and r["tokens/trained"] > 0 and r["train/grad_norm"] > 0
     dumped = load_rollouts(tmp_path / "rollouts" / "step_000001.jsonl")

@@ -108,11 +108,11 @@ def trainer_pids() -> list[int]:
 
 def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp_path, capfd):
     """2 ranks; one is SIGKILLed after step 3 (the last checkpoint is step 2): the run rebuilds the trainer
-    from step 2 in new actors and finishes all 4 steps, each counted once, at the data position of 4 steps."""
+    from step 2 in new actors and finishes all 6 steps, each counted once, at the data position of 6 steps."""
     from molt.loop import train
 
     spec = small_spec(run={"dir": str(tmp_path)}, parallel={"world_size": 2, "dp_size": 2},
-                      train={"steps": 4, "save_every": 2, "prompts_per_step": 2, "max_trainer_restarts": 1},
+                      train={"steps": 6, "save_every": 2, "prompts_per_step": 2, "max_trainer_restarts": 1},
                       rollout={"engine": {"kv_cache_gib": 0.1}},
                       logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}})
     killed: list[int] = []
@@ -133,11 +133,11 @@ def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp
     assert "a trainer rank died" in capfd.readouterr().out
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records]
-    assert steps[-2:] == [3, 4] and sorted(set(steps)) == [1, 2, 3, 4]   # steps after 2 redone
+    assert steps[-3:] == [4, 5, 6] and sorted(set(steps)) == [1, 2, 3, 4, 5, 6]   # steps after 2 redone
     assert [r["trainer/restarts"] for r in records if r["step"] <= 2][:2] == [0.0, 0.0]
-    meta = json.loads((tmp_path / "checkpoints" / "step_000004" / "meta.json").read_text())
-    assert meta["step"] == meta["version"] == 4 and meta["pending"] == []
-    assert meta["data"]["index"] + 256 * meta["data"]["epoch"] == 2 * 4   # 2 prompts a step, none twice
+    meta = json.loads((tmp_path / "checkpoints" / "step_000006" / "meta.json").read_text())
+    assert meta["step"] == meta["version"] == 6 and meta["pending"] == []
+    assert meta["data"]["index"] + 256 * meta["data"]["epoch"] == 2 * 6   # 2 prompts a step, none twice
     # The rebuilt trainer was stopped too. `ray.kill` returns before the process exits, which takes
     # longer while another test loads the cores: a leaked rank lives on, a stopped one is gone soon.
     deadline = time.time() + 30
