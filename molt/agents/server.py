@@ -314,11 +314,11 @@ class LoopbackServer:
         # The session's sampling is the default; a request may set its own, max tokens capped at the
         # default's (rollout.max_tokens, or rollout.eval.max_tokens in evaluation).
         sampling = dict(defaults)
-        # stop_token_ids and ignore_eos (vLLM's extensions) only say where a reply ends: the trainer's
-        # distribution stays the same, and a reply that does not end on eos is closed as a cut one.
         for key in ("temperature", "top_p", "top_k", "seed"):
             if getattr(chat, key) is not None:
                 sampling[key] = getattr(chat, key)
+        # stop_token_ids and ignore_eos (vLLM's extensions) only say where a reply ends: the trainer's
+        # distribution stays the same, and a reply that does not end on eos is closed as a cut one.
         if chat.stop_token_ids:
             sampling["stop_token_ids"] = list(chat.stop_token_ids)
         if chat.ignore_eos:
