@@ -61,7 +61,11 @@ def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, di
     """[R] rewards of the kept rollouts after `algo.reward`'s transforms, and `reward/*` metrics."""
     rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
     lengths = torch.tensor([r.num_sampled for r in kept], dtype=torch.float32)
-    budget = spec.rollout.max_tokens * spec.agent.max_turns
+    # A rollout's responses are capped at max_tokens per turn and by what agent.max_total_tokens leaves after
+    # its prompt: the overlong band sits below the smaller of the two, so the penalty can fire at all.
+    room = torch.tensor([spec.agent.max_total_tokens - (r.segments[0].prompt_len if r.segments else 0)
+                         for r in kept], dtype=torch.float32)
+    budget = room.clamp(min=1, max=spec.rollout.max_tokens * spec.agent.max_turns)
     rewards, metrics = shape_rewards(rewards, lengths, spec.algo, budget)
     return rewards, {f"reward/{k.removeprefix('reward_')}": float(v) for k, v in metrics.items()}
 

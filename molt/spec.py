@@ -118,15 +118,18 @@ def check_combinations(spec: RunSpec) -> None:
     _speculative_decoding(spec)
     _updates(spec)
     _packing(spec)
+    _rollout_budgets(spec)
 
 
 def _moe_with_expert_parallel(spec: RunSpec) -> None:
-    switches = [k for k in ("router_replay", "freeze_router") if getattr(spec.model, k)]
+    # the critic is always a Hugging Face token-classification model (molt/trainer/model.py)
+    switches = [k for k in ("router_replay", "freeze_router", "critic") if getattr(spec.model, k)]
     if switches and spec.parallel.ep_size > 1:
         raise ValueError(f"model.{'/'.join(switches)} with parallel.ep_size={spec.parallel.ep_size}: replay "
-                         "and freeze act on Hugging Face MoE routers, and AutoModel's expert parallel shards "
-                         "only its own MoE classes (it raises on the Hugging Face ones); use ep_size=1 "
-                         "(FSDP2 still shards the experts) or turn the switch off")
+                         "and freeze act on Hugging Face MoE routers and the critic is a Hugging Face model, "
+                         "but AutoModel's expert parallel shards only its own MoE classes (it raises on the "
+                         "Hugging Face ones); use ep_size=1 (FSDP2 still shards the experts) or turn the "
+                         "switch off")
 
 
 def _route_capture(spec: RunSpec) -> None:
@@ -160,11 +163,13 @@ def _speculative_decoding(spec: RunSpec) -> None:
 
 def _updates(spec: RunSpec) -> None:
     train = spec.train
-    rows = train.prompts_per_step * spec.rollout.samples_per_prompt // spec.parallel.dp_size
+    sft = train.objective == "sft"   # an SFT batch is prompts_per_step conversations
+    rows = train.prompts_per_step * (1 if sft else spec.rollout.samples_per_prompt) // spec.parallel.dp_size
     if train.minibatches > rows:
+        per = "" if sft else " * rollout.samples_per_prompt"
         raise ValueError(f"train.minibatches={train.minibatches} is more than the {rows} rows each data-"
-                         "parallel rank gets per batch (train.prompts_per_step * rollout.samples_per_prompt"
-                         " / parallel.dp_size): some optimizer steps would see no rows")
+                         f"parallel rank gets per batch (train.prompts_per_step{per} / parallel.dp_size): "
+                         "some optimizer steps would see no rows")
     if train.critic_warmup_steps and not spec.model.critic:
         raise ValueError("train.critic_warmup_steps trains the critic alone: it needs model.critic=true "
                          "(algo=gae)")
@@ -178,14 +183,50 @@ def _packing(spec: RunSpec) -> None:
                          "use train.micro_batch_size")
 
 
+def _rollout_budgets(spec: RunSpec) -> None:
+    rollout, agent = spec.rollout, spec.agent
+    if spec.train.objective == "sft":
+        return
+    # A rollout holds prompt + responses within agent.max_total_tokens: a response could never reach a
+    # max_tokens at or above it, and every response would be cut short without a word.
+    longest = max(rollout.max_tokens, rollout.eval.max_tokens if spec.train.eval_every else 0)
+    if agent.max_total_tokens <= longest:
+        key = "rollout.max_tokens" if longest == rollout.max_tokens else "rollout.eval.max_tokens"
+        raise ValueError(f"{key}={longest} cannot be reached: agent.max_total_tokens="
+                         f"{agent.max_total_tokens} caps a rollout's prompt and responses together; raise "
+                         "agent.max_total_tokens (e.g. to model.max_model_len)")
+    if spec.algo.filters.drop_equal_rewards and rollout.samples_per_prompt == 1:
+        raise ValueError("algo.filters.drop_equal_rewards with rollout.samples_per_prompt=1: a group of one "
+                         "always has equal rewards, so every group would be dropped and nothing trained")
+    if rollout.mode == "async" and rollout.groups_in_flight < spec.train.prompts_per_step:
+        raise ValueError(f"rollout.mode=async with rollout.groups_in_flight={rollout.groups_in_flight} < "
+                         f"train.prompts_per_step={spec.train.prompts_per_step}: a batch needs that many "
+                         "groups generating at once; raise rollout.groups_in_flight")
+    if rollout.engine.extra_args.get("enable_chunked_prefill") and spec.parallel.device == "cpu":
+        raise ValueError("rollout.engine.extra_args.enable_chunked_prefill=true on parallel.device=cpu: a "
+                         "seeded request whose prefill is split makes vLLM rewind a CPU generator, which "
+                         "kills the engine core")
+
+
 def spec_warnings(spec: RunSpec) -> list[str]:
     """Accepted but risky settings; the launcher logs each one loudly (console and the run's log)."""
-    out = []
-    if spec.rollout.mode == "async" and spec.algo.correction.level == "off":
+    out, rl = [], spec.train.objective == "rl"
+    if rl and spec.rollout.mode == "async" and spec.algo.correction.level == "off":
         out.append("rollout.mode=async with algo.correction.level=off: tokens up to rollout.max_staleness="
                    f"{spec.rollout.max_staleness} policy versions old (and, with partial rollouts, responses "
                    "that span a refit) are trained as if on-policy; set algo.correction (e.g. algo=tis) "
                    "unless this is the ablation you want")
+    # With one update per batch the old logprobs are the update's own forward: every ratio is 1.
+    loss, default = spec.algo.loss, LossSpec()
+    clips = [f"{k}={getattr(loss, k)}" for k in ("eps_low", "eps_high", "dual_clip", "value_clip")
+             if getattr(loss, k) != getattr(default, k)]
+    if rl and clips and spec.train.minibatches * spec.train.epochs == 1:
+        out.append(f"algo.loss.{', '.join(clips)} with one update per batch (train.minibatches x "
+                   "train.epochs = 1): the policy's ratio (and the critic's value change) starts at 1 (0) "
+                   "and the clip never acts; raise train.minibatches or train.epochs for the clip to matter")
+    if not rl and spec.train.max_trainer_restarts != TrainSpec().max_trainer_restarts:
+        out.append("train.max_trainer_restarts with train.objective=sft: an SFT run stops when a trainer "
+                   "rank dies (resume it with run.resume=auto); the setting applies to RL runs")
     return out
 
 

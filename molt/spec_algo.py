@@ -15,24 +15,26 @@ class Strict(BaseModel):
 
 
 class TrainSpec(Strict):
-    steps: int = Field(400, description="optimizer steps (one batch of prompt groups each)")
-    prompts_per_step: int = Field(8, description="prompt groups per optimizer step")
-    micro_batch_size: int = Field(64, description="most sequences per forward/backward, per rank")
+    steps: int = Field(400, ge=0, description="loop steps: one generated batch each (train.minibatches x "
+                       "train.epochs optimizer steps per batch)")
+    prompts_per_step: int = Field(8, ge=1, description="prompt groups per step (batch)")
+    micro_batch_size: int = Field(64, ge=1, description="most sequences per forward/backward, per rank")
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="sequence packing: micro-batches of consecutive rows with at most this many "
         "real tokens per rank, packed into one padding-free row (replaces micro_batch_size; cpu; null = off)")
     lr: float = Field(5e-4, description="AdamW learning rate of the policy")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="after warm-up: constant, or cosine / linear decay to 0 at train.steps")
-    warmup_steps: int = Field(0, description="steps of linear learning-rate warm-up")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear learning-rate warm-up")
     weight_decay: float = Field(0.0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    grad_clip: float = Field(1.0, description="clip the global gradient norm to this")
+    grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this (> 0: torch "
+                             "scales gradients by grad_clip / norm, so 0 would zero them and < 0 flip them)")
     critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
-    save_every: int = Field(50, description="checkpoint every N steps (0 = only at the end)")
+    save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(
         2, ge=1, description="checkpoints kept on disk: the newest N, plus the best one (train.best_metric)")
-    eval_every: int = Field(25, description="evaluate on the data.eval sets every N steps (0 = never)")
+    eval_every: int = Field(25, ge=0, description="evaluate on the data.eval sets every N steps (0 = never)")
     objective: Literal["rl", "sft"] = Field(
         "rl", description="rl: the agent loop; sft: NLL on assistant tokens (set by python -m molt.sft)")
     export_hf: bool = Field(
@@ -54,15 +56,15 @@ class TrainSpec(Strict):
 class LossSpec(Strict):
     policy: str = Field("ppo", description="policy surrogate, by registered name: ppo (clip), gspo "
                         "(sequence ratio and clip), cispo (clipped, stop-gradient IS weight)")
-    eps_low: float = Field(0.2, description="clip: the ratio's (gspo: sequence ratio's; cispo: IS weight's) "
-                           "lower bound is 1-eps_low")
-    eps_high: float = Field(0.2, description="clip: the upper bound is 1+eps_high")
+    eps_low: float = Field(0.2, ge=0, le=1, description="clip: the ratio's (gspo: sequence ratio's; cispo: "
+                           "IS weight's) lower bound is 1-eps_low")
+    eps_high: float = Field(0.2, ge=0, description="clip: the upper bound is 1+eps_high")
     dual_clip: float | None = Field(None, description="c > 1 bounds the loss of negative-advantage tokens "
                                     "(policy=ppo)")
     norm: Literal["token", "seq", "seq-mean-token-mean"] = Field(
         "token", description="token: global token mean; seq: per-sequence constant (Dr.GRPO); "
         "seq-mean-token-mean: mean over sequences of each one's token mean (original GRPO)")
-    value_clip: float = Field(0.2, description="critic: largest value change from the old values")
+    value_clip: float = Field(0.2, gt=0, description="critic: largest value change from the old values")
     entropy_coef: float = Field(0.0, description="entropy bonus weight (0 = off)")
 
     @field_validator("dual_clip")
@@ -106,7 +108,7 @@ class CorrectionSpec(Strict):
 
 class KLSpec(Strict):
     estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL(policy || reference) estimator")
-    coef: float = Field(0.0, description="KL penalty weight (0 = off; > 0 needs model.reference); with "
+    coef: float = Field(0.0, ge=0, description="KL penalty weight (0 = off; > 0 needs model.reference); with "
                         "target: the initial weight")
     in_reward: bool = Field(False, description="fold the KL penalty into the reward instead of the loss")
     target: float | None = Field(None, gt=0, description="adaptive KL (Ziegler et al.): steer coef so the "
@@ -118,6 +120,12 @@ class KLSpec(Strict):
     def _adaptive(self) -> KLSpec:
         if self.target is not None and self.coef <= 0:
             raise ValueError("algo.kl.target needs an initial algo.kl.coef > 0 (the controller scales it)")
+        # As a loss term k1 = logp - ref_logp has the gradient of logp alone, whose mean over the policy's
+        # own samples is 0: it would add noise and never pull toward the reference.
+        if self.estimator == "k1" and self.coef > 0 and not self.in_reward:
+            raise ValueError("algo.kl.estimator=k1 as a loss term (algo.kl.in_reward=false) has a zero-mean "
+                             "gradient on the policy's own samples, so it never pulls toward the reference; "
+                             "use k1 with algo.kl.in_reward=true, or k2 / k3 in the loss")
         return self
 
 
@@ -145,6 +153,14 @@ class FilterSpec(Strict):
     refill_max_groups: int = Field(0, ge=0, description="dynamic sampling: generate up to this many extra "
                                    "groups per step to replace groups the filters drop (0 = train on fewer)")
 
+    @field_validator("score_range")
+    @classmethod
+    def _ordered(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and value[0] > value[1]:
+            raise ValueError(f"algo.filters.score_range={list(value)}: low must not exceed high (every group "
+                             "would be dropped)")
+        return value
+
 
 class AlgoSpec(Strict):
     estimator: str = Field("grpo", description="advantage estimator, by registered name (checked after "
@@ -164,7 +180,7 @@ class AlgoSpec(Strict):
                                description="reward shaping, clipping, normalization (after the filters)")
 
     @model_validator(mode="after")
-    def _kl_reaches_the_update(self) -> AlgoSpec:
+    def _distill_ignores_the_reward(self) -> AlgoSpec:
         # on_policy_distill's advantages ignore the reward, and policy_loss leaves the loss-form KL out
         # when in_reward is set: the KL would be applied nowhere while adv/kl_in_reward is still logged.
         if self.estimator == "on_policy_distill" and self.kl.coef > 0 and self.kl.in_reward:
@@ -172,4 +188,9 @@ class AlgoSpec(Strict):
                              "algo.kl.in_reward=true: its advantages do not use the reward, so a KL folded "
                              "into it is applied nowhere; set algo.kl.in_reward=false (the KL is then a "
                              "loss term)")
+        # ... and for the same reason the reward transforms would change nothing but reward/* metrics
+        if self.estimator == "on_policy_distill" and self.reward != RewardSpec():
+            raise ValueError("algo.reward.* with algo.estimator=on_policy_distill: its advantages are the "
+                             "teacher log-ratio and do not use the reward, so reward shaping, clipping and "
+                             "normalization would change nothing; leave algo.reward at its defaults")
         return self

@@ -74,15 +74,16 @@ class ModelSpec(Strict):
 class ParallelSpec(Strict):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where trainer ranks and engines run: cpu (gloo) or cuda (NCCL)")
-    nodes: int = Field(1, description="Ray nodes the run uses (the placement plan, molt/placement.py)")
-    gpus_per_node: int = Field(8, description="cuda: GPUs on each node; the plan must fit nodes x this")
+    nodes: int = Field(1, ge=1, description="Ray nodes the run uses (the placement plan, molt/placement.py)")
+    gpus_per_node: int = Field(8, ge=1, description="cuda: GPUs on each node; the plan must fit nodes x this")
     trainer_nodes: int | None = Field(
         None, description="K: nodes 0..K-1 train, the others generate; null: all roles share every node")
-    world_size: int = Field(1, description="trainer ranks; equals dp_size*tp_size*cp_size")
-    dp_size: int = Field(1, description="data-parallel ranks (FSDP2 shards over them)")
-    tp_size: int = Field(1, description="tensor-parallel ranks (a power of two)")
-    cp_size: int = Field(1, description="context-parallel ranks (a power of two; > 1 is refused)")
-    ep_size: int = Field(1, description="MoE expert-parallel ranks; divides dp_size*cp_size (power of 2)")
+    world_size: int = Field(1, ge=1, description="trainer ranks; equals dp_size*tp_size*cp_size")
+    dp_size: int = Field(1, ge=1, description="data-parallel ranks (FSDP2 shards over them)")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (a power of two)")
+    cp_size: int = Field(1, ge=1, description="context-parallel ranks (a power of two; > 1 is refused)")
+    ep_size: int = Field(1, ge=1, description="MoE expert-parallel ranks; divides dp_size*cp_size (power "
+                         "of 2)")
     offload: Literal["none", "optimizer", "full"] = Field(
         "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
@@ -107,8 +108,9 @@ class ParallelSpec(Strict):
 
 
 class EngineSpec(Strict):
-    num_engines: int = Field(1, description="vLLM engine actors (the dispatcher spreads requests over them)")
-    tp_size: int = Field(1, description="tensor-parallel GPUs per engine")
+    num_engines: int = Field(1, ge=1, description="vLLM engine actors (the dispatcher spreads requests over "
+                             "them)")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel GPUs per engine")
     dp_size: int = Field(1, description="vLLM replicas inside one engine: 1 (more: num_engines)")
     enable_expert_parallel: bool = Field(False, description="MoE: shard experts over the engine's GPUs")
     gpu_memory_utilization: float = Field(0.85, description="fraction of GPU memory vLLM may use")
@@ -136,14 +138,21 @@ class EngineSpec(Strict):
         return value
 
 
+# vLLM engine arguments Molt derives from other keys (molt/rollout/engine_args.py), which
+# rollout.engine.extra_args may not override: the plan, prompt fitting and refit read those keys.
+OWNED_ENGINE_ARGS = {"model": "model.path", "tensor_parallel_size": "rollout.engine.tp_size",
+                     "data_parallel_size": "rollout.engine.dp_size", "max_model_len": "model.max_model_len",
+                     "worker_extension_cls": "Molt's refit (molt/rollout/worker.py)"}
+
+
 class SamplingSpec(Strict):
     """How the eval sets are sampled (rollout.eval): greedy unless set."""
 
     temperature: float = Field(0.0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
     top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
-    max_tokens: int = Field(8, description="most tokens generated per turn")
-    n: int = Field(1, description="samples per eval prompt (eval/pass@n)")
+    max_tokens: int = Field(8, ge=1, description="most tokens generated per turn")
+    n: int = Field(1, ge=1, description="samples per eval prompt (eval/pass@n)")
     pass_reward: float = Field(1.0, description="a sample with at least this reward counts as correct for "
                                "eval/pass@k (mean@n averages the rewards themselves)")
 
@@ -151,19 +160,23 @@ class SamplingSpec(Strict):
 class RolloutSpec(Strict):
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: generate one batch, then train; async: keep generating while training")
-    samples_per_prompt: int = Field(8, description="rollouts per prompt: the group size of group estimators")
-    max_tokens: int = Field(8, description="most tokens sampled per turn")
+    samples_per_prompt: int = Field(8, ge=1, description="rollouts per prompt: the group size of group "
+                                    "estimators")
+    max_tokens: int = Field(8, ge=1, description="most tokens sampled per turn")
     temperature: float = Field(1.0, description="sampling temperature; the trainer scores logits/temperature")
     top_p: float = Field(1.0, description="nucleus sampling mass (1 = off)")
     top_k: int = Field(-1, description="sample among the k most likely tokens (-1 = off)")
-    groups_in_flight: int = Field(16, description="async: prompt groups kept generating while training")
+    groups_in_flight: int = Field(16, ge=1, description="async: prompt groups kept generating while training")
     partial_rollout: bool = Field(
-        True, description="a refit keeps in-flight requests (pause/keep) instead of dropping them")
-    max_staleness: int = Field(1, description="most policy versions between sampling a token and training it")
+        True, description="a refit pauses the engines and keeps in-flight requests, which go on with the "
+        "new weights (false: the refit waits until the in-flight requests finish)")
+    max_staleness: int = Field(1, ge=0, description="most policy versions between sampling a token and "
+                               "training it")
     prompt_too_long: Literal["truncate", "reject"] = Field(
         "reject", description="a prompt with no room for one token: fail the rollout or keep its tail")
     refit_chunk_mb: float = Field(
-        256.0, description="a refit streams the weights to the engines in chunks of this size (>= 1 tensor)")
+        256.0, gt=0, description="a refit streams the weights to the engines in chunks of this size (>= 1 "
+        "tensor)")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
     eval: SamplingSpec = Field(default_factory=SamplingSpec,
                                description="sampling of the eval set (train.eval_every)")
@@ -179,12 +192,23 @@ class RolloutSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _logprobs_mode(self) -> RolloutSpec:
-        mode = self.engine.extra_args.get("logprobs_mode", LOGPROBS_MODE)
+    def _engine_args(self) -> RolloutSpec:
+        extra = self.engine.extra_args
+        mode = extra.get("logprobs_mode", LOGPROBS_MODE)
         if mode != LOGPROBS_MODE:
             raise ValueError(f"rollout.engine.extra_args.logprobs_mode={mode}: the trainer recomputes "
                              f"{LOGPROBS_MODE} (the distribution tokens are sampled from); another mode "
                              "would make every importance weight and mismatch/* wrong")
+        owned = sorted(set(extra) & set(OWNED_ENGINE_ARGS))
+        if owned:
+            raise ValueError(f"rollout.engine.extra_args.{owned[0]}: Molt sets this engine argument from "
+                             f"{OWNED_ENGINE_ARGS[owned[0]]}, which the placement, prompt fitting and refit "
+                             "rely on; set it there")
+        if extra.get("async_scheduling") and self.partial_rollout:
+            raise ValueError("rollout.engine.extra_args.async_scheduling=true with rollout.partial_rollout="
+                             "true: a batch scheduled ahead with the old weights could still be out after a "
+                             "refit and its tokens would be labelled with the new policy version; set "
+                             "rollout.partial_rollout=false")
         return self
 
 
@@ -205,12 +229,14 @@ class AgentSpec(Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
     tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat)")
     judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (agents.judge)")
-    max_turns: int = Field(1, description="most LLM calls per rollout")
-    max_total_tokens: int = Field(256, description="most tokens per rollout: prompt, turns and observations")
-    timeout_s: float = Field(60.0, description="seconds before a rollout fails as timed out")
+    max_turns: int = Field(1, ge=1, description="most LLM calls per rollout")
+    max_total_tokens: int = Field(256, ge=2, description="most tokens per rollout: prompt, turns and "
+                                  "observations")
+    timeout_s: float = Field(60.0, gt=0, description="seconds before a rollout fails as timed out")
     on_failure: Literal["drop_group", "keep_group"] = Field(
         "drop_group", description="a failed rollout drops its whole group, or only itself")
-    max_failure_rate: float = Field(0.5, description="stop the run when more of a batch than this fails")
+    max_failure_rate: float = Field(0.5, ge=0, le=1, description="stop the run when more of a batch than "
+                                    "this fails")
 
 
 class DataSpec(Strict):

@@ -37,6 +37,25 @@ def test_overlong_penalty_clip_and_normalize_by_hand():
     assert same is rewards and m == {}
 
 
+def test_the_overlong_band_lies_below_what_max_total_tokens_leaves():
+    """max_tokens 64, but a 30-token prompt under max_total_tokens 80 leaves 50: the band is (40, 50], so
+    45 sampled tokens cost half the penalty (with the budget 64 the band would start at 51.2)."""
+    from molt.select import shaped_rewards
+
+    spec = RunSpec.model_validate({"rollout": {"max_tokens": 64}, "model": {"max_model_len": 128},
+                                   "agent": {"max_total_tokens": 80}, "algo": {"reward": {
+                                       "overlong_buffer_frac": 0.2, "overlong_penalty": 1.0}}})
+    rollouts = []
+    for i, sampled in enumerate((30, 45, 50)):
+        seg = Segment(token_ids=[5] * (30 + sampled), loss_mask=[0] * 30 + [1] * sampled,
+                      logprobs=[0.0] * 30 + [-1.0] * sampled, versions=[-1] * 30 + [0] * sampled,
+                      rollout_id=f"r{i}", group_id="g", prompt_len=30)
+        rollouts.append(Rollout(rollout_id=f"r{i}", group_id="g", segments=[seg], reward=1.0))
+    rewards, metrics = shaped_rewards(spec, rollouts)
+    assert rewards.tolist() == pytest.approx([1.0, 0.5, 0.0])
+    assert metrics["reward/overlong_frac"] == pytest.approx(2 / 3)
+
+
 def test_adaptive_kl_controller_by_hand():
     spec = KLSpec(coef=0.1, target=0.02, horizon=1000)
     # kl 0.03: error 0.5 clipped to 0.2; 64 rollouts: coef * (1 + 0.2 * 64 / 1000)

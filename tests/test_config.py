@@ -119,6 +119,29 @@ def test_bad_type_is_reported_with_key_and_value():
         (["rollout.temperature=-0.5"], "does not sample"),
         # the trainer recomputes processed logprobs: the engine must report those
         (["+rollout.engine.extra_args.logprobs_mode=raw_logprobs"], "trainer recomputes processed_logprobs"),
+        # engine arguments the plan and refit read from other keys; combinations that kill or mislabel
+        (["+rollout.engine.extra_args.max_model_len=64"], "from model.max_model_len"),
+        (["+rollout.engine.extra_args.tensor_parallel_size=2"], "from rollout.engine.tp_size"),
+        (["+rollout.engine.extra_args.async_scheduling=true"], "set rollout.partial_rollout=false"),
+        (["+rollout.engine.extra_args.enable_chunked_prefill=true"], "kills the engine core"),
+        (["+experiment=qwen30b_tools", "model.router_replay=false", "parallel.ep_size=8", "algo=gae",
+          "model.critic=true"], "critic with parallel.ep_size=8"),
+        # settings that would silently train nothing, or on cut responses
+        (["model.max_model_len=1024", "rollout.max_tokens=300"], "max_tokens=300 cannot be reached"),
+        (["+experiment=qwen3_4b_math", "agent.max_total_tokens=256"], "max_tokens=4096 cannot be reached"),
+        (["algo=reinforce_pp", "rollout.samples_per_prompt=1", "algo.filters.drop_equal_rewards=true"],
+         "a group of one"),
+        (["rollout.mode=async", "rollout.groups_in_flight=4"], "raise rollout.groups_in_flight"),
+        (["model.reference=policy", "algo.kl.coef=0.1", "algo.kl.estimator=k1"], "zero-mean gradient"),
+        (["algo=on_policy_distill", "model.reference=policy", "algo.reward.clip=1"], "do not use the reward"),
+        (["algo.filters.score_range=[0.8,0.2]"], "low must not exceed high"),
+        (["train.objective=sft", "train.prompts_per_step=2", "train.minibatches=4"], "more than the 2 rows"),
+        # ranges: a value that would zero or flip the gradients, loop forever or divide by zero
+        (["train.grad_clip=0"], "grad_clip: Input should be greater than 0"),
+        (["algo.loss.eps_high=-0.1"], "eps_high: Input should be greater than or equal to 0"),
+        (["rollout.max_staleness=-1"], "max_staleness: Input should be greater than or equal to 0"),
+        (["rollout.engine.num_engines=0"], "num_engines: Input should be greater than or equal to 1"),
+        (["parallel.world_size=0", "parallel.dp_size=0"], "world_size: Input should be greater than"),
     ],
 )
 def test_cross_field_rules(overrides, fragment):
@@ -131,6 +154,14 @@ def test_cross_field_rules(overrides, fragment):
     ["algo=gae", "model.critic=true"], ["algo.loss.dual_clip=3"],
     ["algo=on_policy_distill", "model.reference=policy", "algo.kl.coef=0.1", "algo.kl.in_reward=false"],
     ["algo=grpo", "model.reference=policy", "algo.kl.coef=0.1", "algo.kl.in_reward=true"],
+    ["model.reference=policy", "algo.kl.coef=0.1", "algo.kl.estimator=k1", "algo.kl.in_reward=true"],
+    ["model.reference=policy", "algo.kl.coef=0.1", "algo.kl.estimator=k2"],
+    ["model.max_model_len=1024", "rollout.max_tokens=300", "agent.max_total_tokens=512"],
+    ["algo=reinforce_pp", "rollout.samples_per_prompt=1"],
+    ["rollout.mode=async", "rollout.groups_in_flight=8"],
+    ["+rollout.engine.extra_args.dtype=bfloat16"],
+    ["rollout.partial_rollout=false", "+rollout.engine.extra_args.async_scheduling=true"],
+    ["train.objective=sft", "train.prompts_per_step=2", "train.minibatches=2"],
 ])
 def test_the_working_neighbours_of_each_refusal_validate(overrides):
     compose(overrides)
@@ -201,6 +232,19 @@ def test_async_without_correction_warns():
 
     assert not spec_warnings(compose(["rollout.mode=async", "algo=tis"]))
     assert "algo.correction.level=off" in spec_warnings(compose(["rollout.mode=async"]))[0]
+    assert not spec_warnings(compose(["rollout.mode=async", "train.objective=sft"]))   # nothing samples
+
+
+def test_clips_that_cannot_act_and_sft_restarts_warn():
+    from molt.spec import spec_warnings
+
+    # one update per batch: every ratio is 1, so DAPO's clip-higher would never act
+    assert "algo.loss.eps_high=0.28 with one update per batch" in spec_warnings(compose(["algo=dapo"]))[0]
+    assert not spec_warnings(compose(["algo=dapo", "train.minibatches=2"]))
+    assert not spec_warnings(compose(["algo=grpo"]))
+    assert "an SFT run stops" in spec_warnings(compose(["train.objective=sft",
+                                                        "train.max_trainer_restarts=5"]))[0]
+    assert not spec_warnings(compose(["train.max_trainer_restarts=5"]))
 
 
 PLANS = {

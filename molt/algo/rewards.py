@@ -1,7 +1,8 @@
 """Reward transforms (keys of `algo.reward`), applied to the kept rollouts' rewards after the filters.
 
 Each takes rewards [R], response lengths [R] (sampled tokens of the whole rollout), the AlgoSpec and the
-response budget (rollout.max_tokens * agent.max_turns) and returns new rewards [R]. `shape_rewards` runs
+response budget per rollout (rollout.max_tokens * agent.max_turns, or less where agent.max_total_tokens
+leaves less after the prompt: molt.select.shaped_rewards) and returns new rewards [R]. `shape_rewards` runs
 the enabled ones in the order of REWARD_TRANSFORMS: overlong penalty, clip, normalize. The filters
 judge the raw task rewards, so shaping never changes which groups dynamic sampling keeps.
 """
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 EPS = 1e-6
 
 
-def overlong_penalty(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: int) -> Tensor:
+def overlong_penalty(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: Tensor | float) -> Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476), added to the reward;
     with L_max = budget, L_cache = overlong_buffer_frac * budget, p = overlong_penalty:
 
@@ -33,17 +34,17 @@ def overlong_penalty(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: i
     return rewards - spec.overlong_penalty * excess.clamp(max=1.0)
 
 
-def clip(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: int) -> Tensor:
+def clip(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: Tensor | float) -> Tensor:
     """Clamp each reward to [-clip, clip]."""
     return rewards.clamp(-algo.reward.clip, algo.reward.clip)
 
 
-def normalize(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: int) -> Tensor:
+def normalize(rewards: Tensor, lengths: Tensor, algo: AlgoSpec, budget: Tensor | float) -> Tensor:
     """batch: (r - mean) / (std + 1e-6) over the batch's rollouts (population std: one rollout gives 0)."""
     return (rewards - rewards.mean()) / (rewards.std(correction=0) + EPS)
 
 
-Transform = Callable[[Tensor, Tensor, "AlgoSpec", int], Tensor]
+Transform = Callable[[Tensor, Tensor, "AlgoSpec", "Tensor | float"], Tensor]
 # algo.reward.<key> enables REWARD_TRANSFORMS[key] when set (overlong_buffer_frac > 0, clip, normalize on).
 REWARD_TRANSFORMS: dict[str, Transform] = {
     "overlong_buffer_frac": overlong_penalty, "clip": clip, "normalize": normalize,
@@ -51,7 +52,7 @@ REWARD_TRANSFORMS: dict[str, Transform] = {
 
 
 def shape_rewards(rewards: Tensor, lengths: Tensor, algo: AlgoSpec,
-                  budget: int) -> tuple[Tensor, dict[str, Tensor]]:
+                  budget: Tensor | float) -> tuple[Tensor, dict[str, Tensor]]:
     """Run the enabled transforms in order. Metrics when any is on: `reward_shaped_mean` (after all of
     them); with the overlong penalty, `reward_overlong_frac` (rollouts in the penalized band or past it)."""
     enabled = [fn for key, fn in REWARD_TRANSFORMS.items()
