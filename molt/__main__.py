@@ -28,12 +28,11 @@ def _run(cfg: DictConfig) -> None:
 
     from molt.jobs import fill_launch_fields
 
+    hc = HydraConfig.get()
     try:
-        spec = to_spec(cfg)
+        spec = fill_launch_fields(to_spec(cfg), hc, hc.runtime.output_dir, hc.mode == RunMode.MULTIRUN)
     except SpecError as err:
         sys.exit(f"molt: {err}")
-    hc = HydraConfig.get()
-    spec = fill_launch_fields(spec, hc, hc.runtime.output_dir, hc.mode == RunMode.MULTIRUN)
     run_dir = Path(spec.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if run_dir not in (Path.cwd(), *Path.cwd().parents):  # never lock the user's working folder

@@ -45,7 +45,11 @@ def naming_overrides(overrides: Sequence[str]) -> list[str]:
 def fill_launch_fields(spec: RunSpec, hydra: Any, run_dir: str | Path, multirun: bool) -> RunSpec:
     """What the launcher adds to a validated spec from Hydra's runtime: the run directory, and W&B's job
     type (the algo group's option), group (the sweep directory's name) and run name (the swept choices).
-    Explicit settings win. `hydra` is Hydra's config node of the job (HydraConfig.get() in a run)."""
+    Explicit settings win. `hydra` is Hydra's config node of the job (HydraConfig.get() in a run); a
+    `run.dir` override is refused, since the run would silently write elsewhere."""
+    if spec.run.dir is not None and Path(spec.run.dir).resolve() != Path(run_dir).resolve():
+        raise SpecError(f"run.dir={spec.run.dir}: python -m molt writes each run to Hydra's output "
+                        f"directory; set hydra.run.dir={spec.run.dir} instead (a sweep: hydra.sweep.dir)")
     spec.run.dir = str(Path(run_dir).resolve())
     wandb = spec.logging.wandb
     if wandb.job_type is None:

@@ -40,6 +40,7 @@ from molt.spec_sections import (  # noqa: F401  (re-exported)
     SamplingSpec,
     WandbSpec,
     eval_names,
+    pass_ks,
 )
 
 
@@ -106,6 +107,14 @@ def _check_eval_keys(spec: RunSpec) -> None:
     if len(parts) != 3 or parts[0] != "eval" or parts[1] not in names:
         raise ValueError(f"train.best_metric={metric!r} must be eval/NAME/METRIC with NAME the stem of a "
                          f"data.eval file ({', '.join(names) or 'none configured'}), e.g. eval/NAME/pass@1")
+    # the metrics an evaluation logs (molt/eval.py set_metrics; SFT: molt/sft/loop.py eval_losses): an unknown
+    # one would only fail at the first evaluation, taking the steps since the last checkpoint with it
+    n = spec.rollout.eval.n
+    logged = ["loss"] if spec.train.objective == "sft" else [f"mean@{n}", *(f"pass@{k}" for k in pass_ks(n))]
+    if parts[2] not in logged:
+        raise ValueError(f"train.best_metric={metric!r}: an evaluation of this run logs eval/{parts[1]}/"
+                         f"{{{', '.join(logged)}}} (rollout.eval.n={n}, train.objective="
+                         f"{spec.train.objective})")
     if not spec.train.eval_every:
         raise ValueError("train.best_metric needs evaluations: set train.eval_every > 0")
 
@@ -224,6 +233,13 @@ def spec_warnings(spec: RunSpec) -> list[str]:
         out.append(f"algo.loss.{', '.join(clips)} with one update per batch (train.minibatches x "
                    "train.epochs = 1): the policy's ratio (and the critic's value change) starts at 1 (0) "
                    "and the clip never acts; raise train.minibatches or train.epochs for the clip to matter")
+    # group (grpo) or batch (reinforce_pp, undiscounted) whitening undoes any affine map of the rewards
+    algo = spec.algo
+    whitened = algo.estimator == "grpo" or (algo.estimator == "reinforce_pp" and algo.gamma == 1)
+    if rl and algo.reward.normalize == "batch" and whitened and not (algo.kl.in_reward and algo.kl.coef):
+        out.append(f"algo.reward.normalize=batch with algo.estimator={algo.estimator}: the estimator whitens "
+                   "the rewards itself, which undoes a batch normalization before it; the advantages do not "
+                   "change")
     if not rl and spec.train.max_trainer_restarts != TrainSpec().max_trainer_restarts:
         out.append("train.max_trainer_restarts with train.objective=sft: an SFT run stops when a trainer "
                    "rank dies (resume it with run.resume=auto); the setting applies to RL runs")

@@ -265,6 +265,12 @@ def eval_names(paths: list[str]) -> list[str]:
     return [PurePath(p).stem for p in paths]
 
 
+def pass_ks(n: int) -> list[int]:
+    """The k of each eval/NAME/pass@k an evaluation with rollout.eval.n = n logs: powers of two up to n,
+    and n."""
+    return sorted({1 << i for i in range(n.bit_length())} | {n})
+
+
 class WandbSpec(Strict):
     project: str = Field("molt", description="W&B project")
     entity: str | None = Field(None, description="W&B entity (team or user; null = the default)")
@@ -286,7 +292,15 @@ class LoggingSpec(Strict):
 
 class RaySpec(Strict):
     address: str | None = Field(None, description="attach to this Ray cluster (null = start Ray locally)")
-    num_cpus: int | None = Field(None, description="logical CPUs of a local Ray (null = at least 16 on CPU)")
+    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray (null = at least 16 on "
+                                 "CPU)")
+
+    @model_validator(mode="after")
+    def _local_only(self) -> RaySpec:
+        if self.num_cpus is not None and self.address:
+            raise ValueError(f"ray.num_cpus={self.num_cpus} with ray.address={self.address}: the CPUs of a "
+                             "cluster are its nodes' own (ray start --num-cpus); unset ray.num_cpus")
+        return self
 
 
 def _check_parallel(par: ParallelSpec) -> None:

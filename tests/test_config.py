@@ -136,12 +136,16 @@ def test_bad_type_is_reported_with_key_and_value():
         (["algo=on_policy_distill", "model.reference=policy", "algo.reward.clip=1"], "do not use the reward"),
         (["algo.filters.score_range=[0.8,0.2]"], "low must not exceed high"),
         (["train.objective=sft", "train.prompts_per_step=2", "train.minibatches=4"], "more than the 2 rows"),
+        # a best_metric no evaluation logs used to fail at the first evaluation, losing the unsaved steps
+        (["train.best_metric=eval/repeat_eval/pass@3", "rollout.eval.n=4"], r"repeat_eval/\{mean@4"),
+        (["train.best_metric=eval/repeat_eval/loss"], "train.objective=rl"),
         # ranges: a value that would zero or flip the gradients, loop forever or divide by zero
         (["train.grad_clip=0"], "grad_clip: Input should be greater than 0"),
         (["algo.loss.eps_high=-0.1"], "eps_high: Input should be greater than or equal to 0"),
         (["rollout.max_staleness=-1"], "max_staleness: Input should be greater than or equal to 0"),
         (["rollout.engine.num_engines=0"], "num_engines: Input should be greater than or equal to 1"),
         (["parallel.world_size=0", "parallel.dp_size=0"], "world_size: Input should be greater than"),
+        (["ray.address=auto", "ray.num_cpus=8"], "unset ray.num_cpus"),
     ],
 )
 def test_cross_field_rules(overrides, fragment):
@@ -162,6 +166,8 @@ def test_cross_field_rules(overrides, fragment):
     ["+rollout.engine.extra_args.dtype=bfloat16"],
     ["rollout.partial_rollout=false", "+rollout.engine.extra_args.async_scheduling=true"],
     ["train.objective=sft", "train.prompts_per_step=2", "train.minibatches=2"],
+    ["train.best_metric=eval/repeat_eval/pass@4", "rollout.eval.n=4"],
+    ["train.best_metric=eval/repeat_eval/mean@1"],
 ])
 def test_the_working_neighbours_of_each_refusal_validate(overrides):
     compose(overrides)
@@ -245,6 +251,9 @@ def test_clips_that_cannot_act_and_sft_restarts_warn():
     assert "an SFT run stops" in spec_warnings(compose(["train.objective=sft",
                                                         "train.max_trainer_restarts=5"]))[0]
     assert not spec_warnings(compose(["train.max_trainer_restarts=5"]))
+    # grpo whitens each group: a batch normalization before it changes no advantage
+    assert "the advantages do not change" in spec_warnings(compose(["algo.reward.normalize=batch"]))[0]
+    assert not spec_warnings(compose(["algo=rloo", "algo.reward.normalize=batch"]))
 
 
 PLANS = {
@@ -314,6 +323,12 @@ def _main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *
         code = done.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_a_run_dir_override_is_refused_not_replaced(monkeypatch, capsys):
+    """The launcher writes to Hydra's output directory: run.dir=X used to be replaced by it without a word."""
+    code, out, _ = _main(monkeypatch, capsys, "run.dir=/tmp/elsewhere", "run.dry_run=true")
+    assert "set hydra.run.dir=/tmp/elsewhere" in str(code) and not out
 
 
 def test_cli_print_config_is_the_validated_spec(monkeypatch, capsys):
