@@ -85,7 +85,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     if not eval_sets:
         raise ValueError("data.eval is empty: nothing to evaluate")
     runner = load_agent_runner(spec.agent)
-    runner.setup(AutoTokenizer.from_pretrained(path), spec)
+    runner.setup(AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code), spec)
     own_ray = not ray.is_initialized()   # a caller's Ray (a notebook, a test session) is left running
     if own_ray:
         init_ray(spec)

@@ -45,8 +45,8 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
 
 
 def check_inputs(spec: RunSpec) -> None:
-    """Load the data files and import the algorithm plugins and the agent module, so a bad path or name
-    fails before anything starts."""
+    """Load the data files, import the algorithm plugins and the agent module, and refuse `model.lora` on a
+    model the engines cannot serve adapters for, so a bad path, name or model fails before anything starts."""
     from molt.agents import load_agent_runner
     from molt.data import PromptDataset, load_eval_sets
     from molt.plugins import load_plugins
@@ -61,6 +61,13 @@ def check_inputs(spec: RunSpec) -> None:
     PromptDataset(spec.data.train_path, spec.data)
     load_eval_sets(spec.data)
     load_agent_runner(spec.agent)
+    # The loop starts its engines one by one (start_engine), which skips start_engines' check_lora; the
+    # guard keeps a run without LoRA (a dry run too) from resolving, and so building, the model here.
+    if spec.model.lora.rank:
+        from molt.models import model_path
+        from molt.rollout.engine_args import check_lora
+
+        check_lora(model_path(spec), spec.model)
 
 
 def dry_run(spec: RunSpec) -> str:

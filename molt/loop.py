@@ -88,6 +88,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
                         save(best)
             except RayActorError as err:   # a trainer rank died (engine deaths are the fleet's)
                 trainers, at = await restart_trainers(spec, err, at, trainers, fleet, rollout_fn)
+                logger.redo_steps()
         if at.step != at.saved:
             save()
         if stop.is_set():
@@ -124,7 +125,7 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, tupl
     trainers, logger = (), None
     try:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(policy_path)
+        tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
         runner.setup(tokenizer, spec)
         trainers = start_trainers(spec)
         logger = RunLogger(spec)

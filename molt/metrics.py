@@ -108,8 +108,9 @@ class RunLogger:
         """Append this step's rollouts to rollouts/step_XXXXXX.jsonl (unless logging.dump_rollouts is off).
 
         The first dump of a step in this process truncates the file: a resumed run re-runs the steps
-        after its checkpoint, and their files must hold the new batch, not the killed run's too. Files
-        of steps `logging.dump_keep_steps` or more before this one are deleted (0 keeps all).
+        after its checkpoint, and their files must hold the new batch, not the killed run's too (within
+        one process, after `redo_steps`). Files of steps `logging.dump_keep_steps` or more before this
+        one are deleted (0 keeps all).
         """
         if not self.spec.logging.dump_rollouts:
             return None
@@ -125,6 +126,12 @@ class RunLogger:
                 if old.stem[5:].isdigit() and int(old.stem[5:]) <= step - keep:
                     old.unlink(missing_ok=True)
         return path
+
+    def redo_steps(self) -> None:
+        """The loop goes back to a checkpoint (a trainer restart) and redoes the steps after it: the next
+        dump of each step replaces its file. Otherwise, when the failed step was the first after the
+        checkpoint, its redo's batch would be appended to the failed attempt's dump (twice the rows)."""
+        self._dumping = None
 
     def close(self) -> list[Path]:
         """Finish W&B and the bar; write the PNG plots when logging.plots is on. Returns the plot paths."""

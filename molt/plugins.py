@@ -52,7 +52,8 @@ def load_plugins(spec: RunSpec) -> None:
         _LOADED.add(name)
     _registered("estimator", spec.algo.estimator, ESTIMATORS)
     _registered("algo.loss.policy", spec.algo.loss.policy, POLICY_LOSSES)
-    if spec.algo.estimator in GROUP_BASELINE and spec.rollout.samples_per_prompt < 2:
+    sampled = spec.train.objective == "rl"   # SFT samples nothing: its groups are not the estimator's
+    if sampled and spec.algo.estimator in GROUP_BASELINE and spec.rollout.samples_per_prompt < 2:
         raise ValueError(f"algo.estimator={spec.algo.estimator} compares samples of one prompt, and "
                          "rollout.samples_per_prompt=1 makes every advantage 0; use >= 2 samples, or a "
                          "batch-baseline estimator (reinforce_pp)")

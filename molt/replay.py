@@ -37,7 +37,8 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
                                 f"{f'steps {kept[0]}..{kept[-1]}' if kept else 'none'}; only the last "
                                 f"logging.dump_keep_steps={spec.logging.dump_keep_steps} steps are kept)")
     rollouts = load_rollouts(dump)
-    pad_id = AutoTokenizer.from_pretrained(model_path(spec)).pad_token_id
+    trust = spec.model.trust_remote_code
+    pad_id = AutoTokenizer.from_pretrained(model_path(spec), trust_remote_code=trust).pad_token_id
     if not ray.is_initialized():
         init_ray(spec)
     trainers = start_trainers(spec)

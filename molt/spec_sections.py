@@ -217,8 +217,18 @@ class JudgeSpec(Strict):
         None, description="judge model: a Hugging Face folder, or 'policy' (the starting policy); null: none")
     temperature: float = Field(
         1.0, gt=0, description="verdict sharpness: sigmoid((logp(yes) - logp(no)) / temperature)")
-    engine: EngineSpec = Field(default_factory=lambda: EngineSpec(kv_cache_gib=0.25),
-                               description="the judge's own engine(s)")
+    engine: EngineSpec = Field(default_factory=lambda: EngineSpec(kv_cache_gib=0.25, max_restarts=0),
+                               description="the judge's own engine(s); a dead one is not restarted")
+
+    @model_validator(mode="after")
+    def _no_restarts(self) -> JudgeSpec:
+        # Only the policy's engines have a fleet that restarts them (molt/fleet.py); the judge's dispatcher
+        # goes on with the live ones and fails the verdicts once none is left.
+        if self.engine.max_restarts:
+            raise ValueError(f"agent.judge.engine.max_restarts={self.engine.max_restarts}: judge engines are "
+                             "not restarted (a dead one leaves the others to score, none left fails the "
+                             "rollouts); set it to 0 or add judge engines (agent.judge.engine.num_engines)")
+        return self
 
 
 class AgentSpec(Strict):

@@ -1,6 +1,6 @@
 """`python -m molt.sweep SWEEP_DIR`: which job of a sweep won — one table and one plot.
 
-Writes `summary.md` (per job: steps, final and best reward, last eval, tokens/s, wall time) and
+Writes `summary.md` (per job: steps, final and best reward, last evaluation, tokens/s, wall time) and
 `rewards.png` (every job's reward curve on one axis) into the sweep directory. A multirun of
 `python -m molt -m ...` does this by itself when its last job ends (`SweepSummary`, a Hydra callback
 in conf/config.yaml); run it by hand for a sweep that stopped early or is still running.
@@ -15,13 +15,17 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 NOTES = ("final: mean `reward/mean` over the last 10% of steps; best: highest rolling mean of "
-         "`reward/mean` (window: 10% of the steps, as in each job's plots/reward.png); eval: the last "
-         "`eval/reward_mean`; tokens/s: sampled tokens / step time; wall: first step's start to last "
-         "step's end (start-up excluded).")
+         "`reward/mean` (window: 10% of the steps, as in each job's plots/reward.png); eval: at the last "
+         "evaluation, the job's `train.best_metric`, or without one the first data.eval set's "
+         "`eval/NAME/mean@N` (N = rollout.eval.n); tokens/s: sampled tokens / step time; wall: first "
+         "step's start to last step's end (start-up excluded).")
 
 
 def job_row(job: Path) -> dict[str, Any]:
-    """One job's numbers from its metrics.jsonl; only `job` when it logged no step."""
+    """One job's numbers from its metrics.jsonl (and train.best_metric from its spec.yaml); only `job`
+    when it logged no step."""
+    import yaml
+
     from molt.plot import read_metrics, rolling_mean
 
     metrics = job / "metrics.jsonl"
@@ -30,11 +34,15 @@ def job_row(job: Path) -> dict[str, Any]:
     if not rows or not reward:
         return {"job": job.name}
     window = max(1, len(reward) // 10)
-    evals = [r["eval/reward_mean"] for r in rows.values() if "eval/reward_mean" in r]
+    last_eval = next((r for r in reversed(rows.values()) if any(k.startswith("eval/") for k in r)), {})
+    spec = yaml.safe_load((job / "spec.yaml").read_text()) if (job / "spec.yaml").is_file() else {}
+    # molt.eval.set_metrics logs each set's mean@N first, and `evaluate` the sets in data.eval order
+    metric = spec.get("train", {}).get("best_metric") or next(
+        (k for k in last_eval if k.startswith("eval/") and "/mean@" in k), None)
     step_time = sum(r.get("time/step", 0.0) for r in rows.values())
     first, last = rows[min(rows)], rows[max(rows)]
     return {"job": job.name, "steps": max(rows), "final": sum(reward[-window:]) / len(reward[-window:]),
-            "best": max(rolling_mean(reward, window)), "eval": evals[-1] if evals else None,
+            "best": max(rolling_mean(reward, window)), "eval": last_eval.get(metric),
             "tokens_per_s": sum(r.get("tokens/sampled", 0.0) for r in rows.values()) / step_time
             if step_time else None,
             "wall_s": last["time"] - first["time"] + first.get("time/step", 0.0)}

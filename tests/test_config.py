@@ -146,6 +146,7 @@ def test_bad_type_is_reported_with_key_and_value():
         (["rollout.engine.num_engines=0"], "num_engines: Input should be greater than or equal to 1"),
         (["parallel.world_size=0", "parallel.dp_size=0"], "world_size: Input should be greater than"),
         (["ray.address=auto", "ray.num_cpus=8"], "unset ray.num_cpus"),
+        (["agent.judge.engine.max_restarts=2"], "judge engines are not restarted"),
     ],
 )
 def test_cross_field_rules(overrides, fragment):
@@ -166,6 +167,7 @@ def test_cross_field_rules(overrides, fragment):
     ["+rollout.engine.extra_args.dtype=bfloat16"],
     ["rollout.partial_rollout=false", "+rollout.engine.extra_args.async_scheduling=true"],
     ["train.objective=sft", "train.prompts_per_step=2", "train.minibatches=2"],
+    ["train.objective=sft", "rollout.samples_per_prompt=1"],   # SFT samples nothing
     ["train.best_metric=eval/repeat_eval/pass@4", "rollout.eval.n=4"],
     ["train.best_metric=eval/repeat_eval/mean@1"],
 ])
@@ -442,9 +444,12 @@ def test_partial_rollouts_turn_off_async_scheduling(tiny_model_path):
     from molt.rollout.engine_args import engine_kwargs
 
     for partial in (True, False):
-        spec = compose([f"rollout.partial_rollout={str(partial).lower()}"])
-        kwargs = engine_kwargs(str(tiny_model_path), spec.rollout, spec.model, 0)
-        assert kwargs.get("async_scheduling", "vLLM's default") == (False if partial else "vLLM's default")
+        for mode in ("async", "sync"):   # a sync refit has nothing in flight
+            spec = compose([f"rollout.partial_rollout={str(partial).lower()}", f"rollout.mode={mode}",
+                            "algo=tis"])
+            kwargs = engine_kwargs(str(tiny_model_path), spec.rollout, spec.model, 0)
+            off = partial and mode == "async"
+            assert kwargs.get("async_scheduling", "vLLM's default") == (False if off else "vLLM's default")
 
 
 def test_the_driver_imports_the_loop_without_the_model_stacks():

@@ -218,11 +218,16 @@ def test_bad_targets_are_refused_by_name(tiny_model_path, override, fragment) ->
 
 
 def test_moe_and_vision_models_are_refused_before_an_engine_starts(vlm_path) -> None:
+    """By start_engines (evaluation, a judge) and by the checks `python -m molt` (and a dry run) makes
+    before Ray starts: the loop starts its engines one at a time, without start_engines."""
+    from molt.launch import dry_run
     from molt.rollout.engine import start_engines
     from molt.tiny import tiny_model_path
 
     moe = str(tiny_model_path(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
-    with pytest.raises(ValueError, match="model.lora with a MoE model is not supported"):
-        start_engines(lora_spec(moe), moe)
-    with pytest.raises(ValueError, match="model.lora with a vision-language model is not supported"):
-        start_engines(lora_spec(vlm_path), vlm_path)
+    for path, kind in ((moe, "a MoE model"), (vlm_path, "a vision-language model")):
+        refused = f"model.lora with {kind} is not supported"
+        with pytest.raises(ValueError, match=refused):
+            start_engines(lora_spec(path), path)
+        with pytest.raises(ValueError, match=refused):
+            dry_run(lora_spec(path))

@@ -112,6 +112,14 @@ def test_rollout_dump_round_trip(tmp_path: Path) -> None:
         resumed.dump_rollouts(7, rollouts[1:])
     assert load_rollouts(path) == rollouts[1:]
 
+    # in one process too: step 8, the first after a checkpoint at 7, failed after its dump; the trainer
+    # restart redoes it (molt/loop.py: restart_trainers, then redo_steps), and only the redo's batch stays
+    with closing(RunLogger(make_spec(tmp_path, progress=False))) as logger:
+        failed = logger.dump_rollouts(8, rollouts[:1])
+        logger.redo_steps()
+        assert logger.dump_rollouts(8, rollouts[1:]) == failed
+    assert load_rollouts(failed) == rollouts[1:]
+
 
 def test_dump_disabled_and_plots_on_close(tmp_path: Path) -> None:
     logger = RunLogger(make_spec(tmp_path, progress=False, dump_rollouts=False, plots=True))

@@ -168,3 +168,41 @@ def test_sft_spec_plan_inputs_and_refusals() -> None:
                      (["data.eval_path=x.jsonl"], "renamed: use data.eval")):
         with pytest.raises(SpecError, match=why):
             compose(["+experiment=rg_sft", *bad])
+
+
+REMOTE_TOKENIZER = ("from transformers import PreTrainedTokenizerFast\n\n\n"
+                    "class RemoteTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+
+
+def test_trust_remote_code_reaches_the_sft_tokenizer(tmp_path: Path, tiny_model_path) -> None:
+    """A model whose tokenizer is the repository's own code (its config names a model type transformers
+    lacks, as custom models do) loads only with model.trust_remote_code: the driver's tokenizer then passes,
+    and the SFT run goes on to its next check (run.resume), still before any trainer starts."""
+    import shutil
+
+    from molt.sft.loop import train
+
+    model = tmp_path / "remote"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(tiny_model_path) / name, model / name)
+    (model / "config.json").write_text(json.dumps({"model_type": "molt_remote"}))
+    (model / "remote_tokenizer.py").write_text(REMOTE_TOKENIZER)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="RemoteTokenizer",
+                  auto_map={"AutoTokenizer": [None, "remote_tokenizer.RemoteTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+
+    def spec(trust: bool) -> RunSpec:
+        return RunSpec.model_validate({
+            "model": {"path": str(model), "trust_remote_code": trust},
+            "train": {"objective": "sft", "eval_every": 0}, "data": {"train_path": str(rows), "eval": []},
+            "run": {"dir": str(tmp_path / "run"), "resume": str(tmp_path / "nowhere")}})
+
+    with pytest.raises(ValueError, match="contains custom code"):
+        train(spec(False))
+    with pytest.raises(FileNotFoundError, match="run.resume=.*nowhere: no checkpoint there"):
+        train(spec(True))

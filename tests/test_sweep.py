@@ -1,22 +1,28 @@
 """A real two-job sweep (`python -m molt -m algo=grpo,rloo`, two steps each on the tiny model): job
 names, W&B fields, the summary its end writes, `python -m molt.sweep`, and diffs of its run directories.
-The most expensive test file of the workflows (about a minute on two cores): one sweep, shared."""
+The most expensive test file of the workflows (about a minute on two cores): one sweep, shared, marked
+slow; the summary's eval column is checked on job folders written by hand."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from matplotlib.image import imread
 
+from molt.config import spec_yaml
 from molt.diff import main as diff_main
+from molt.eval import set_metrics
+from molt.spec import RunSpec
 from molt.sweep import job_row, summarize
 from molt.sweep import main as sweep_main
 
-pytestmark = pytest.mark.slow   # a real two-job sweep: two CLI runs (over a minute)
+slow = pytest.mark.slow   # a test of the real two-job sweep: two CLI runs (over a minute)
 
 REPO = Path(__file__).resolve().parents[1]
 LEAN = ["train.steps=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -35,6 +41,7 @@ def sweep(tmp_path_factory, tiny_model_path) -> tuple[Path, str]:
     return sweep_dir, done.stdout
 
 
+@slow
 def test_jobs_are_named_after_the_swept_choices(sweep):
     sweep_dir, _ = sweep
     jobs = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
@@ -44,6 +51,7 @@ def test_jobs_are_named_after_the_swept_choices(sweep):
         assert (wandb["name"], wandb["group"], wandb["job_type"]) == (f"algo={algo}", "tiny_sweep", algo)
 
 
+@slow
 def test_the_sweep_end_writes_a_summary(sweep):
     sweep_dir, stdout = sweep
     summary = (sweep_dir / "summary.md").read_text()
@@ -61,6 +69,7 @@ def test_the_sweep_end_writes_a_summary(sweep):
         assert row["tokens_per_s"] > 0 and row["wall_s"] > 0 and row["eval"] is None
 
 
+@slow
 def test_summary_by_hand(sweep, tmp_path, capsys):
     sweep_dir, _ = sweep
     (sweep_dir / "summary.md").unlink()
@@ -72,6 +81,7 @@ def test_summary_by_hand(sweep, tmp_path, capsys):
         summarize(tmp_path / "nowhere")
 
 
+@slow
 def test_diff_of_run_directories_and_spec_files(sweep, capsys):
     sweep_dir, _ = sweep
     grpo, rloo = sweep_dir / "0_algo=grpo", sweep_dir / "1_algo=rloo"
@@ -82,3 +92,27 @@ def test_diff_of_run_directories_and_spec_files(sweep, capsys):
     assert diff_main([str(grpo), str(grpo / "spec.yaml")]) == 0
     assert diff_main([str(grpo), f"{grpo} train.lr=1"]) == 2
     assert "overrides apply to experiments" in capsys.readouterr().err
+
+
+def test_the_eval_column_shows_the_best_metric_or_the_first_sets_mean(tmp_path):
+    """Jobs written by hand as the loop writes them: a spec.yaml, and a metrics.jsonl whose evaluations
+    (step 0 alone, then merged into step 2's record) carry molt.eval's own metric names."""
+    def evaluation(math: list[float], code: list[float]) -> dict[str, float]:
+        return {**set_metrics("math", torch.tensor([math], dtype=torch.float32), 1.0),
+                **set_metrics("code", torch.tensor([code], dtype=torch.float32), 1.0)}
+
+    records = [{"step": 0, "time": 10.0, **evaluation([0, 0, 0, 1], [0, 0, 1, 1])},
+               {"step": 1, "time": 11.0, "reward/mean": 0.25, "time/step": 1.0, "tokens/sampled": 50.0},
+               {"step": 2, "time": 12.0, "reward/mean": 0.75, "time/step": 1.0, "tokens/sampled": 50.0,
+                **evaluation([0, 1, 1, 0.5], [1, 1, 1, 0.5])}]
+    for job, best in (("0_plain", None), ("1_best", "eval/code/pass@1")):
+        spec = RunSpec.model_validate({"data": {"eval": ["data/math.jsonl", "data/code.jsonl"]},
+                                       "rollout": {"eval": {"n": 4}}, "train": {"best_metric": best}})
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "spec.yaml").write_text(spec_yaml(spec))
+        (tmp_path / job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "eval/math/mean@4" in records[2] and "eval/code/pass@1" in records[2]
+    assert job_row(tmp_path / "0_plain")["eval"] == 0.625   # math's mean@4 at step 2
+    assert job_row(tmp_path / "1_best")["eval"] == 0.75     # code's pass@1 at step 2
+    rows = [line for line in summarize(tmp_path).splitlines() if line.startswith("| `")]
+    assert [r.split(" | ")[4] for r in rows] == ["0.625", "0.750"]

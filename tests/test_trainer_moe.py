@@ -208,6 +208,23 @@ def test_automodel_moe_classes_need_cuda() -> None:
         Qwen3MoeForCausalLM(config)
 
 
+def test_the_reference_routes_itself_and_ignores_the_freeze_switches() -> None:
+    """model.router_replay and freeze_router act on the policy: a reference of its own (a teacher) routes
+    with its own router however the batch's routes read, and a dense teacher builds (it used to fail its
+    set-up with "the model has no MoE router")."""
+    from molt.tiny import tiny_model_path
+
+    path, batch = str(tiny_model_path(**MOE)), random_batch()
+    g = torch.Generator().manual_seed(1)
+    routes = torch.rand(*batch["input_ids"].shape, 2, 4, generator=g).argsort(-1)[..., :2]
+    moe_teacher = moe_spec(path, freeze_router=True, reference="tiny", reference_tiny={**MOE, "seed": 1})
+    with one_rank(moe_teacher, "reference") as reference:
+        assert torch.equal(reference.forward(batch), reference.forward({**batch, "routed_experts": routes}))
+    dense_teacher = moe_spec(path, freeze_router=True, reference="tiny", reference_tiny={"seed": 1})
+    with one_rank(dense_teacher, "reference") as reference:
+        assert reference.forward(batch).abs().max() > 0
+
+
 @pytest.mark.parametrize("checkpointing", ["transformers", "automodel"])
 def test_replay_holds_in_the_recomputation_of_activation_checkpointing(checkpointing: str) -> None:
     """parallel.activation_checkpointing recomputes each layer in the backward, after the worker's forward

@@ -47,11 +47,15 @@ class Judge:
         # The judge scores while the policy's engines generate: one thread each unless parallel.cpu_threads
         # says otherwise, rather than a second claim on every core.
         threads = spec.parallel.cpu_threads or 1
-        # The judge is never refitted: it serves its model as is, without the policy's LoRA adapters.
+        # The judge is never refitted: it serves its model as is, without the policy's LoRA adapters, and
+        # nothing trains on its tokens, so it captures no MoE routes for replay (a dense judge has none).
+        model = spec.model.model_copy(update={"lora": LoRASpec(), "router_replay": False})
         own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": judge.engine}),
                                       "parallel": spec.parallel.model_copy(update={"cpu_threads": threads}),
-                                      "model": spec.model.model_copy(update={"lora": LoRASpec()})})
-        return cls(start_engines(own, path), AutoTokenizer.from_pretrained(path), judge.temperature)
+                                      "model": model})
+        # the judge's engines run with the policy's model.trust_remote_code, and so does its tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+        return cls(start_engines(own, path), tokenizer, judge.temperature)
 
     async def p_yes(self, messages: list[dict]) -> float:
         """The judge's probability of answering yes (rather than no) after `messages`."""

@@ -46,10 +46,11 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
         # top-p), which the trainer recomputes; vLLM's default is the raw model distribution.
         logprobs_mode=LOGPROBS_MODE,
     )
-    if rollout.partial_rollout:
+    if rollout.partial_rollout and rollout.mode == "async":
         # A refit runs between two engine steps and keeps the requests in flight; with async scheduling
         # (vLLM's default on GPU; CPU engines never schedule ahead) a batch the old weights sampled could
-        # still be out, and its tokens would be labelled with the new policy version.
+        # still be out, and its tokens would be labelled with the new policy version. A sync run refits
+        # with nothing in flight, so it keeps vLLM's scheduling.
         kwargs["async_scheduling"] = False
     if model.lora.rank:
         kwargs.update(lora_kwargs(model.lora.rank, rollout.max_staleness))

@@ -40,8 +40,8 @@ def load_examples(spec: RunSpec, tokenizer: Any, path: str) -> list[Example]:
 
 async def _train(spec: RunSpec) -> dict[str, float]:
     from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path(spec))
+    tokenizer = AutoTokenizer.from_pretrained(model_path(spec),
+                                              trust_remote_code=spec.model.trust_remote_code)
     examples = load_examples(spec, tokenizer, spec.data.train_path)
     data = PromptIterator(examples, seed=spec.run.seed, shuffle=spec.data.shuffle)
     eval_sets = {name: load_examples(spec, tokenizer, path)

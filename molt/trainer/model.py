@@ -114,16 +114,19 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
 
 
 def _prepare(model: nn.Module, spec: RunSpec, role: str) -> None:
-    if role == "reference":
+    # The freeze switches are about what trains, so the frozen reference (maybe a dense teacher) skips them;
+    # the replayed routes are the policy engine's picks, so only the policy replays them.
+    trained = role != "reference"
+    if not trained:
         model.requires_grad_(False)
-    if spec.model.freeze_vision:
+    if spec.model.freeze_vision and trained:
         tower = getattr(getattr(model, "model", model), "visual", None)   # Qwen-VL's vision encoder
         if tower is None:
             raise ValueError("model.freeze_vision=true but the model has no vision tower (`model.visual`)")
         tower.requires_grad_(False)
-    if spec.model.freeze_router and not freeze_router(model):
+    if spec.model.freeze_router and trained and not freeze_router(model):
         raise ValueError("model.freeze_router=true but the model has no MoE router")
-    if spec.model.router_replay and not install_replay(model):
+    if spec.model.router_replay and role == "policy" and not install_replay(model):
         raise ValueError("model.router_replay=true but the model has no MoE router")
     if spec.parallel.activation_checkpointing and spec.parallel.world_size == 1:
         # AutoModel returns a single rank's model unwrapped, without its checkpointing wrappers

@@ -95,8 +95,10 @@ def adapter_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, devic
     yield from _chunks(named, chunk_bytes, dtype, device, out)
 
 
-def export_hf(model: nn.Module, source: str, path: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Write a Hugging Face folder (config, tokenizer, sharded safetensors + index) atomically."""
+def export_hf(model: nn.Module, source: str, path: str, dtype: torch.dtype, device: torch.device,
+              trust_remote_code: bool) -> None:
+    """Write a Hugging Face folder (config, tokenizer, sharded safetensors + index) atomically; the tokenizer
+    of `source` loads with `trust_remote_code` (model.trust_remote_code), as the trainer loaded the model."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -117,7 +119,7 @@ def export_hf(model: nn.Module, source: str, path: str, dtype: torch.dtype, devi
         config = getattr(model, "config", None)
         config.dtype = dtype
         config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code).save_pretrained(tmp)
         if os.path.exists(os.path.join(source, "generation_config.json")):
             shutil.copy(os.path.join(source, "generation_config.json"), tmp)
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))

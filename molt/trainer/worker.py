@@ -186,7 +186,8 @@ class TrainerWorker:
     def _row_forward(self, mb: dict[str, torch.Tensor], entropy: bool):
         # Set for this forward and kept until the next one: activation checkpointing recomputes the layers
         # in the backward, after this returns, and the recomputation must take the same experts.
-        set_routes(self.model, mb.get("routed_experts") if self.spec.model.router_replay else None)
+        replay = self.spec.model.router_replay and self.role == "policy"   # the policy engine's picks
+        set_routes(self.model, mb.get("routed_experts") if replay else None)
         images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
         # A packed row has no attention mask: position ids restart per sequence and the packing's
         # attention takes the sequence bounds; a token at position 0 has no prefix, hence no logprob.
@@ -367,7 +368,8 @@ class TrainerWorker:
         return 0
 
     def export_hf(self, path: str) -> None:
-        weights.export_hf(self.model, self.path, path, DTYPES[self.spec.model.dtype], self.device)
+        weights.export_hf(self.model, self.path, path, DTYPES[self.spec.model.dtype], self.device,
+                          self.spec.model.trust_remote_code)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         checkpoint.save(path, self.model, self.optimizer, self.scheduler,
