@@ -127,7 +127,7 @@ def check_combinations(spec: RunSpec) -> None:
     _speculative_decoding(spec)
     _updates(spec)
     _packing(spec)
-    _rollout_budgets(spec)
+    _rollout_settings(spec)
 
 
 def _moe_with_expert_parallel(spec: RunSpec) -> None:
@@ -192,7 +192,7 @@ def _packing(spec: RunSpec) -> None:
                          "use train.micro_batch_size")
 
 
-def _rollout_budgets(spec: RunSpec) -> None:
+def _rollout_settings(spec: RunSpec) -> None:
     rollout, agent = spec.rollout, spec.agent
     if spec.train.objective == "sft":
         return

@@ -204,11 +204,11 @@ class RolloutSpec(Strict):
             raise ValueError(f"rollout.engine.extra_args.{owned[0]}: Molt sets this engine argument from "
                              f"{OWNED_ENGINE_ARGS[owned[0]]}, which the placement, prompt fitting and refit "
                              "rely on; set it there")
-        if extra.get("async_scheduling") and self.partial_rollout:
+        if extra.get("async_scheduling") and self.partial_rollout and self.mode == "async":
             raise ValueError("rollout.engine.extra_args.async_scheduling=true with rollout.partial_rollout="
-                             "true: a batch scheduled ahead with the old weights could still be out after a "
-                             "refit and its tokens would be labelled with the new policy version; set "
-                             "rollout.partial_rollout=false")
+                             "true in async mode: a batch scheduled ahead with the old weights could still "
+                             "be out after a refit and its tokens would be labelled with the new policy "
+                             "version; set rollout.partial_rollout=false")
         return self
 
 

@@ -122,7 +122,8 @@ def test_bad_type_is_reported_with_key_and_value():
         # engine arguments the plan and refit read from other keys; combinations that kill or mislabel
         (["+rollout.engine.extra_args.max_model_len=64"], "from model.max_model_len"),
         (["+rollout.engine.extra_args.tensor_parallel_size=2"], "from rollout.engine.tp_size"),
-        (["+rollout.engine.extra_args.async_scheduling=true"], "set rollout.partial_rollout=false"),
+        (["rollout.mode=async", "algo=tis", "+rollout.engine.extra_args.async_scheduling=true"],
+         "set rollout.partial_rollout=false"),
         (["+rollout.engine.extra_args.enable_chunked_prefill=true"], "kills the engine core"),
         (["+experiment=qwen30b_tools", "model.router_replay=false", "parallel.ep_size=8", "algo=gae",
           "model.critic=true"], "critic with parallel.ep_size=8"),
@@ -166,6 +167,7 @@ def test_cross_field_rules(overrides, fragment):
     ["rollout.mode=async", "rollout.groups_in_flight=8"],
     ["+rollout.engine.extra_args.dtype=bfloat16"],
     ["rollout.partial_rollout=false", "+rollout.engine.extra_args.async_scheduling=true"],
+    ["+rollout.engine.extra_args.async_scheduling=true"],   # a sync refit has nothing in flight
     ["train.objective=sft", "train.prompts_per_step=2", "train.minibatches=2"],
     ["train.objective=sft", "rollout.samples_per_prompt=1"],   # SFT samples nothing
     ["train.best_metric=eval/repeat_eval/pass@4", "rollout.eval.n=4"],
