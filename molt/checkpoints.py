@@ -84,14 +84,28 @@ def find_checkpoint(spec: RunSpec) -> Path | None:
         return None
     if spec.run.resume == "auto":
         runs = same_experiment_runs(spec)
-        return latest_of(runs[-1]) if runs else None
+        return _same_objective(spec, latest_of(runs[-1])) if runs else None
     target = Path(spec.run.resume)
     if latest_of(target):
-        return latest_of(target)
+        return _same_objective(spec, latest_of(target))
     if (target / "meta.json").exists():
-        return target
+        return _same_objective(spec, target)
     raise FileNotFoundError(f"run.resume={spec.run.resume}: no checkpoint there (expected a run folder with "
                             "checkpoints/latest or a checkpoint folder with meta.json)")
+
+
+def _same_objective(spec: RunSpec, checkpoint: Path) -> Path:
+    """`checkpoint`, when it continues this run's train.objective: an RL checkpoint holds a policy version
+    and a prompt position, an SFT one a conversation position, and neither means anything to the other
+    (an RL run resumed from SFT failed after its engines started; SFT took the RL run's data position)."""
+    written = checkpoint / "spec.yaml"
+    objective = OmegaConf.select(OmegaConf.load(written), "train.objective", default="rl") \
+        if written.exists() else spec.train.objective
+    if objective != spec.train.objective:
+        raise ValueError(f"run.resume: {checkpoint} is a checkpoint of a train.objective={objective} run, "
+                         f"this run's is {spec.train.objective}; to start from its weights, export it "
+                         f"(python -m molt.export {checkpoint}) and set model.path to the export")
+    return checkpoint
 
 
 def read_best(root: Path) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -68,6 +69,19 @@ def test_a_resumed_run_compares_its_evals_with_the_best_before_the_resume(tmp_pa
     carry_best(other, find_checkpoint(other))
     assert new_best(other, 7, {"eval/repeat_eval/mean@1": 0.1}) == 0.1
     assert not (tmp_path / "d/checkpoints/best.json").exists()
+
+
+def test_a_resume_across_objectives_is_refused_before_anything_starts(tmp_path):
+    """An SFT checkpoint holds no policy version and a conversation position: an RL run resumed from it
+    failed after its engines and trainers had started (and SFT took an RL run's prompt position)."""
+    sft = RunSpec.model_validate({"run": {"dir": str(tmp_path / "sft")}, "train": {"objective": "sft"}})
+    checkpoint_at(sft, 3)
+    rl = RunSpec.model_validate({"run": {"dir": str(tmp_path / "rl"), "resume": str(tmp_path / "sft")}})
+    with pytest.raises(ValueError, match="train.objective=sft run, this run's is rl; .*molt.export"):
+        find_checkpoint(rl)
+    again = RunSpec.model_validate({"run": {"dir": str(tmp_path / "sft2"), "resume": str(tmp_path / "sft")},
+                                    "train": {"objective": "sft"}})
+    assert find_checkpoint(again) == tmp_path / "sft/checkpoints/step_000003"
 
 
 def test_resume_keeps_the_optimizer_state_and_takes_the_new_specs_values(tmp_path):
