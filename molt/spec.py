@@ -240,6 +240,12 @@ def spec_warnings(spec: RunSpec) -> list[str]:
         out.append(f"algo.reward.normalize=batch with algo.estimator={algo.estimator}: the estimator whitens "
                    "the rewards itself, which undoes a batch normalization before it; the advantages do not "
                    "change")
+    # SFT trains on conversations with the token-mean NLL: no estimator, loss choice, agent or sampling
+    ignored = [name for name, value, default in (("algo", spec.algo, AlgoSpec()), ("agent", spec.agent,
+               AgentSpec()), ("rollout.mode", spec.rollout.mode, "sync")) if value != default]
+    if not rl and ignored:
+        out.append(f"train.objective=sft with {', '.join(ignored)} set: SFT trains on data.train_path's "
+                   "conversations with the token-mean NLL, so these settings have no effect")
     if not rl and spec.train.max_trainer_restarts != TrainSpec().max_trainer_restarts:
         out.append("train.max_trainer_restarts with train.objective=sft: an SFT run stops when a trainer "
                    "rank dies (resume it with run.resume=auto); the setting applies to RL runs")

@@ -242,7 +242,8 @@ def test_async_without_correction_warns():
 
     assert not spec_warnings(compose(["rollout.mode=async", "algo=tis"]))
     assert "algo.correction.level=off" in spec_warnings(compose(["rollout.mode=async"]))[0]
-    assert not spec_warnings(compose(["rollout.mode=async", "train.objective=sft"]))   # nothing samples
+    sft = spec_warnings(compose(["rollout.mode=async", "train.objective=sft"]))   # nothing samples
+    assert len(sft) == 1 and "rollout.mode set" in sft[0]
 
 
 def test_clips_that_cannot_act_and_sft_restarts_warn():
@@ -255,6 +256,9 @@ def test_clips_that_cannot_act_and_sft_restarts_warn():
     assert "an SFT run stops" in spec_warnings(compose(["train.objective=sft",
                                                         "train.max_trainer_restarts=5"]))[0]
     assert not spec_warnings(compose(["train.max_trainer_restarts=5"]))
+    assert "algo, rollout.mode set" in spec_warnings(compose(["train.objective=sft", "algo=rloo",
+                                                              "rollout.mode=async"]))[0]
+    assert not spec_warnings(compose(["+experiment=rg_sft"]))
     # grpo whitens each group: a batch normalization before it changes no advantage
     assert "the advantages do not change" in spec_warnings(compose(["algo.reward.normalize=batch"]))[0]
     assert not spec_warnings(compose(["algo=rloo", "algo.reward.normalize=batch"]))
