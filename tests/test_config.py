@@ -424,6 +424,21 @@ def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
     assert cpu_threads(spec, "engine", 0) == (spec.parallel.cpu_threads or 1)
 
 
+def test_engine_keys_reach_vllms_arguments(tiny_model_path):
+    """Each rollout.engine key the spec maps lands in vLLM's EngineArgs as itself (CPU: the KV cache is a
+    byte budget), and extra_args passes any other flag through."""
+    from molt.rollout.engine_args import engine_kwargs
+
+    engine = "rollout.engine"
+    spec = compose([f"{engine}.kv_cache_gib=0.5", f"{engine}.max_num_seqs=7",
+                    f"{engine}.max_num_batched_tokens=4096", f"{engine}.enable_prefix_caching=false",
+                    f"+{engine}.extra_args.dtype=bfloat16"])
+    kwargs = engine_kwargs(str(tiny_model_path), spec.rollout, spec.model, 3)
+    assert kwargs["kv_cache_memory_bytes"] == 2**29 and kwargs["max_num_seqs"] == 7
+    assert kwargs["max_num_batched_tokens"] == 4096 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["dtype"] == "bfloat16" and kwargs["seed"] == 3 and kwargs["enable_chunked_prefill"] is False
+
+
 def test_engine_ray_resources_follow_the_specs_device():
     """`parallel.device`, not the driver's host, decides an engine's Ray resources: a driver on a CPU
     machine (this one) still asks for the GPUs of a cuda spec's engines."""
