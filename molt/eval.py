@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from molt.rollout.sampling import eval_sampling
-from molt.spec import RunSpec
+from molt.spec import RunSpec, pass_ks
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,7 +40,7 @@ def set_metrics(name: str, rewards: torch.Tensor, pass_reward: float) -> dict[st
     n = rewards.shape[1]
     correct = (rewards >= pass_reward).sum(dim=1).tolist()
     out = {f"eval/{name}/mean@{n}": float(rewards.mean())}
-    for k in sorted({1 << i for i in range(n.bit_length())} | {n}):
+    for k in pass_ks(n):   # the spec checks train.best_metric against these
         out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
     return out
 
