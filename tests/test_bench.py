@@ -33,3 +33,21 @@ def test_the_agentic_bench_runs_every_path(tok) -> None:
     asyncio.run(both())
     assert bench.PATHS == ("env", "chat", "chat_lent")
     assert [len(latencies[path]) for path in bench.PATHS] == [4, 4, 4]
+
+
+def test_the_trainer_floor_bench_times_both_steps(ray_session, monkeypatch) -> None:
+    """bench/trainer_floor.py (Molt's update against a plain PyTorch step on the same batch, the evidence
+    in bench/RESULTS.md that the trainer is not the gap to the peer) still runs against the trainer's API:
+    one timed step of each at the tiny size."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))   # its own imports (common, molt_run)
+    loaded = importlib.util.spec_from_file_location("trainer_floor", REPO_ROOT / "bench" / "trainer_floor.py")
+    bench = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        seconds = bench.compare("tiny", threads=1, repeats=1, length=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(seconds) == ["molt", "plain"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
