@@ -61,20 +61,38 @@ def train_flops(size: str, rows: int, seq: int) -> float:
     return 3 * rows * (2 * param_count(path) * seq + attention)
 
 
+PROMPT = 8   # prompt tokens of each row of `policy_batch`
+
+
+def policy_batch(rows: int, samples: int, length: int) -> dict:
+    """A fixed batch of the loop's shape for timing a train step alone: `rows` random rows of PROMPT
+    prompt tokens and `length` sampled ones, groups of `samples`, one random advantage per row."""
+    import torch
+
+    from molt.trainer import make_batch
+    from molt.trajectory import Segment
+
+    g = torch.Generator().manual_seed(0)
+    segments = [Segment(torch.randint(3, 300, (PROMPT + length,), generator=g).tolist(),
+                        [0] * PROMPT + [1] * length, [0.0] * PROMPT + [-5.0] * length,
+                        [-1] * PROMPT + [0] * length, f"r{i}", f"g{i // samples}", prompt_len=PROMPT,
+                        finish_reason="length") for i in range(rows)]
+    adv = torch.randn(rows, generator=g)
+    return make_batch(segments, advantages=[[0.0] * PROMPT + [float(a)] * length for a in adv])
+
+
 def limits(size: str, length: int, args: argparse.Namespace, mode: str, repeats: int = 3) -> dict[str, float]:
     """Measured in this command with nothing else of Molt running, each with the threads `mode` gives it
     (`parallel.cpu_threads`): the engine alone (seconds and tok/s for the step's requests), the trainer
     alone (seconds of `update` on a batch of the step's shape, its FLOP/s) and this CPU's fp32 matmul peak
     at the trainer's threads."""
     import ray
-    import torch
     from bench_generator import generate_many
 
     from molt.config import compose
     from molt.placement import cpu_threads, init_ray
     from molt.rollout.engine import start_engines
-    from molt.trainer import TrainerRanks, make_batch
-    from molt.trajectory import Segment
+    from molt.trainer import TrainerRanks
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     n = args.prompts_per_step * args.samples_per_prompt
@@ -91,16 +109,7 @@ def limits(size: str, length: int, args: argparse.Namespace, mode: str, repeats:
         ray.kill(engine)
 
         policy = TrainerRanks(spec, "policy")
-        g = torch.Generator().manual_seed(0)
-        prompt = 8
-        segments = []
-        for i in range(n):
-            ids = torch.randint(3, 300, (prompt + length,), generator=g).tolist()
-            segments.append(Segment(ids, [0] * prompt + [1] * length, [0.0] * prompt + [-5.0] * length,
-                                    [-1] * prompt + [0] * length, f"r{i}", f"g{i // args.samples_per_prompt}",
-                                    prompt_len=prompt, finish_reason="length"))
-        adv = torch.randn(n, generator=g)
-        batch = make_batch(segments, advantages=[[0.0] * prompt + [float(a)] * length for a in adv])
+        batch = policy_batch(n, args.samples_per_prompt, length)
         # the loop's step: one update, old logprobs from the update's own forward (no reference model)
         train_s = [_seconds(lambda: policy.update(batch)) for _ in range(repeats + 1)][1:]
         policy.shutdown()
@@ -110,7 +119,7 @@ def limits(size: str, length: int, args: argparse.Namespace, mode: str, repeats:
     train = statistics.median(train_s)
     return {"engine_s": engine_s, "engine_tok_s": engine_tok_s, "train_s": train,
             "trainer_tok_s": n * length / train, "threads": threads,
-            "train_flop_s": train_flops(size, n, prompt + length) / train,
+            "train_flop_s": train_flops(size, n, PROMPT + length) / train,
             "peak_flop_s": matmul_peak(threads)}
 
 

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from breakdown import policy_batch
 from common import LR
 from molt_run import model_path, overrides
 
@@ -38,15 +39,10 @@ def compare(size: str, threads: int, repeats: int, length: int = 128) -> dict[st
 
     from molt.config import compose
     from molt.placement import init_ray
-    from molt.trainer import TrainerRanks, make_batch
-    from molt.trajectory import Segment
+    from molt.trainer import TrainerRanks
 
     spec = compose(overrides(size, length, 1, 4, 8, extra=[f"parallel.cpu_threads={threads}"]))
-    g = torch.Generator().manual_seed(0)
-    segments = [Segment(torch.randint(3, 300, (8 + length,), generator=g).tolist(), [0] * 8 + [1] * length,
-                        [0.0] * 8 + [-5.0] * length, [-1] * 8 + [0] * length, f"r{i}", f"g{i // 8}",
-                        prompt_len=8, finish_reason="length") for i in range(32)]
-    batch = make_batch(segments, advantages=[[float(a)] * (8 + length) for a in torch.randn(32, generator=g)])
+    batch = policy_batch(32, 8, length)   # the batch breakdown's "trainer alone" times
     if not ray.is_initialized():
         init_ray(spec)
     policy = TrainerRanks(spec, "policy")
