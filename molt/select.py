@@ -53,8 +53,7 @@ def filter_rollouts(spec: RunSpec, rollouts: list[Rollout]) -> tuple[list[Rollou
     group_ids = torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long)
     truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length" for r in kept])
     keep, filter_metrics = apply_filters(rewards, scores, group_ids, truncated, spec.algo)
-    metrics = {f"filter/{k.removeprefix('filter_')}": float(v) for k, v in filter_metrics.items()}
-    return [kept[i] for i in keep.tolist()], metrics
+    return [kept[i] for i in keep.tolist()], {k: float(v) for k, v in filter_metrics.items()}
 
 
 def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -67,7 +66,7 @@ def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, di
                          for r in kept], dtype=torch.float32)
     budget = room.clamp(min=1, max=spec.rollout.max_tokens * spec.agent.max_turns)
     rewards, metrics = shape_rewards(rewards, lengths, spec.algo, budget)
-    return rewards, {f"reward/{k.removeprefix('reward_')}": float(v) for k, v in metrics.items()}
+    return rewards, {k: float(v) for k, v in metrics.items()}
 
 
 async def take_batch(pool: RolloutPool, spec: RunSpec,

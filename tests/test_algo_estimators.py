@@ -207,10 +207,10 @@ def test_filters_by_hand():
     both = algo(filters={"drop_equal_rewards": True, "score_range": (0.4, 0.6)})
     kept, m = apply_filters(rewards, rewards, groups, truncated, both)
     assert kept.tolist() == [2, 3]
-    assert m["filter_drop_equal_rewards_dropped"].item() == 4 and m["filter_score_range_dropped"].item() == 0
-    assert "filter_drop_truncated_dropped" not in m and m["filter_kept_frac"].item() == pytest.approx(2 / 6)
+    assert m["filter/drop_equal_rewards_dropped"].item() == 4 and m["filter/score_range_dropped"].item() == 0
+    assert "filter/drop_truncated_dropped" not in m and m["filter/kept_frac"].item() == pytest.approx(2 / 6)
     # Filters chain: once the truncated rollout 3 is gone, group 1 has one rollout left and is dropped too.
     kept, m = apply_filters(rewards, rewards, groups, truncated, algo(filters={"drop_truncated": True,
                                                                              "drop_equal_rewards": True}))
-    assert kept.tolist() == [] and m["filter_drop_truncated_dropped"].item() == 1
-    assert m["filter_drop_equal_rewards_dropped"].item() == 5
+    assert kept.tolist() == [] and m["filter/drop_truncated_dropped"].item() == 1
+    assert m["filter/drop_equal_rewards_dropped"].item() == 5

@@ -24,7 +24,7 @@ def test_overlong_penalty_clip_and_normalize_by_hand():
     rewards, lengths = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([3.0, 8.0, 9.0, 10.0])
     out, m = shape_rewards(rewards, lengths, spec, budget=10)
     assert out.tolist() == pytest.approx([1.0, 1.0, -0.3, -0.6])
-    assert m["reward_overlong_frac"].item() == 0.5 and m["reward_shaped_mean"].item() == pytest.approx(0.275)
+    assert m["reward/overlong_frac"].item() == 0.5 and m["reward/shaped_mean"].item() == pytest.approx(0.275)
     # then clip to [-0.5, 0.5] and normalize over the batch: [0.5, 0.5, -0.3, -0.5] has mean 0.05
     spec = algo(reward={"overlong_buffer_frac": 0.2, "overlong_penalty": 0.6, "clip": 0.5,
                         "normalize": "batch"})

@@ -60,8 +60,8 @@ def apply_filters(rewards: Tensor, scores: Tensor, group_ids: Tensor, truncated:
                   algo: AlgoSpec) -> tuple[Tensor, dict[str, Tensor]]:
     """Run every enabled filter on the survivors of the previous one.
 
-    Returns the indices [K] of the kept rollouts in the input and metrics `filter_<name>_dropped`
-    (rollouts each enabled filter dropped) and `filter_kept_frac`.
+    Returns the indices [K] of the kept rollouts in the input and metrics, under the names the loop logs:
+    `filter/<name>_dropped` (rollouts each enabled filter dropped) and `filter/kept_frac`.
     """
     kept = torch.arange(rewards.numel())
     metrics = {}
@@ -70,6 +70,6 @@ def apply_filters(rewards: Tensor, scores: Tensor, group_ids: Tensor, truncated:
             continue
         idx, dropped = fn(rewards[kept], scores[kept], group_ids[kept], truncated[kept], algo)
         kept = kept[idx]
-        metrics[f"filter_{name}_dropped"] = torch.tensor(float(dropped))
-    metrics["filter_kept_frac"] = torch.tensor(kept.numel() / max(rewards.numel(), 1))
+        metrics[f"filter/{name}_dropped"] = torch.tensor(float(dropped))
+    metrics["filter/kept_frac"] = torch.tensor(kept.numel() / max(rewards.numel(), 1))
     return kept, metrics

@@ -53,8 +53,9 @@ REWARD_TRANSFORMS: dict[str, Transform] = {
 
 def shape_rewards(rewards: Tensor, lengths: Tensor, algo: AlgoSpec,
                   budget: Tensor | float) -> tuple[Tensor, dict[str, Tensor]]:
-    """Run the enabled transforms in order. Metrics when any is on: `reward_shaped_mean` (after all of
-    them); with the overlong penalty, `reward_overlong_frac` (rollouts in the penalized band or past it)."""
+    """Run the enabled transforms in order. Metrics when any is on, under the names the loop logs:
+    `reward/shaped_mean` (after all of them); with the overlong penalty, `reward/overlong_frac` (rollouts
+    in the penalized band or past it)."""
     enabled = [fn for key, fn in REWARD_TRANSFORMS.items()
                if getattr(algo.reward, key) not in (None, 0, "off")]
     if not enabled or not rewards.numel():
@@ -62,8 +63,8 @@ def shape_rewards(rewards: Tensor, lengths: Tensor, algo: AlgoSpec,
     metrics = {}
     if algo.reward.overlong_buffer_frac:
         free = budget * (1 - algo.reward.overlong_buffer_frac)
-        metrics["reward_overlong_frac"] = (lengths > free).float().mean()
+        metrics["reward/overlong_frac"] = (lengths > free).float().mean()
     for fn in enabled:
         rewards = fn(rewards, lengths, algo, budget)
-    metrics["reward_shaped_mean"] = rewards.mean()
+    metrics["reward/shaped_mean"] = rewards.mean()
     return rewards, metrics
