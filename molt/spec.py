@@ -9,6 +9,8 @@ valid key.
 from __future__ import annotations
 
 import difflib
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
@@ -127,6 +129,7 @@ def check_combinations(spec: RunSpec) -> None:
     _speculative_decoding(spec)
     _updates(spec)
     _packing(spec)
+    _vision(spec)
     _rollout_settings(spec)
 
 
@@ -190,6 +193,39 @@ def _packing(spec: RunSpec) -> None:
                          "run through an attention the trainer registers with transformers, and on cuda the "
                          "model comes from AutoModel's loader, whose model classes are not tested with it; "
                          "use train.micro_batch_size")
+
+
+def _vision(spec: RunSpec) -> None:
+    # The trainer loads a VLM's policy with its image inputs unpacked and has no value model for one; caught
+    # here, the run stops before Ray and the engines start instead of when the trainer loads.
+    if not (spec.model.critic or spec.train.micro_batch_tokens is not None) or not _vlm(spec.model):
+        return
+    if spec.model.critic:
+        raise ValueError("model.critic=true with a vision-language model: a value model of a VLM is not "
+                         "supported; use an estimator without a critic (e.g. algo=grpo)")
+    raise ValueError("train.micro_batch_tokens (sequence packing) with a vision-language model: packing does "
+                     "not pack image inputs; use train.micro_batch_size")
+
+
+def _vlm(model: ModelSpec) -> bool:
+    """Whether the policy is a vision-language model, as far as the spec can tell without a download: a
+    tiny model with a vision tower, or a checkpoint whose config.json (a local folder, or the hub's cached
+    copy) has a vision_config. A hub model not downloaded yet is refused by the trainer when it loads."""
+    if model.path is None:
+        return model.tiny.get("vision_layers", 0) > 0
+    config = Path(model.path).expanduser() / "config.json"
+    if not config.exists():
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.errors import HFValidationError
+
+        try:
+            cached = try_to_load_from_cache(model.path, "config.json")
+        except HFValidationError:     # not a hub id either: molt.models.model_path says so at launch
+            return False
+        if not isinstance(cached, str):
+            return False
+        config = Path(cached)
+    return "vision_config" in json.loads(config.read_text(encoding="utf-8"))
 
 
 def _rollout_settings(spec: RunSpec) -> None:
