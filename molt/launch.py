@@ -19,23 +19,26 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
     unit = "GPU" if p.device == "cuda" else "CPU process"
     where = f"attach to Ray at {spec.ray.address}" if spec.ray.address else "start Ray locally"
     names = [f"{n['NodeManagerAddress']} {n['NodeID'][:8]}" for n in nodes] if nodes else None
+    # AutoModel's parallelizer returns a single rank's model as it is: FSDP2 shards only from two ranks on
+    sharding = "FSDP2" if p.world_size > 1 else "unsharded (one rank: no FSDP2)"
     lines = [
         f"run '{spec.run.name}' -> {spec.run.dir or '(dry run: no run directory)'}",
         f"ray: {where}",
         f"engines: {e.num_engines} x vLLM (tp={e.tp_size}, dp={e.dp_size}, expert_parallel="
         f"{e.enable_expert_parallel}) = {e.num_engines * e.tp_size * e.dp_size} {unit}(s)",
         f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} tp={p.tp_size} cp={p.cp_size} "
-        f"ep={p.ep_size}] FSDP2 on {p.device}, offload={p.offload}",
+        f"ep={p.ep_size}] {sharding} on {p.device}, offload={p.offload}",
     ]
     if spec.model.critic:
         lines.append(f"critic: {p.world_size} rank(s), same layout")
     if spec.model.reference:
         lines.append(f"reference: {p.world_size} rank(s), frozen ({spec.model.reference})")
     lines += [f"placement: {line}" for line in describe(spec, names)]
+    lines.append(f"data: train {spec.data.train_path}; eval {', '.join(spec.data.eval) or 'none'}")
     if spec.train.objective == "sft":
         lines[2] = "engines: none (train.objective=sft samples nothing)"
         return "\n".join([*lines, f"sft: {spec.train.steps} steps x {spec.train.prompts_per_step} "
-                                   f"conversations from {spec.data.train_path}"])
+                                   "conversations"])
     lines += [
         f"agent: {spec.agent.kind} from {spec.agent.module}",
         f"loop: {spec.rollout.mode}, {spec.train.steps} steps x {spec.train.prompts_per_step} prompts x "
