@@ -148,6 +148,9 @@ def test_bad_type_is_reported_with_key_and_value():
         (["parallel.world_size=0", "parallel.dp_size=0"], "world_size: Input should be greater than"),
         (["ray.address=auto", "ray.num_cpus=8"], "unset ray.num_cpus"),
         (["agent.judge.engine.max_restarts=2"], "judge engines are not restarted"),
+        # a VLM the trainer cannot load that way: refused before Ray and the engines start
+        (["model=tiny_vl", "algo=gae", "model.critic=true"], "critic=true with a vision-language model"),
+        (["model=tiny_vl", "train.micro_batch_tokens=256"], "packing\\) with a vision-language model"),
     ],
 )
 def test_cross_field_rules(overrides, fragment):
@@ -276,7 +279,17 @@ PLANS = {
                       "total: 16 of 2 x 8 = 16 GPUs"],
     "tiny_vlm_geo": ["node 0: policy rank 0, engine 0",
                      "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "distill_tiny": ["node 0: policy rank 0, reference rank 0, engine 0",
+                     "total: 2 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "rg_rl": ["node 0: policy rank 0, engine 0",
+              "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "rg_sft": ["node 0: policy rank 0",
+               "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
 }
+
+
+def test_every_shipped_experiment_has_its_plan_checked():
+    assert sorted(PLANS) == sorted(EXPERIMENTS)
 
 
 def test_qwen_vl_geo3k_matches_its_description():
@@ -295,6 +308,28 @@ def test_shipped_experiments_plan_totals_and_inputs(name):
              if line.startswith("placement: ")]
     assert lines == PLANS[name]
     check_inputs(spec)  # its data files load and its agent module imports
+
+
+def test_an_agent_option_sets_its_data_and_the_plan_names_it():
+    from molt.launch import describe_plan
+
+    spec = compose(["agent=tools"])
+    assert (spec.data.train_path, spec.data.eval) == ("examples/data/tools_train.jsonl",
+                                                      ["examples/data/tools_eval.jsonl"])
+    assert "data: train examples/data/tools_train.jsonl; eval examples/data/tools_eval.jsonl" in \
+        describe_plan(spec)
+    # the command line (or an experiment) still picks other rows; an agent without data keeps the default
+    assert compose(["agent=tools", "data.eval=[]"]).data.eval == []
+    assert "; eval none" in describe_plan(compose(["agent=tools", "data.eval=[]"]))
+    assert compose(["agent=chat_minimal"]).data == RunSpec().data
+
+
+def test_the_plan_says_fsdp2_only_where_it_shards():
+    from molt.launch import describe_plan
+
+    plan = describe_plan(compose([]))
+    assert "1 rank(s) [dp=1 tp=1 cp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
+    assert "] FSDP2 on cpu" in describe_plan(compose(["parallel=cpu2"]))
 
 
 def test_dry_run_checks_data_and_agent_module():
