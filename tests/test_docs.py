@@ -70,3 +70,16 @@ def test_documents_cited_by_the_code_exist():
     cited = {c for pattern in CODE for source in REPO.glob(pattern)
              for c in CITED.findall(source.read_text(encoding="utf-8"))}
     assert cited and sorted(c for c in cited if not (REPO / c).exists()) == []
+
+
+EMBEDDED = re.compile(r"^<!-- file: (\S+) -->\n```\w*\n(.*?)^```", re.M | re.S)
+
+
+def test_embedded_files_are_the_files():
+    """A block after `<!-- file: PATH -->` is PATH's whole text: a worked example that is the real file."""
+    blocks = [(page, path, text) for page in PAGES
+              for path, text in EMBEDDED.findall(page.read_text(encoding="utf-8"))]
+    assert any(path == "examples/algo/opo.py" for _, path, _ in blocks)
+    stale = [f"{page.relative_to(REPO)}: {path}" for page, path, text in blocks
+             if text != (REPO / path).read_text(encoding="utf-8")]
+    assert stale == [], "copy the file into the page again"
