@@ -1,5 +1,6 @@
 """The documentation's relative links resolve: every file a link names exists, and every `#anchor` into
-a markdown page names one of that page's headings (as GitHub renders them). Pure text, no imports of Molt."""
+a markdown page names one of that page's headings (as GitHub renders them); files copied into a page are
+the files; the model sizes the pages quote are the models' (built on the meta device, no weights)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,38 @@ def test_embedded_files_are_the_files():
     stale = [f"{page.relative_to(REPO)}: {path}" for page, path, text in blocks
              if text != (REPO / path).read_text(encoding="utf-8")]
     assert stale == [], "copy the file into the page again"
+
+
+def parameters(**opts: int) -> int:
+    """Parameters of the molt.tiny model with these options (tied embeddings counted once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from molt.tiny import DEFAULTS, build_model_config
+
+    full = {**DEFAULTS, **opts}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_model_config(full, full["vocab_size"]))
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_quoted_model_sizes_are_the_models():
+    import importlib.util
+
+    from molt.config import compose
+
+    loaded = importlib.util.spec_from_file_location("bench_common", REPO / "bench" / "common.py")
+    common = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(common)
+    tiny = f"{parameters() / 1e6:.2f}M"
+    # every sub-million size a page or an experiment's header quotes is the default tiny model's (RESULTS.md
+    # is written by the benchmarks, which round to one decimal)
+    written = [p for p in PAGES if p.name != "RESULTS.md"]
+    quoted = {(str(p.relative_to(REPO)), size) for p in [*written, *REPO.glob("experiments/*.yaml")]
+              for size in re.findall(r"\b0\.\d+M\b", p.read_text(encoding="utf-8"))}
+    assert quoted and {q for q in quoted if q[1] != tiny} == set()
+    bench = (REPO / "bench" / "README.md").read_text(encoding="utf-8")
+    for name in ("30m", "100m"):
+        assert f"| {parameters(**common.SIZES[name]) / 1e6:.1f}M |" in bench, name
+    teacher = parameters(**compose(["+experiment=distill_tiny"]).model.reference_tiny) / 1e6
+    assert f"a {teacher:.1f}M-parameter teacher" in (REPO / "docs" / "trainer.md").read_text(encoding="utf-8")
