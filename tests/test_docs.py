@@ -119,3 +119,90 @@ def test_quoted_model_sizes_are_the_models():
         assert f"| {parameters(**common.SIZES[name]) / 1e6:.1f}M |" in bench, name
     teacher = parameters(**compose(["+experiment=distill_tiny"]).model.reference_tiny) / 1e6
     assert f"a {teacher:.1f}M-parameter teacher" in (REPO / "docs" / "trainer.md").read_text(encoding="utf-8")
+
+
+# Pasted command output: a fenced block of `$ python -m molt...` lines, each followed by what it prints.
+PASTED = re.compile(r"^```\n(\$ python -m molt.*?)^```", re.M | re.S)
+RUN_TIME = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d")
+
+
+class _Started(Exception):
+    """The command would start a run: its output is a run's, which no test reproduces."""
+
+
+def pasted_commands(page: Path) -> list[tuple[str, list[str]]]:
+    """(command, the lines the page shows it printing) for every pasted `python -m molt...` command."""
+    out: list[tuple[str, list[str]]] = []
+    for block in PASTED.findall(page.read_text(encoding="utf-8")):
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                out.append((line[2:], []))
+            else:
+                out[-1][1].append(line)
+    return out
+
+
+def printed(command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    """What `command` prints (stdout, then stderr), run in this process; raises _Started for a real run."""
+    import shlex
+
+    import molt.__main__ as cli
+    from molt.diff import main as diff_main
+
+    def started() -> None:
+        raise _Started
+
+    words = shlex.split(command)
+    monkeypatch.setattr(cli, "_run", started)
+    tail = ""
+    if words[2] == "molt.diff":
+        diff_main(words[3:])
+    else:
+        monkeypatch.setattr("sys.argv", ["molt", *words[3:]])
+        try:
+            cli.main()
+        except SystemExit as done:   # sys.exit("molt: ...") prints its message on the way out
+            tail = f"{done.code}\n" if isinstance(done.code, str) else ""
+    captured = capsys.readouterr()
+    return RUN_TIME.sub("<time>", (captured.out + captured.err + tail).replace(str(REPO), "~/molt"))
+
+
+def shown_in(shown: list[str], actual: list[str]) -> bool:
+    """The page's lines are the output, where a `...` line stands for lines left out."""
+    if "..." not in shown:
+        return shown == actual
+    at = 0
+    for chunk in "\n".join(shown).split("\n...\n"):
+        lines = [line for line in chunk.split("\n") if line != "..."]
+        found = next((i for i in range(at, len(actual) - len(lines) + 1)
+                      if actual[i:i + len(lines)] == lines), None)
+        if found is None:
+            return False
+        at = found + len(lines)
+    return True
+
+
+def test_pasted_outputs_are_what_the_commands_print(monkeypatch, capsys):
+    """docs/workflows.md's `--help`, `--cfg job`, dry-run, sweep-preview and `molt.diff` outputs; a command
+    that starts a run, or names a git revision (FILE@REV), is not rerun."""
+    page = REPO / "docs" / "workflows.md"
+    checked, stale = 0, []
+    for command, shown in pasted_commands(page):
+        if not shown or "@" in command:
+            continue
+        try:
+            actual = printed(command, monkeypatch, capsys)
+        except _Started:
+            capsys.readouterr()
+            continue
+        checked += 1
+        if not shown_in([RUN_TIME.sub("<time>", line) for line in shown], actual.splitlines()):
+            stale.append(f"$ {command}\n{actual}")
+    assert checked >= 8
+    assert stale == [], "update docs/workflows.md with what these print:\n" + "\n".join(stale)
+
+
+def test_an_elided_block_must_still_match():
+    assert shown_in(["a", "...", "c", "d"], ["a", "b", "c", "d", "e"])
+    assert not shown_in(["a", "...", "d", "c"], ["a", "b", "c", "d"])
+    assert not shown_in(["a", "b"], ["a", "b", "c"])
