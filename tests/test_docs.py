@@ -206,3 +206,27 @@ def test_an_elided_block_must_still_match():
     assert shown_in(["a", "...", "c", "d"], ["a", "b", "c", "d", "e"])
     assert not shown_in(["a", "...", "d", "c"], ["a", "b", "c", "d"])
     assert not shown_in(["a", "b"], ["a", "b", "c"])
+
+
+CITED_TEST = re.compile(r"`(?:tests/)?((?:faults/)?test_\w+\.py)(?:::(\w+))?`|`(test_\w+)`")
+
+
+def test_tests_the_pages_cite_exist():
+    """Every test file, `file::test` and bare `test_name` a page cites is there (a renamed test leaves
+    a dangling citation otherwise)."""
+    files = {p.name: p for p in (REPO / "tests").rglob("test_*.py")}
+    defined = {p.name: set(re.findall(r"^\s*(?:async )?def (\w+)", p.read_text(encoding="utf-8"), re.M))
+               for p in files.values()}
+    everywhere = set().union(*defined.values())
+    missing, cited = [], 0
+    for page in PAGES:
+        for path, name, bare in CITED_TEST.findall(page.read_text(encoding="utf-8")):
+            cited += 1
+            where = str(page.relative_to(REPO))
+            if path and Path(path).name not in files:
+                missing.append(f"{where}: {path}")
+            elif path and name and name not in defined[Path(path).name]:
+                missing.append(f"{where}: {path}::{name}")
+            elif bare and bare not in everywhere:
+                missing.append(f"{where}: {bare}")
+    assert cited > 100 and missing == []
