@@ -230,3 +230,9 @@ def test_tests_the_pages_cite_exist():
             elif bare and bare not in everywhere:
                 missing.append(f"{where}: {bare}")
     assert cited > 100 and missing == []
+
+
+def test_every_test_file_is_on_the_map():
+    """tests/README.md's table is where a reader finds a test file: a new one gets its row."""
+    listed = (REPO / "tests" / "README.md").read_text(encoding="utf-8")
+    assert sorted(p.name for p in (REPO / "tests").glob("test_*.py") if f"`{p.name}`" not in listed) == []
