@@ -236,3 +236,39 @@ def test_every_test_file_is_on_the_map():
     """tests/README.md's table is where a reader finds a test file: a new one gets its row."""
     listed = (REPO / "tests" / "README.md").read_text(encoding="utf-8")
     assert sorted(p.name for p in (REPO / "tests").glob("test_*.py") if f"`{p.name}`" not in listed) == []
+
+
+CODE_PATH = re.compile(r"`((?:molt|examples|conf|experiments|bench|tools|recipes|tests)/[\w./-]+"
+                       r"\.(?:py|yaml|sh|jsonl|sbatch|md))")
+DOTTED = re.compile(r"`(molt(?:\.\w+)+)")
+
+
+def resolves(dotted: str) -> bool:
+    """`molt.a.b.c`: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_code_the_pages_name_exists():
+    """Every file path and `molt.x.y` name a page cites in code font is there (NAME, GROUP, OPTION:
+    placeholders)."""
+    missing = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        missing += [f"{page.relative_to(REPO)}: {path}" for path in CODE_PATH.findall(text)
+                    if not (REPO / path).exists() and not re.search(r"NAME|GROUP|OPTION", path)]
+        missing += [f"{page.relative_to(REPO)}: {name}" for name in sorted(set(DOTTED.findall(text)))
+                    if not resolves(name)]
+    assert missing == []
