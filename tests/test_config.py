@@ -288,12 +288,16 @@ def test_qwen_vl_geo3k_matches_its_description():
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_shipped_experiments_plan_totals_and_inputs(name):
-    from molt.launch import check_inputs, describe_plan
+    from molt.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
 
     spec = compose([f"+experiment={name}"])
     lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
              if line.startswith("placement: ")]
     assert lines == PLANS[name]
+    if spec.parallel.ep_size > EP_WITHOUT_DEEPEP:   # no DeepEP on the CPU install: refused before a start
+        with pytest.raises(ValueError, match=r"parallel.ep_size=256 needs DeepEP \(the deep_ep module\)"):
+            check_inputs(spec)
+        spec = compose([f"+experiment={name}", f"parallel.ep_size={EP_WITHOUT_DEEPEP}"])
     check_inputs(spec)  # its data files load and its agent module imports
 
 
