@@ -29,6 +29,7 @@ from molt.spec_sections import (  # noqa: F401  (re-exported)
     AgentSpec,
     DataSpec,
     EngineSpec,
+    HubDataset,
     JudgeSpec,
     LoggingSpec,
     LoRASpec,

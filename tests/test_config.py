@@ -287,7 +287,9 @@ def test_qwen_vl_geo3k_matches_its_description():
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_shipped_experiments_plan_totals_and_inputs(name):
+def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
+    from datalib import with_local_hub
+
     from molt.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
 
     spec = compose([f"+experiment={name}"])
@@ -298,7 +300,7 @@ def test_shipped_experiments_plan_totals_and_inputs(name):
         with pytest.raises(ValueError, match=r"parallel.ep_size=256 needs DeepEP \(the deep_ep module\)"):
             check_inputs(spec)
         spec = compose([f"+experiment={name}", f"parallel.ep_size={EP_WITHOUT_DEEPEP}"])
-    check_inputs(spec)  # its data files load and its agent module imports
+    check_inputs(with_local_hub(spec, tmp_path))  # data loads (a hub dataset: a local copy), agent imports
 
 
 def test_dry_run_checks_data_and_agent_module():
