@@ -172,15 +172,31 @@ def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list
     return failed
 
 
+def perturbed_copy(path: Path, new: Path) -> dict:
+    """Copy the model folder `path` to `new` with every weight perturbed (seeded); returns the new weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(new, ignore_errors=True)
+    shutil.copytree(path, new)
+    generator, weights = torch.Generator().manual_seed(1), {}
+    for file in sorted(glob.glob(str(new / "*.safetensors"))):
+        part = {k: v + 0.05 * v.float().std() * torch.randn(v.shape, generator=generator)
+                for k, v in load_file(file).items()}
+        save_file(part, file, metadata={"format": "pt"})
+        weights.update(part)
+    return weights
+
+
 def refit_check(name: str, overrides: list[str], args: argparse.Namespace) -> list[str]:
     """Refit an engine over NCCL with perturbed weights; compare its greedy output with a fresh engine's."""
     import asyncio
-    import shutil
     import socket
 
     import ray
     import torch
-    from safetensors.torch import load_file, save_file
 
     from molt import refit
     from molt.config import compose
@@ -191,14 +207,7 @@ def refit_check(name: str, overrides: list[str], args: argparse.Namespace) -> li
     spec = compose(overrides)
     path = Path(model_path(spec))
     new = args.out / f"{name}_new_weights"
-    shutil.rmtree(new, ignore_errors=True)
-    shutil.copytree(path, new)
-    generator, weights = torch.Generator().manual_seed(1), {}
-    for file in sorted(glob.glob(str(new / "*.safetensors"))):
-        part = {k: v + 0.05 * v.float().std() * torch.randn(v.shape, generator=generator)
-                for k, v in load_file(file).items()}
-        save_file(part, file, metadata={"format": "pt"})
-        weights.update(part)
+    weights = perturbed_copy(path, new)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private local cluster, as molt's own
     ray.init(num_gpus=1, include_dashboard=False)   # the engine gets GPU 0; this process sends from GPU 1
     try:
