@@ -28,6 +28,7 @@ if [ "$MODE" = install ]; then
   .venv/bin/python -m pip install -q uv
 fi
 UVBIN="${UV_BIN:-.venv/bin/uv}"
+[ -x "$UVBIN" ] || UVBIN=uv   # --resolve before any install: a uv on PATH
 # uv reads UV_* settings, not pip's: PIP_INDEX_URL, PIP_EXTRA_INDEX_URL and find-links (variable or
 # pip.conf) carry over. Not for gpu: they exist to serve the CPU torch wheel (`2.13.0+cpu` satisfies
 # `torch==2.13.0`, so uv would take it, and with it triton 3.9, which CUDA torch's triton pin keeps out).
