@@ -303,6 +303,19 @@ def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
     check_inputs(with_local_hub(spec, tmp_path))  # data loads (a hub dataset: a local copy), agent imports
 
 
+def test_large_expert_parallel_on_cuda_needs_deep_ep(tmp_path, monkeypatch):
+    from molt.launch import check_expert_dispatch
+
+    dsv3 = compose(["+experiment=dsv3_ep256"])
+    with pytest.raises(ValueError, match=r"parallel.ep_size=256 needs DeepEP .* or use parallel.ep_size<=8"):
+        check_expert_dispatch(dsv3)
+    check_expert_dispatch(compose(["+experiment=qwen30b_tools"]))   # ep 8: AutoModel's own dispatcher
+    (tmp_path / "deep_ep").mkdir()   # an installed DeepEP (it builds only with nvcc: a stand-in module)
+    (tmp_path / "deep_ep" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_expert_dispatch(dsv3)
+
+
 def test_dry_run_checks_data_and_agent_module():
     from molt.launch import check_inputs
 
