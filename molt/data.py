@@ -64,6 +64,16 @@ def _check_row(row: Any, data: DataSpec, base_dir: Path | None = None) -> dict[s
                      f"keys present: {sorted(row)}")
 
 
+def without_null_fields(row: Any, messages_key: str) -> Any:
+    """An Arrow row (Parquet, a hub dataset) with the null fields of its messages dropped: a struct column
+    gives every message every field."""
+    messages = row.get(messages_key) if isinstance(row, dict) else None
+    if isinstance(messages, list):
+        row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
+                             if isinstance(m, dict) else m for m in messages]
+    return row
+
+
 def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, Any]],
               data: DataSpec) -> list[dict[str, Any]]:
     """Every row of a JSONL or Parquet file, or of a hub dataset, through `check` (which raises ValueError on
@@ -88,12 +98,8 @@ def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, 
     elif suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq
 
-        for row_no, row in enumerate(pq.read_table(path).to_pylist()):
-            messages = row.get(messages_key)
-            if isinstance(messages, list):  # a struct column gives every message every field; drop the nulls
-                row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
-                                     if isinstance(m, dict) else m for m in messages]
-            rows.append((f": row {row_no}", row))
+        rows = [(f": row {row_no}", without_null_fields(row, messages_key))
+                for row_no, row in enumerate(pq.read_table(path).to_pylist())]
     else:
         raise ValueError(f"{path}: unsupported dataset format '{suffix}' (use .jsonl or .parquet)")
     return _checked(str(path), rows, check)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from molt.data import without_null_fields
 from molt.spec import DataSpec, HubDataset
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -39,13 +40,19 @@ def hub_rows(source: HubDataset, data: DataSpec) -> list[dict[str, Any]]:
     # arrow rows: image columns as the stored {"bytes", "path"}, not decoded PIL images
     rows = table.with_format("arrow")[:].to_pylist()
     if source.transform:
-        convert = _transform(source.transform)
-        return [convert(row) for row in rows]
+        convert, out = _transform(source.transform), []
+        for i, row in enumerate(rows):
+            try:
+                out.append(convert(row))
+            except Exception as err:   # user code: name the row and the function
+                raise ValueError(f"{where}: row {i}: transform={source.transform!r} raised "
+                                 f"{type(err).__name__}: {err}") from err
+        return [without_null_fields(row, data.messages_key) for row in out]
     missing = sorted(set(source.fields.values()) - set(table.column_names))
     if missing:
         raise ValueError(f"{where}: fields name columns {missing} it does not have; its columns: "
                          f"{table.column_names}")
-    return [_mapped(row, source.fields, data) for row in rows]
+    return [without_null_fields(_mapped(row, source.fields, data), data.messages_key) for row in rows]
 
 
 def _mapped(row: dict[str, Any], fields: dict[str, str], data: DataSpec) -> dict[str, Any]:

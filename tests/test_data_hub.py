@@ -64,10 +64,22 @@ def test_bad_hub_sources_fail_with_what_is_wrong(tmp_path):
         PromptDataset(HubDataset(hub="nobody/nothing"), DATA)   # HF_HUB_OFFLINE (conftest): not cached
     with pytest.raises(ValueError, match=r"row 0: malformed row: missing label key 'label'"):
         PromptDataset(HubDataset(hub=str(root), fields={"prompt": "question"}), DATA)
+    (tmp_path / "rows.py").write_text("def broken(row):\n    return {'prompt': row['missing']}\n")
+    with pytest.raises(ValueError, match=r"\[train\]: row 0: transform='.*rows.py:broken' raised KeyError"):
+        PromptDataset(HubDataset(hub=str(root), transform=f"{tmp_path / 'rows.py'}:broken"), DATA)
     with pytest.raises(SpecError, match="set fields or transform, not both"):
         compose(["data.train_path={hub: x, fields: {prompt: q}, transform: 'm.py:f'}"])
     with pytest.raises(SpecError, match="eval sets named \\['x'\\] more than once"):
         compose(["data.eval=[{hub: a/x}, examples/data/x.jsonl]"])
+
+
+def test_a_messages_column_reads_like_a_parquet_file(tmp_path):
+    # a struct column gives every message every field (null where absent); they are dropped, as for a file
+    chat = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "yo"}]
+    root = write_hub_layout(tmp_path / "chat", {"train": [{"conversation": chat, "answer": "a"}]})
+    [row] = PromptDataset(HubDataset(hub=str(root), fields={"messages": "conversation", "label": "answer"}),
+                          DATA)
+    assert row == {"messages": chat, "label": "a"}
 
 
 @pytest.mark.parametrize("name", ["qwen3_4b_math", "qwen_vl_geo3k"])
