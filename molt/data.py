@@ -1,4 +1,5 @@
-"""Prompt datasets: JSONL or Parquet rows, and a seeded, resumable epoch iterator over them.
+"""Prompt datasets: JSONL or Parquet rows (or a Hugging Face dataset: molt/data_hub.py), and a seeded,
+resumable epoch iterator over them.
 
 A row holds either chat-format messages (`data.messages_key`) or a prompt string (`data.prompt_key`),
 plus a label (`data.label_key`, may be null); other keys are the agent's (tool specs, test cases).
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from molt.spec import DataSpec, eval_names
+from molt.spec import DataSpec, HubDataset, eval_names
 from molt.vision import normalize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -63,13 +64,29 @@ def _check_row(row: Any, data: DataSpec, base_dir: Path | None = None) -> dict[s
                      f"keys present: {sorted(row)}")
 
 
-def read_rows(path: str | Path, check: Callable[[Any], dict[str, Any]],
-              messages_key: str) -> list[dict[str, Any]]:
-    """Every row of a JSONL or Parquet file through `check` (which raises ValueError on a bad row; the error
-    then names the file and line, or row); a file without rows is an error too."""
-    path = resolve_path(path)
+def without_null_fields(row: Any, messages_key: str) -> Any:
+    """An Arrow row (Parquet, a hub dataset) with the null fields of its messages dropped: a struct column
+    gives every message every field."""
+    messages = row.get(messages_key) if isinstance(row, dict) else None
+    if isinstance(messages, list):
+        row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
+                             if isinstance(m, dict) else m for m in messages]
+    return row
+
+
+def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, Any]],
+              data: DataSpec) -> list[dict[str, Any]]:
+    """Every row of a JSONL or Parquet file, or of a hub dataset, through `check` (which raises ValueError on
+    a bad row; the error then names the file and line, or row); a source without rows is an error too."""
+    if isinstance(source, HubDataset):
+        from molt.data_hub import describe, hub_rows
+
+        return _checked(describe(source), [(f": row {i}", row) for i, row in
+                                           enumerate(hub_rows(source, data))], check)
+    path = resolve_path(source)
     suffix = path.suffix.lower()
     rows: list[tuple[str, Any]] = []
+    messages_key = data.messages_key
     if suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for line_no, line in enumerate(f, start=1):
@@ -81,32 +98,33 @@ def read_rows(path: str | Path, check: Callable[[Any], dict[str, Any]],
     elif suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq
 
-        for row_no, row in enumerate(pq.read_table(path).to_pylist()):
-            messages = row.get(messages_key)
-            if isinstance(messages, list):  # a struct column gives every message every field; drop the nulls
-                row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
-                                     if isinstance(m, dict) else m for m in messages]
-            rows.append((f": row {row_no}", row))
+        rows = [(f": row {row_no}", without_null_fields(row, messages_key))
+                for row_no, row in enumerate(pq.read_table(path).to_pylist())]
     else:
         raise ValueError(f"{path}: unsupported dataset format '{suffix}' (use .jsonl or .parquet)")
+    return _checked(str(path), rows, check)
+
+
+def _checked(name: str, rows: list[tuple[str, Any]], check: Callable[[Any], dict[str, Any]]
+             ) -> list[dict[str, Any]]:
     if not rows:
-        raise ValueError(f"{path}: dataset has no rows")
+        raise ValueError(f"{name}: dataset has no rows")
     items = []
     for where, row in rows:
         try:
             items.append(check(row))
         except ValueError as err:  # json.JSONDecodeError is a ValueError too
-            raise ValueError(f"{path}{where}: malformed row: {err}") from None
+            raise ValueError(f"{name}{where}: malformed row: {err}") from None
     return items
 
 
 class PromptDataset:
-    """All rows of one JSONL or Parquet file, validated, in file order."""
+    """All rows of one JSONL or Parquet file (or hub dataset), validated, in file order."""
 
-    def __init__(self, path: str | Path, data: DataSpec) -> None:
-        self.path = resolve_path(path)
-        base = self.path.parent   # image paths in rows are relative to the dataset file
-        self.items = read_rows(self.path, lambda row: _check_row(row, data, base), data.messages_key)
+    def __init__(self, source: str | Path | HubDataset, data: DataSpec) -> None:
+        source = source if isinstance(source, HubDataset) else resolve_path(source)
+        base = None if isinstance(source, HubDataset) else source.parent   # image paths: relative to the file
+        self.items = read_rows(source, lambda row: _check_row(row, data, base), data)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -119,7 +137,7 @@ class PromptDataset:
 
 
 def load_eval_sets(data: DataSpec) -> dict[str, PromptDataset]:
-    """The eval sets of `data.eval`, by name (each file's stem), in config order."""
+    """The eval sets of `data.eval`, by name (a file's stem, a hub dataset's name), in config order."""
     return {name: PromptDataset(path, data)
             for name, path in zip(eval_names(data.eval), data.eval, strict=True)}
 

@@ -56,6 +56,7 @@ def check_inputs(spec: RunSpec) -> None:
     from molt.sft.data import load_conversations
 
     load_plugins(spec)
+    check_expert_dispatch(spec)
 
     if spec.train.objective == "sft":   # conversations; no agent runs
         for path in (spec.data.train_path, *spec.data.eval):
@@ -71,6 +72,26 @@ def check_inputs(spec: RunSpec) -> None:
         from molt.rollout.engine_args import check_lora
 
         check_lora(model_path(spec), spec.model)
+
+
+# Without DeepEP, AutoModel's MoE dispatcher all-gathers every token of the expert-parallel group onto every
+# rank: memory and traffic per MoE layer grow with ep_size (30-60 GB per layer at DeepSeek-V3's shape and
+# ep 256). Up to one node's 8 GPUs (NVLink) it is AutoModel's own default; beyond, DeepEP is required.
+EP_WITHOUT_DEEPEP = 8
+
+
+def check_expert_dispatch(spec: RunSpec) -> None:
+    """Refuse `parallel.ep_size` above EP_WITHOUT_DEEPEP on cuda unless DeepEP (`deep_ep`) is importable.
+    Checked here, with the inputs, because it is a fact of the installed environment, not of the spec."""
+    import importlib.util
+
+    ep = spec.parallel.ep_size
+    if spec.parallel.device == "cuda" and ep > EP_WITHOUT_DEEPEP and not importlib.util.find_spec("deep_ep"):
+        raise ValueError(
+            f"parallel.ep_size={ep} needs DeepEP (the deep_ep module) above {EP_WITHOUT_DEEPEP}: without it "
+            "AutoModel's MoE dispatcher all-gathers every token onto every expert-parallel rank. Build it "
+            "against the installed torch (`pip install --no-build-isolation deep-ep`, needs nvcc and "
+            f"NVSHMEM; docs/install.md#gpu), or use parallel.ep_size<={EP_WITHOUT_DEEPEP}")
 
 
 def dry_run(spec: RunSpec) -> str:

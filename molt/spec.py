@@ -31,6 +31,7 @@ from molt.spec_sections import (  # noqa: F401  (re-exported)
     AgentSpec,
     DataSpec,
     EngineSpec,
+    HubDataset,
     JudgeSpec,
     LoggingSpec,
     LoRASpec,

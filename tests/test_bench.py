@@ -51,3 +51,48 @@ def test_the_trainer_floor_bench_times_both_steps(ray_session, monkeypatch) -> N
     finally:
         torch.set_num_threads(threads)
     assert sorted(seconds) == ["molt", "plain"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
+
+
+def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus(tmp_path, monkeypatch,
+                                                                                 capsys) -> None:
+    """bench/gpu_smoke.py cannot run here; its CPU parts can: every run's overrides compose into a spec the
+    real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
+    the depth being a flag) at the stated size, and on a machine without 2 GPUs it stops with exit code 2
+    naming the assumption before it starts anything."""
+    from molt.config import compose
+    from molt.models import model_path
+    from molt.placement import plan
+
+    loaded = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "bench" / "gpu_smoke.py")
+    smoke = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(smoke)
+    runs = smoke.runs(smoke.parse_args(["--layers", "2", "--steps", "3"]))
+    assert sorted(runs) == ["dense_async", "dense_sync", "moe_async", "moe_sync"]
+    for name, overrides in runs.items():
+        spec = compose(overrides)
+        assert (spec.parallel.device, spec.model.dtype, spec.train.steps) == ("cuda", "bfloat16", 3)
+        assert spec.rollout.mode == name.split("_")[1] and spec.rollout.partial_rollout
+        assert spec.model.router_replay == name.startswith("moe")
+        assert sorted(slot.role for slot in plan(spec)) == ["engine", "policy"]   # on 2 GPUs
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = model_path(compose(runs["dense_sync"]))
+    config = AutoConfig.from_pretrained(path)
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (1024, 2, 128)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    per_layer = sum(int(torch_numel(s)) for k, s in sizes.items() if ".layers.0." in k)
+    rest = sum(int(torch_numel(s)) for k, s in sizes.items() if ".layers." not in k)
+    assert 0.4e9 < rest + smoke.DENSE["num_layers"] * per_layer < 0.6e9   # the 28-layer model: ~0.5B
+    assert smoke.main(["--print-specs"]) == 0 and "dense_sync" in capsys.readouterr().out
+    assert smoke.main([]) == 2
+    assert "an assumption does not hold" in capsys.readouterr().err
+
+
+def torch_numel(shape: list[int]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out

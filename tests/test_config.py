@@ -300,14 +300,33 @@ def test_qwen_vl_geo3k_matches_its_description():
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_shipped_experiments_plan_totals_and_inputs(name):
-    from molt.launch import check_inputs, describe_plan
+def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
+    from datalib import with_local_hub
+
+    from molt.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
 
     spec = compose([f"+experiment={name}"])
     lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
              if line.startswith("placement: ")]
     assert lines == PLANS[name]
-    check_inputs(spec)  # its data files load and its agent module imports
+    if spec.parallel.ep_size > EP_WITHOUT_DEEPEP:   # no DeepEP on the CPU install: refused before a start
+        with pytest.raises(ValueError, match=r"parallel.ep_size=256 needs DeepEP \(the deep_ep module\)"):
+            check_inputs(spec)
+        spec = compose([f"+experiment={name}", f"parallel.ep_size={EP_WITHOUT_DEEPEP}"])
+    check_inputs(with_local_hub(spec, tmp_path))  # data loads (a hub dataset: a local copy), agent imports
+
+
+def test_large_expert_parallel_on_cuda_needs_deep_ep(tmp_path, monkeypatch):
+    from molt.launch import check_expert_dispatch
+
+    dsv3 = compose(["+experiment=dsv3_ep256"])
+    with pytest.raises(ValueError, match=r"parallel.ep_size=256 needs DeepEP .* or use parallel.ep_size<=8"):
+        check_expert_dispatch(dsv3)
+    check_expert_dispatch(compose(["+experiment=qwen30b_tools"]))   # ep 8: AutoModel's own dispatcher
+    (tmp_path / "deep_ep").mkdir()   # an installed DeepEP (it builds only with nvcc: a stand-in module)
+    (tmp_path / "deep_ep" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_expert_dispatch(dsv3)
 
 
 def test_an_agent_option_sets_its_data_and_the_plan_names_it():

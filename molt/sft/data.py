@@ -24,7 +24,7 @@ import torch
 
 from molt.agents.render import encode, render
 from molt.data import read_rows
-from molt.spec import DataSpec
+from molt.spec import DataSpec, HubDataset
 
 TOOLS_KEY = "tools"
 
@@ -53,9 +53,9 @@ def _check_conversation(row: Any, data: DataSpec) -> dict[str, Any]:
     return row
 
 
-def load_conversations(path: str | Path, data: DataSpec) -> list[dict[str, Any]]:
-    """The checked rows of a JSONL or Parquet file of conversations."""
-    return read_rows(path, lambda row: _check_conversation(row, data), data.messages_key)
+def load_conversations(path: str | Path | HubDataset, data: DataSpec) -> list[dict[str, Any]]:
+    """The checked rows of a JSONL or Parquet file (or hub dataset) of conversations."""
+    return read_rows(path, lambda row: _check_conversation(row, data), data)
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
