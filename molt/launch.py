@@ -34,7 +34,7 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
     if spec.model.reference:
         lines.append(f"reference: {p.world_size} rank(s), frozen ({spec.model.reference})")
     lines += [f"placement: {line}" for line in describe(spec, names)]
-    lines.append(f"data: train {spec.data.train_path}; eval {', '.join(spec.data.eval) or 'none'}")
+    lines.append(f"data: train {spec.data.train_path}; eval {', '.join(map(str, spec.data.eval)) or 'none'}")
     if spec.train.objective == "sft":
         lines[2] = "engines: none (train.objective=sft samples nothing)"
         return "\n".join([*lines, f"sft: {spec.train.steps} steps x {spec.train.prompts_per_step} "

@@ -262,6 +262,9 @@ class HubDataset(Strict):
     name: str | None = Field(None, description="eval set name (metrics eval/NAME/...); null = the hub id's "
                                                "last part")
 
+    def __str__(self) -> str:   # how the dry-run plan names it
+        return f"{self.hub}" + (f" ({self.config})" if self.config else "") + f" [{self.split}]"
+
     @model_validator(mode="after")
     def _one_mapping(self) -> HubDataset:
         if self.fields and self.transform:
