@@ -81,8 +81,8 @@ def main() -> None:
     if args.write:
         command = (f"python bench/memory_plan.py --sizes {args.sizes} --rows {args.rows} --length "
                    f"{args.length} --write")
-        write_section("memory_plan", f"`{command}` (fp32, one CPU trainer rank, peak of torch's CPU "
-                                     f"allocator)\n\n{table}\n")
+        write_section("memory_plan", f"`{command}` (fp32, one CPU trainer rank: parameters + the growth "
+                                     f"of resident memory during one update)\n\n{table}\n")
 
 
 if __name__ == "__main__":
