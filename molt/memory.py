@@ -135,8 +135,12 @@ def trainer_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
     if cuda:
         parts["cuda"] = CUDA_RESERVE_GIB * GIB
     del experts   # EP changes where experts live, not how many a rank holds (they shard world_size ways)
-    note = (f"{_count(params)} params / {shard} ranks, {tokens} tokens per micro-batch"
-            f"{', checkpointed' if checkpointing else ''}, offload={par.offload}")
+    # both settings' activations, so the dry run shows what checkpointing would change
+    plain, ckpt = (activation_bytes(a, tokens, c, flag) / GIB for flag in (False, True))
+    both = f"; activations {plain:.1f} GiB without checkpointing, {ckpt:.1f} with" if trained else ""
+    note = (f"{_count(params)} params / {shard} ranks, fp32 weights/grads/AdamW, {spec.model.dtype} compute, "
+            f"{tokens} tokens per micro-batch{', checkpointed' if checkpointing else ''}, offload="
+            f"{par.offload}{both}")
     return Estimate(f"{role} rank", parts, note)
 
 
