@@ -49,6 +49,7 @@ class Arch:
 ARCH_KEYS = [f.name for f in fields(Arch)]
 HF_KEYS = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
            "num_key_value_heads": "num_kv_heads", "n_routed_experts": "num_experts",
+           "num_local_experts": "num_experts",
            "n_shared_experts": "num_shared_experts", "first_k_dense_replace": "first_dense_layers",
            "num_nextn_predict_layers": "mtp_layers"}
 
@@ -72,7 +73,7 @@ def arch_from_config(config: dict) -> Arch:
 def arch_of(spec: RunSpec, role: str = "policy") -> Arch | None:
     """The architecture of `role`'s model (policy, reference, critic, judge); None when nothing on disk or
     in the spec says (a hub id without `model.arch`)."""
-    from molt.tiny import DEFAULTS, VISION
+    from molt.tiny import DEFAULTS, VISION, VISION_TOKENS
 
     model = spec.model
     if role == "reference" and model.reference == "tiny":
@@ -87,8 +88,11 @@ def arch_of(spec: RunSpec, role: str = "policy") -> Arch | None:
         tiny = {**DEFAULTS, **model.tiny}
     if not tiny["num_experts"]:   # molt.tiny's MoE options act only with experts (as in the config it writes)
         tiny = {**tiny, "num_experts_per_tok": 0, "moe_intermediate_size": 0}
-    vision = dict(vision_hidden_size=VISION["hidden_size"],
-                  vision_intermediate_size=VISION["intermediate_size"]) if tiny["vision_layers"] else {}
+    vision = {}
+    if tiny["vision_layers"]:   # molt.tiny's VLM: its vision tower, untied, 4 vision tokens more
+        vision = dict(vision_hidden_size=VISION["hidden_size"],
+                      vision_intermediate_size=VISION["intermediate_size"])
+        tiny = {**tiny, "tie_word_embeddings": 0, "vocab_size": tiny["vocab_size"] + len(VISION_TOKENS)}
     return Arch(**{k: v for k, v in tiny.items() if k in ARCH_KEYS}, **vision)
 
 

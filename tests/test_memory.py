@@ -81,10 +81,14 @@ def test_the_hub_models_numbers_give_their_published_sizes(model, published):
         assert experts == 48 * 128 * 3 * 2048 * 768
 
 
-def test_a_folders_config_and_the_tiny_options_agree(tiny_model_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe", "tiny_vl"])
+def test_a_folders_config_and_the_tiny_options_agree(model):
     # the tiny model's options (what a dry run reads) describe the folder molt.tiny writes
-    config = json.loads((Path(tiny_model_path) / "config.json").read_text())
-    assert arch_from_config(config) == arch_of(RunSpec())
+    from molt.models import model_path
+
+    spec = compose([f"model={model}"])
+    config = json.loads((Path(model_path(spec)) / "config.json").read_text())
+    assert arch_from_config(config) == arch_of(spec)
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_knobs_that_would_fit():
