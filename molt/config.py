@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from molt import memory
 from molt.placement import plan
 from molt.plugins import load_plugins
 from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
@@ -55,8 +56,9 @@ def check_overrides(overrides: Sequence[str]) -> None:
 def to_spec(cfg: DictConfig) -> RunSpec:
     """Resolve interpolations and validate (a `hydra` node, as `compose_config` keeps, is left out), then
     the checks that need more than the spec: `algo.plugins` imported and the algorithm names found in the
-    registries they extend; on CUDA the placement plan, so an over-subscribed layout fails before Ray
-    starts (CPU devices are time-shared: nothing to total)."""
+    registries they extend; on CUDA the placement plan and its memory estimate, so an over-subscribed
+    layout or one that cannot fit a GPU's memory fails before Ray starts (CPU devices are time-shared:
+    nothing to total)."""
     data: Any = {key: OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
                  for key, value in cfg.items() if key != "hydra"}
     spec = validate_spec(data)
@@ -64,6 +66,7 @@ def to_spec(cfg: DictConfig) -> RunSpec:
         load_plugins(spec)
         if spec.parallel.device == "cuda":
             plan(spec)
+            memory.check(spec)
     except ValueError as err:
         raise SpecError(f"invalid run spec: {err}") from None
     return spec

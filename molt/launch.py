@@ -13,6 +13,7 @@ log = logging.getLogger("molt")
 def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
     """What the launcher places where, in words (printed by `run.dry_run=true` and at every start);
     `nodes` (the bound Ray nodes) adds each plan node's address."""
+    from molt import memory
     from molt.placement import describe
 
     p, e = spec.parallel, spec.rollout.engine
@@ -35,6 +36,7 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
         lines.append(f"reference: {p.world_size} rank(s), frozen ({spec.model.reference})")
     lines += [f"placement: {line}" for line in describe(spec, names)]
     lines.append(f"data: train {spec.data.train_path}; eval {', '.join(map(str, spec.data.eval)) or 'none'}")
+    lines += [f"memory: {line}" for line in memory.describe(spec)]
     if spec.train.objective == "sft":
         lines[2] = "engines: none (train.objective=sft samples nothing)"
         return "\n".join([*lines, f"sft: {spec.train.steps} steps x {spec.train.prompts_per_step} "

@@ -1,11 +1,13 @@
 """Placement: which node runs every actor, planned before Ray starts and checked before any actor starts.
 
 The plan comes from the spec alone. Trainer roles (the policy, then the reference, then the critic;
-`parallel.world_size` ranks of one device each) and engines (`rollout.engine.num_engines`, each
-`tp_size * dp_size` devices on one node) fill `parallel.nodes` nodes of `parallel.gpus_per_node` GPUs in
-order. With `parallel.trainer_nodes = K` nodes 0..K-1 train and the others generate; left null, all roles
-share every node (trainer ranks first). On CUDA a plan that does not fit is a spec error, so it fails before
-Ray starts. On CPU devices are time-shared cores, so the plan only maps roles to nodes.
+`parallel.world_size` ranks of one device each), engines (`rollout.engine.num_engines`, each
+`tp_size * dp_size` devices on one node) and an LLM judge's engines (`agent.judge.engine`, placed like
+engines; none for a judge at `agent.judge.url`) fill `parallel.nodes` nodes of `parallel.gpus_per_node`
+GPUs in order. With `parallel.trainer_nodes = K` nodes 0..K-1 train and the others generate (a judge's
+engines too); left null, all roles share every node (trainer ranks first). On CUDA a plan that does not fit
+is a spec error, so it fails before Ray starts. On CPU devices are time-shared cores, so the plan only
+maps roles to nodes.
 
 Binding, once Ray is up: plan node i is the i-th alive Ray node (with GPUs, on CUDA), the driver's node
 first, then the others by address and id. Each node's total resources must hold what the plan puts on it,
@@ -29,7 +31,7 @@ NODE_LABEL = "ray.io/node-id"
 
 @dataclass(frozen=True)
 class Slot:
-    role: str       # policy | reference | critic | engine
+    role: str       # policy | reference | critic | engine | judge
     index: int      # the rank, or the engine's index
     node: int       # plan node
     gpus: int       # devices it holds on CUDA (0 on CPU)
@@ -39,15 +41,26 @@ def trainer_roles(spec: RunSpec) -> list[str]:
     return ["policy"] + ["reference"] * bool(spec.model.reference) + ["critic"] * spec.model.critic
 
 
+def engine_groups(spec: RunSpec) -> list[tuple[str, int, int]]:
+    """(role, engines, devices per engine) of the policy's engines and a judge's (SFT samples nothing; a
+    judge at agent.judge.url runs elsewhere)."""
+    if spec.train.objective != "rl":
+        return []
+    eng, judge = spec.rollout.engine, spec.agent.judge
+    groups = [("engine", eng.num_engines, eng.tp_size * eng.dp_size)]
+    if judge.path and not judge.url:
+        groups.append(("judge", judge.engine.num_engines, judge.engine.tp_size * judge.engine.dp_size))
+    return groups
+
+
 def plan(spec: RunSpec) -> list[Slot]:
     """Every actor's plan node; on CUDA raises ValueError with the numbers when the plan does not fit."""
-    par, eng = spec.parallel, spec.rollout.engine
+    par = spec.parallel
     cuda = par.device == "cuda"
-    per_engine = eng.tp_size * eng.dp_size
     roles = trainer_roles(spec)
     words = " + ".join(f"{role} {par.world_size}" for role in roles)   # e.g. "policy 8 + reference 8"
     if cuda:
-        _check_totals(spec, words, len(roles) * par.world_size, per_engine)
+        _check_totals(spec, words, len(roles) * par.world_size)
     free = {n: par.gpus_per_node if cuda else float("inf") for n in range(par.nodes)}
     k = par.trainer_nodes
     train_nodes, engine_nodes = (range(par.nodes),) * 2 if k is None else (range(k), range(k, par.nodes))
@@ -61,14 +74,16 @@ def plan(spec: RunSpec) -> list[Slot]:
             free[node] -= 1
             slots.append(Slot(role, rank, node, int(cuda)))
     after_trainer = dict(free)
-    for index in range(eng.num_engines if spec.train.objective == "rl" else 0):   # SFT samples nothing
-        node = next((n for n in engine_nodes if free[n] >= per_engine), None)
-        if node is None:
-            left = ", ".join(f"node {n}: {after_trainer[n]:g}" for n in engine_nodes)
-            raise ValueError(f"{eng.num_engines} engines x {per_engine} GPUs do not fit on nodes "
-                             f"{engine_nodes[0]}..{engine_nodes[-1]} (GPUs free after the trainer: {left})")
-        free[node] -= per_engine
-        slots.append(Slot("engine", index, node, per_engine * cuda))
+    for role, count, per_engine in engine_groups(spec):
+        for index in range(count):
+            node = next((n for n in engine_nodes if free[n] >= per_engine), None)
+            if node is None:
+                left = ", ".join(f"node {n}: {after_trainer[n]:g}" for n in engine_nodes)
+                raise ValueError(f"{count} {_engines(role)} x {per_engine} GPUs do not fit on nodes "
+                                 f"{engine_nodes[0]}..{engine_nodes[-1]} (GPUs free after the trainer: "
+                                 f"{left})")
+            free[node] -= per_engine
+            slots.append(Slot(role, index, node, per_engine * cuda))
     return slots
 
 
@@ -98,15 +113,22 @@ def cpu_threads(spec: RunSpec, role: str, index: int, engines_idle: bool = False
     return max(1, len(os.sched_getaffinity(0)) // max(1, together))
 
 
-def _check_totals(spec: RunSpec, words: str, trainer: int, per_engine: int) -> None:
-    par, eng = spec.parallel, spec.rollout.engine
-    if per_engine > par.gpus_per_node:
-        raise ValueError(f"an engine of tp_size*dp_size = {per_engine} GPUs does not fit on one node of "
-                         f"parallel.gpus_per_node={par.gpus_per_node} (an engine never spans nodes)")
-    engines = eng.num_engines if spec.train.objective == "rl" else 0
-    need, have = trainer + engines * per_engine, par.nodes * par.gpus_per_node
+def _engines(role: str) -> str:
+    return "judge engines" if role == "judge" else "engines"
+
+
+def _check_totals(spec: RunSpec, words: str, trainer: int) -> None:
+    par, groups = spec.parallel, engine_groups(spec)
+    for role, _, per_engine in groups:
+        if per_engine > par.gpus_per_node:
+            which = "a judge engine" if role == "judge" else "an engine"
+            raise ValueError(f"{which} of tp_size*dp_size = {per_engine} GPUs does not fit on one "
+                             f"node of parallel.gpus_per_node={par.gpus_per_node} (an engine never spans "
+                             "nodes)")
+    need, have = trainer + sum(count * per for _, count, per in groups), par.nodes * par.gpus_per_node
     if need > have:
-        raise ValueError(f"the plan needs {need} GPUs ({words} + {engines} engines x {per_engine}) "
+        engines = "".join(f" + {count} {_engines(role)} x {per}" for role, count, per in groups)
+        raise ValueError(f"the plan needs {need} GPUs ({words}{engines}) "
                          f"but parallel.nodes x gpus_per_node = {par.nodes} x {par.gpus_per_node} = {have}")
 
 
@@ -129,7 +151,7 @@ def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
         parts = []
         for role, group in groupby(here, key=lambda s: s.role):
             idx = [s.index for s in group]
-            noun = "engine" if role == "engine" else f"{role} rank"
+            noun = {"engine": "engine", "judge": "judge engine"}.get(role, f"{role} rank")
             parts.append(noun + (f"s {idx[0]}-{idx[-1]}" if len(idx) > 1 else f" {idx[0]}"))
         each = " each" if len(run) > 1 else ""
         used = f" | {sum(s.gpus for s in run[0][1])}/{par.gpus_per_node} GPUs{each}" if cuda else ""
@@ -141,7 +163,7 @@ def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
         lines.append(f"total: {total} of {par.nodes} x {par.gpus_per_node} = {par.nodes * par.gpus_per_node} "
                      "GPUs")
     else:
-        engines = sum(s.role == "engine" for s in slots)
+        engines = sum(s.role in ("engine", "judge") for s in slots)
         lines.append(f"total: {len(slots) - engines} trainer rank(s) and {engines} engine(s) on {par.nodes} "
                      "node(s) (CPU: cores are shared)")
     return lines
@@ -171,7 +193,7 @@ def bind(spec: RunSpec) -> list[dict]:
     for i, node in enumerate(nodes):
         here = [s for s in slots if s.node == i]
         need = {"GPU": sum(s.gpus for s in here),
-                "CPU": sum(engine_cpus if s.role == "engine" else 1 for s in here)}
+                "CPU": sum(engine_cpus if s.role in ("engine", "judge") else 1 for s in here)}
         for resource, amount in need.items():
             have = node["Resources"].get(resource, 0.0)
             if amount > have + 1e-6:

@@ -87,9 +87,6 @@ class RunSpec(Strict):
             raise ValueError(f"model.critic=true with algo.estimator={self.algo.estimator}: only gae uses a "
                              "critic's values (others return no value targets to train it on); set "
                              "model.critic=false, or algo=gae")
-        if self.agent.judge.path and self.parallel.device == "cuda":
-            raise ValueError("agent.judge on parallel.device=cuda: the placement plan does not reserve GPUs "
-                             "for judge engines yet; run the judge on CPU or leave agent.judge.path unset")
         return self
 
     @model_validator(mode="after")

@@ -69,6 +69,23 @@ class ModelSpec(Strict):
         default_factory=dict, description="variables of the chat template wherever Molt renders it (agent "
         "prompts and turns, chat sessions, SFT rows); e.g. Qwen3's {enable_thinking: false}")
     lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters instead of full fine-tuning")
+    arch: dict[str, int] = Field(
+        default_factory=dict, description="architecture numbers of a hub model for the memory estimate "
+        "(molt/arch.py Arch: hidden_size, num_layers, ...; copied from its config.json); a local folder's "
+        "config.json and the tiny model's options are read instead")
+
+    @field_validator("arch")
+    @classmethod
+    def _arch_keys(cls, value: dict[str, int]) -> dict[str, int]:
+        from molt.arch import ARCH_KEYS
+
+        unknown = sorted(set(value) - set(ARCH_KEYS))
+        if unknown:
+            raise ValueError(f"model.arch.{unknown[0]}: unknown; the keys are {', '.join(ARCH_KEYS)}")
+        missing = [f for f in ARCH_KEYS[:7] if value and f not in value]
+        if missing:
+            raise ValueError(f"model.arch needs {', '.join(missing)} (from the model's config.json)")
+        return value
 
 
 class ParallelSpec(Strict):
@@ -87,6 +104,9 @@ class ParallelSpec(Strict):
     offload: Literal["none", "optimizer", "full"] = Field(
         "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    gpu_memory_gib: float = Field(
+        80.0, gt=0, description="cuda: memory of one GPU; the plan is refused when a role's estimate "
+        "(molt/memory.py, shown by run.dry_run=true) exceeds it")
     cpu_threads: int | None = Field(
         None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
         "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
@@ -214,16 +234,29 @@ class RolloutSpec(Strict):
 
 class JudgeSpec(Strict):
     path: str | None = Field(
-        None, description="judge model: a Hugging Face folder, or 'policy' (the starting policy); null: none")
+        None, description="judge model: a Hugging Face folder, or 'policy' (the starting policy); null: "
+        "none. With url: the folder of the judge's tokenizer")
+    url: str | None = Field(
+        None, description="an OpenAI-compatible server that serves the judge (vLLM's, e.g. "
+        "http://host:8000/v1) instead of engines of the run's own; its first model answers")
     temperature: float = Field(
         1.0, gt=0, description="verdict sharpness: sigmoid((logp(yes) - logp(no)) / temperature)")
+    timeout_s: float = Field(30.0, gt=0, description="seconds one verdict request may take before it is "
+                             "retried")
+    retries: int = Field(2, ge=0, description="retries of a verdict request that timed out or failed, then "
+                         "the rollout fails")
+    max_concurrency: int = Field(64, ge=1, description="verdict requests in flight at once (more wait)")
     engine: EngineSpec = Field(default_factory=lambda: EngineSpec(kv_cache_gib=0.25, max_restarts=0),
-                               description="the judge's own engine(s); a dead one is not restarted")
+                               description="the judge's own engine(s), placed like the policy's (molt/"
+                               "placement.py); a dead one is not restarted")
 
     @model_validator(mode="after")
     def _no_restarts(self) -> JudgeSpec:
         # Only the policy's engines have a fleet that restarts them (molt/fleet.py); the judge's dispatcher
         # goes on with the live ones and fails the verdicts once none is left.
+        if self.url and not self.path:
+            raise ValueError(f"agent.judge.url={self.url} needs agent.judge.path: the folder of the judge's "
+                             "tokenizer (or 'policy'), which renders the verdict prompt")
         if self.engine.max_restarts:
             raise ValueError(f"agent.judge.engine.max_restarts={self.engine.max_restarts}: judge engines are "
                              "not restarted (a dead one leaves the others to score, none left fails the "

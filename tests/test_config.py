@@ -47,7 +47,8 @@ def test_qwen30b_tools_matches_its_description():
     assert spec.rollout.mode == "async" and spec.rollout.partial_rollout
     assert (spec.algo.correction.level, spec.algo.correction.mode) == ("geo", "mask")
     assert (spec.algo.correction.low, spec.algo.correction.high) == (0.99, 1.01)
-    assert spec.model.router_replay and spec.model.max_model_len == 32768
+    # rows of up to 16K tokens with everything but the working set in host memory: the memory plan fits
+    assert spec.model.router_replay and spec.model.max_model_len == 16384 and spec.parallel.offload == "full"
 
 
 @pytest.mark.parametrize("override", ["parallel.ep_sise=8", "+parallel.ep_sise=8"])

@@ -12,6 +12,13 @@ prompt (prompt logprobs, exact for words of several tokens too), and the reward 
 of "yes" against "no", sigmoid((log p(yes) - log p(no)) / agent.judge.temperature). Nothing is parsed, so a
 judge that would have written garbage still gives a number in (0, 1), it is continuous (groups of equal
 0/1 verdicts would carry no advantage), and it costs two prefill passes and no decoding.
+
+The judge's engines have GPUs of their own on CUDA (molt/placement.py plans them like the policy's). A judge
+served elsewhere is `agent.judge.url`, an OpenAI-compatible server (vLLM's): the same words are scored as
+the echoed prompt logprobs of a completion request of token ids, rendered with `agent.judge.path`'s
+tokenizer. Either way a verdict request gets `agent.judge.timeout_s`, is retried `agent.judge.retries`
+times, and at most `agent.judge.max_concurrency` are in flight; a verdict that never comes fails its
+rollout (an AgentError), not the run.
 """
 
 from __future__ import annotations
@@ -22,28 +29,48 @@ import uuid
 from typing import Any
 
 from molt.agents.render import encode, render
-from molt.rollout.dispatch import Dispatcher
-from molt.spec import LoRASpec, RunSpec
+from molt.rollout.dispatch import Dispatcher, EngineDiedError
+from molt.spec import JudgeSpec, LoRASpec, RunSpec
+from molt.trajectory import AgentError
 
 YES, NO = "yes", "no"
 
 
 class Judge:
-    def __init__(self, engines: list, tokenizer: Any, temperature: float) -> None:
-        self.engines, self.dispatcher = engines, Dispatcher(engines)
-        self.tokenizer, self.temperature = tokenizer, temperature
+    def __init__(self, tokenizer: Any, settings: JudgeSpec, engines: list | None = None,
+                 client: Any = None, model: str | None = None) -> None:
+        """Scores on `engines` (actors of its own), or through `client` (an `openai.AsyncOpenAI` of
+        agent.judge.url) asking for `model`."""
+        self.engines = engines or []
+        self.dispatcher = Dispatcher(self.engines) if self.engines else None
+        self.client, self.model, self.settings = client, model, settings
+        self.tokenizer, self.temperature = tokenizer, settings.temperature
         self.words = (encode(tokenizer, YES), encode(tokenizer, NO))
+        # agent.judge.max_concurrency, made in the event loop that asks
+        self.slots: asyncio.Semaphore | None = None
 
     @classmethod
     def start(cls, spec: RunSpec) -> Judge:
-        """Start the engines of `spec.agent.judge` (vLLM, the judge's own `engine` settings)."""
+        """Start the engines of `spec.agent.judge` (vLLM, the judge's own `engine` settings) on the GPUs the
+        plan gives them, or connect to agent.judge.url."""
         from transformers import AutoTokenizer
 
         from molt.models import model_path
+        from molt.placement import plan
         from molt.rollout.engine import start_engines
 
         judge = spec.agent.judge
         path = model_path(spec) if judge.path == "policy" else judge.path
+        # the judge's engines run with the policy's model.trust_remote_code, and so does its tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+        if judge.url:
+            import openai
+
+            # retries are the judge's own loop (the same for engines and servers), not the SDK's
+            client = openai.AsyncOpenAI(base_url=judge.url, api_key="EMPTY", max_retries=0,
+                                        timeout=judge.timeout_s)
+            served = openai.OpenAI(base_url=judge.url, api_key="EMPTY", timeout=judge.timeout_s).models.list()
+            return cls(tokenizer, judge, client=client, model=served.data[0].id)
         # The judge scores while the policy's engines generate: one thread each unless parallel.cpu_threads
         # says otherwise, rather than a second claim on every core.
         threads = spec.parallel.cpu_threads or 1
@@ -53,9 +80,8 @@ class Judge:
         own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": judge.engine}),
                                       "parallel": spec.parallel.model_copy(update={"cpu_threads": threads}),
                                       "model": model})
-        # the judge's engines run with the policy's model.trust_remote_code, and so does its tokenizer
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
-        return cls(start_engines(own, path), tokenizer, judge.temperature)
+        slots = [s for s in plan(spec) if s.role == "judge"]
+        return cls(tokenizer, judge, engines=start_engines(own, path, slots))
 
     async def p_yes(self, messages: list[dict]) -> float:
         """The judge's probability of answering yes (rather than no) after `messages`."""
@@ -64,9 +90,30 @@ class Judge:
         return 1.0 / (1.0 + math.exp(-(yes - no) / self.temperature))
 
     async def _logprob(self, prompt: list[int], word: list[int]) -> float:
+        """log p(word | prompt), with agent.judge's timeout, retries and concurrency bound."""
+        import openai
+
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.settings.max_concurrency)
+        tries, why = self.settings.retries + 1, ""
+        for _ in range(tries):
+            try:
+                async with self.slots:
+                    return await asyncio.wait_for(self._score(prompt, word), self.settings.timeout_s)
+            except (TimeoutError, EngineDiedError, openai.APIError) as err:
+                why = f"{type(err).__name__}: {err}" if str(err) else \
+                    f"{type(err).__name__} after agent.judge.timeout_s={self.settings.timeout_s}"
+        raise AgentError(f"the judge gave no verdict in {tries} tries ({why})")
+
+    async def _score(self, prompt: list[int], word: list[int]) -> float:
+        ids = prompt + word
+        if self.client is not None:   # the echoed prompt's logprobs (the first token has none)
+            out = await self.client.completions.create(model=self.model, prompt=ids, max_tokens=1, echo=True,
+                                                       logprobs=0)
+            return float(sum(out.choices[0].logprobs.token_logprobs[len(prompt):len(ids)]))
         key = f"judge-{uuid.uuid4().hex}"
         try:
-            out = await self.dispatcher.generate(prompt + word, {"max_tokens": 1, "prompt_logprobs": 0}, key)
+            out = await self.dispatcher.generate(ids, {"max_tokens": 1, "prompt_logprobs": 0}, key)
         finally:
             self.dispatcher.release(key)
         return float(sum(out["prompt_logprobs"][-len(word):]))   # the word's tokens close the prompt

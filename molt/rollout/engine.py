@@ -361,21 +361,24 @@ class EngineActor:
         self.llm.engine_core.shutdown()
 
 
-def start_engine(spec: Any, model_path: str, index: int) -> Any:
-    """Engine actor `index` on its plan node (molt/placement.py); call `ready` on it before use."""
+def start_engine(spec: Any, model_path: str, index: int, slot: Any = None) -> Any:
+    """Engine actor `index` on its plan node (molt/placement.py), or on `slot`'s (a judge engine, planned
+    from the run's spec); call `ready` on it before use."""
     from molt.placement import cluster_nodes, cpu_threads, node_selector, plan
 
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
-    [slot] = [s for s in plan(spec) if s.role == "engine" and s.index == index]
+    slot = slot or next(s for s in plan(spec) if s.role == "engine" and s.index == index)
     threads = cpu_threads(spec, "engine", index)
     options = dict(actor_options(spec.rollout.engine, spec.parallel.device, threads),
                    label_selector=node_selector(ids[slot.node]))
     return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index)
 
 
-def start_engines(spec: Any, model_path: str) -> list:
-    """Start `rollout.engine.num_engines` engine actors from a `RunSpec` and wait until they are ready."""
+def start_engines(spec: Any, model_path: str, slots: list | None = None) -> list:
+    """Start `rollout.engine.num_engines` engine actors from a `RunSpec` (on `slots`' nodes, if given) and
+    wait until they are ready."""
     check_lora(model_path, spec.model)
-    engines = [start_engine(spec, model_path, i) for i in range(spec.rollout.engine.num_engines)]
+    slots = slots or [None] * spec.rollout.engine.num_engines
+    engines = [start_engine(spec, model_path, i, slot) for i, slot in enumerate(slots)]
     ray.get([e.ready.remote() for e in engines], timeout=spec.rollout.engine.start_timeout_s)
     return engines

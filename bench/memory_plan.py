@@ -1,0 +1,89 @@
+"""The dry run's memory estimate (molt/memory.py) against the measured peak of one trainer rank on CPU.
+
+One `TrainerWorker` runs in this process (world size 1, gloo, fp32): `setup` (model and optimizer), then
+one `update` on a GRPO batch of `rows` rows of 8 prompt + `length` sampled tokens in one micro-batch. The
+measured peak is the parameters' bytes plus the growth of the process's resident memory during `update`
+(Linux's VmHWM, reset just before it through /proc/self/clear_refs; glibc's mmap threshold is fixed
+low, so a freed tensor's pages go back to the system at once). It is compared with the estimate of the
+same spec (the rows' length as the row bound, so both see the same micro-batch). Bytes, not seconds: the
+result does not depend on the machine's load.
+
+    python bench/memory_plan.py --sizes tiny,30m --rows 64 --length 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+from breakdown import PROMPT, policy_batch
+from common import write_section
+from molt_run import overrides
+
+from molt.arch import arch_of
+from molt.memory import trainer_estimate
+
+MIB = 2 ** 20
+
+
+def _status_kib(field: str) -> int:
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def measure(size: str, rows: int, length: int) -> dict[str, float]:
+    from molt.config import compose
+    from molt.models import model_path
+    from molt.trainer.worker import TrainerWorker
+
+    row = PROMPT + length
+    spec = compose(overrides(size, length, 1, rows // 8, 8, extra=[
+        f"agent.max_total_tokens={row}", f"train.micro_batch_size={rows}", "parallel.cpu_threads=2"]))
+    worker = TrainerWorker(spec, "policy", 0, model_path(spec))
+    batch = policy_batch(rows, 8, length)
+    worker.setup("127.0.0.1", 29555)
+    params = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    Path("/proc/self/clear_refs").write_text("5")   # VmHWM := VmRSS
+    before = _status_kib("VmRSS")
+    worker.update(batch)
+    measured = params + (_status_kib("VmHWM") - before) * 1024
+    torch.distributed.destroy_process_group()
+    est = trainer_estimate(spec, "policy", arch_of(spec))
+    return {"measured_mib": measured / MIB, "estimate_mib": est.total / MIB,
+            **{f"{k}_mib": v / MIB for k, v in est.parts.items()}, "tokens": rows * row}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="tiny,30m")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
+    args = parser.parse_args()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:   # before the first allocation: re-run with it
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    lines = ["| size | micro-batch tokens | measured peak (MiB) | estimate (MiB) | estimate / measured | "
+             "params + grads + optimizer | activations | logits |", "|---|---|---|---|---|---|---|---|"]
+    for size in args.sizes.split(","):
+        r = measure(size, args.rows, args.length)
+        static = r["params_mib"] + r["grads_mib"] + r["optimizer_mib"]
+        lines.append(f"| {size} | {r['tokens']} | {r['measured_mib']:.1f} | {r['estimate_mib']:.1f} | "
+                     f"{r['estimate_mib'] / r['measured_mib']:.2f} | {static:.1f} | "
+                     f"{r['activations_mib']:.1f} | {r['logits_mib']:.1f} |")
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        command = (f"python bench/memory_plan.py --sizes {args.sizes} --rows {args.rows} --length "
+                   f"{args.length} --write")
+        write_section("memory_plan", f"`{command}` (fp32, one CPU trainer rank: parameters + the growth "
+                                     f"of resident memory during one update)\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
