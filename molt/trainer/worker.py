@@ -362,7 +362,7 @@ class TrainerWorker:
         stream = weights.adapter_chunks if self.spec.model.lora.rank else weights.hf_chunks
         chunks = stream(self.model, chunk_bytes, DTYPES[self.spec.model.dtype], self.device, self.device)
         if self.rank == 0:
-            return refit.send(self.refit_group, chunks, self.device)
+            return refit.send(self.refit_group, chunks, self.device, chunk_bytes)
         for _ in chunks:  # the other ranks only take part in the gathers
             pass
         return 0
