@@ -28,6 +28,7 @@ from molt.algo import (
     value_loss,
     with_kl_coef,
 )
+from molt.fp8 import checkpoint_fp8
 from molt.placement import cpu_threads
 from molt.plugins import load_plugins
 from molt.spec import AlgoSpec, RunSpec
@@ -121,6 +122,10 @@ class TrainerWorker:
         torch.manual_seed(self.spec.run.seed)
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
+        # the policy refits the engines in its checkpoint's format (block FP8: molt/fp8.py); read first, so
+        # a quantization it cannot reproduce stops the run before the model loads
+        refits = self.role == "policy" and not self.spec.model.lora.rank
+        self.fp8 = checkpoint_fp8(self.path) if refits else None
         self.model = build_model(self.spec, self.role, self.path, setup)
         self._switch_threads_per_block()
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
@@ -359,8 +364,11 @@ class TrainerWorker:
         returns the bytes sent."""
         chunk_bytes = int(self.spec.rollout.refit_chunk_mb * 2**20)
         # with LoRA only the adapter changes: the engines keep the base weights and load a new adapter
-        stream = weights.adapter_chunks if self.spec.model.lora.rank else weights.hf_chunks
-        chunks = stream(self.model, chunk_bytes, DTYPES[self.spec.model.dtype], self.device, self.device)
+        dtype = DTYPES[self.spec.model.dtype]
+        if self.spec.model.lora.rank:
+            chunks = weights.adapter_chunks(self.model, chunk_bytes, dtype, self.device, self.device)
+        else:
+            chunks = weights.hf_chunks(self.model, chunk_bytes, dtype, self.device, self.device, self.fp8)
         if self.rank == 0:
             return refit.send(self.refit_group, chunks, self.device, chunk_bytes)
         for _ in chunks:  # the other ranks only take part in the gathers
