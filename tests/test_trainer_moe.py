@@ -378,3 +378,18 @@ def test_a_float32_buffer_is_refit_bit_equal() -> None:
     [name] = [k for k in sent if k.endswith("e_score_correction_bias")]
     assert sent[name].dtype == torch.float32 and torch.equal(sent[name], bias)
     assert sent["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_the_gpu_loader_trains_without_a_load_balancing_loss() -> None:
+    """AutoModel's Qwen3-MoE classes (cuda, ep > 1) take their gate's auxiliary loss coefficient from the
+    config's router_aux_loss_coef (0.001 in the checkpoint) and add that loss to the gradient beside
+    Molt's RL loss; the loader is told 0, and AutoModel's own config loading applies it."""
+    from nemo_automodel._transformers.model_init import get_hf_config
+
+    from molt.tiny import tiny_model_path
+    from molt.trainer.model import automodel_kwargs
+
+    path = str(tiny_model_path(**MOE))
+    kwargs = automodel_kwargs(moe_spec(path, router_replay=False), "policy", path)
+    assert get_hf_config(path, "sdpa").router_aux_loss_coef > 0
+    assert get_hf_config(path, "sdpa", config=kwargs["config"]).router_aux_loss_coef == 0
