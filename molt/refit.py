@@ -41,6 +41,15 @@ def open_group(host: str, port: int, rank: int, world_size: int, device: torch.d
     return dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
 
 
+def close_group(group: dist.ProcessGroup | None) -> None:
+    """Abort a refit group that is replaced (the engine set changed) or whose transfer failed. NCCL frees
+    its communicator now and fails a collective still waiting in it, instead of keeping one communicator
+    per re-formed group and leaving a stuck broadcast to its watchdog, which tears the process down after
+    TIMEOUT (torch's default error handling, kept for the groups no one aborts). None: nothing to do."""
+    if group is not None:
+        group.abort()
+
+
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0

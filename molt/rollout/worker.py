@@ -27,6 +27,7 @@ class MoltWorkerExtension(RouteCapture):
         """Join the refit group as `rank_offset` + this worker's index in its engine; returns the rank."""
         par = self.parallel_config
         rank = rank_offset + par.data_parallel_index * par.world_size + par.rank
+        refit.close_group(getattr(self, "_molt_refit", None))   # the group of the previous engine set
         self._molt_refit = refit.open_group(host, port, rank, world_size, self.device)
         return rank
 

@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from molt.fp8 import quantize_chunk
+from molt.spec import RunSpec
 from molt.trainer.lora import PEFT_PREFIX, is_adapter
+from molt.trainer.model import DTYPES
 
 
 def _logical(name: str) -> str:
@@ -190,6 +192,16 @@ def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: to
     the tensors it names quantized as the checkpoint holds them, with their scales."""
     for chunk in _chunks(_merged(model, device, dtype), chunk_bytes, device, out, model):
         yield quantize_chunk(chunk, fp8)
+
+
+def refit_chunks(model: nn.Module, spec: RunSpec, chunk_bytes: int, device: torch.device,
+                 fp8: tuple[set[str], tuple[int, int]] | None) -> Iterator[dict[str, torch.Tensor]]:
+    """What a refit streams (`hf_chunks` in model.dtype on `device`); with LoRA only the adapter changes:
+    the engines keep the base weights and load a new adapter."""
+    dtype = DTYPES[spec.model.dtype]
+    if spec.model.lora.rank:
+        return adapter_chunks(model, chunk_bytes, dtype, device, device)
+    return hf_chunks(model, chunk_bytes, dtype, device, device, fp8)
 
 
 def adapter_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: torch.device,
