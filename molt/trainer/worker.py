@@ -366,11 +366,11 @@ class TrainerWorker:
     @ray.method(concurrency_group="control")   # runs while `send_weights` waits in the default group
     def abort_refit(self) -> None:
         """Rank 0: abort the refit group, whose receivers died mid-transfer (`molt.refit.close_group`)."""
-        refit.close_group(self.refit_group)
+        if self.cuda:   # gloo's abort does not unblock a waiting broadcast (tried): leave it be there
+            refit.close_group(self.refit_group)
 
     def send_weights(self) -> int:
-        """Full weights (or the LoRA adapter) to every engine worker (all ranks gather, rank 0 broadcasts);
-        returns the bytes sent."""
+        """Full weights (or the LoRA adapter) to the engines: all ranks gather, rank 0 sends; bytes sent."""
         chunk_bytes = int(self.spec.rollout.refit_chunk_mb * 2**20)
         chunks = weights.refit_chunks(self.model, self.spec, chunk_bytes, self.device, self.fp8)
         try:
