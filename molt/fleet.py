@@ -102,12 +102,16 @@ class Fleet:
                 died.append(i)
             elif err is not None:
                 raise err
-        if not died and sender.done() and sender.exception():
-            raise sender.exception()
         if not sender.done():
-            await sender   # the trainer's own bound: molt.refit.TIMEOUT
-        if not died:
-            self.refit_bytes = sender.result()
+            if died:   # the trainer's broadcast waits for receivers that are gone: fail it now (NCCL)
+                await asyncio.to_thread(self.policy.abort_refit)
+            await asyncio.wait([sender])   # else the trainer's own bound: molt.refit.TIMEOUT
+        if died:
+            sender.exception()   # expected (an aborted or broken stream); the refit is retried
+            return died
+        if sender.exception():
+            raise sender.exception()
+        self.refit_bytes = sender.result()
         return died
 
     async def _ping(self) -> None:

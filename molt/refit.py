@@ -5,9 +5,11 @@ rendezvous store) and every worker of every engine (ranks 1..). It is built from
 beside the default groups of both sides (the trainer's FSDP group, an engine's tensor-parallel group),
 so neither side's own collectives see it. gloo on CPU, NCCL on CUDA; the calls are the same.
 
-The stream is chunked: per chunk a small header (names, dtypes, shapes) and then the chunk's tensors
-packed into one byte buffer; a zero-length header ends it. Neither side ever holds more than one chunk,
-and receivers get (name, tensor) views in checkpoint names, which is what vLLM's reload consumes.
+The stream is chunked: per payload a small header (names, dtypes, shapes, byte ranges) and then the
+tensors' bytes packed into one buffer of at most `rollout.refit_chunk_mb`; a zero-length header ends it.
+A tensor larger than that is split across payloads and assembled by the receivers, so beside the
+tensors it is made of, each side holds one payload (and a receiver the one tensor being assembled).
+Receivers get (name, tensor) pairs in checkpoint names, which is what vLLM's reload consumes.
 Both sides import this module: it belongs to neither `molt.trainer` nor `molt.rollout`.
 """
 
@@ -39,6 +41,15 @@ def open_group(host: str, port: int, rank: int, world_size: int, device: torch.d
     return dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
 
 
+def close_group(group: dist.ProcessGroup | None) -> None:
+    """Abort a refit group that is replaced (the engine set changed) or whose transfer failed. NCCL frees
+    its communicator now and fails a collective still waiting in it, instead of keeping one communicator
+    per re-formed group and leaving a stuck broadcast to its watchdog, which tears the process down after
+    TIMEOUT (torch's default error handling, kept for the groups no one aborts). None: nothing to do."""
+    if group is not None:
+        group.abort()
+
+
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
@@ -49,30 +60,58 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def send(group: dist.ProcessGroup, chunks: Iterable[dict[str, torch.Tensor]], device: torch.device) -> int:
-    """Broadcast each chunk (name -> full tensor) from rank 0, then the end mark; returns the bytes sent."""
-    sent = 0
+def _payloads(chunks: Iterable[dict[str, torch.Tensor]], cap: int) -> Iterator[list[tuple]]:
+    """The tensors of `chunks` as payloads of at most `cap` bytes (and at least one byte range): each entry
+    is (name, tensor, its bytes, start, stop), a byte range of one tensor; a tensor larger than what is
+    left of a payload continues in the next ones."""
+    entries: list[tuple] = []
+    used = 0
     for chunk in chunks:
-        if not chunk:
-            continue
-        header = json.dumps([[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                             for name, t in chunk.items()]).encode()
-        sizes = [t.numel() * t.element_size() for t in chunk.values()]
-        payload = torch.zeros(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=device)
+        for name, tensor in chunk.items():
+            data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            start = 0
+            while True:
+                if used >= cap:
+                    yield entries
+                    entries, used = [], 0
+                stop = min(data.numel(), start + cap - used)
+                entries.append((name, tensor, data, start, stop))
+                used += _padded(stop - start)
+                start = stop
+                if start >= data.numel():
+                    break
+    if entries:
+        yield entries
+
+
+def send(group: dist.ProcessGroup, chunks: Iterable[dict[str, torch.Tensor]], device: torch.device,
+         chunk_bytes: int) -> int:
+    """Broadcast the tensors of `chunks` (name -> full tensor) from rank 0 in payloads of at most
+    `chunk_bytes` (rollout.refit_chunk_mb; a larger tensor is split across payloads), then the end mark;
+    returns the bytes sent."""
+    sent = 0
+    for entries in _payloads(chunks, max(chunk_bytes // _ALIGN * _ALIGN, _ALIGN)):
+        header = json.dumps([[name, str(t.dtype).removeprefix("torch."), list(t.shape), start, stop]
+                             for name, t, _, start, stop in entries]).encode()
+        payload = torch.empty(sum(_padded(stop - start) for *_, start, stop in entries), dtype=torch.uint8,
+                              device=device)
         offset = 0
-        for t, n in zip(chunk.values(), sizes, strict=True):
-            payload[offset:offset + n] = t.detach().contiguous().view(-1).view(torch.uint8)
-            offset += _padded(n)
+        for _, _, data, start, stop in entries:
+            payload[offset:offset + stop - start] = data[start:stop]
+            offset += _padded(stop - start)
         _broadcast(group, torch.tensor([len(header), payload.numel()], dtype=torch.int64, device=device))
         _broadcast(group, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
         _broadcast(group, payload)
-        sent += sum(sizes)
+        sent += sum(stop - start for *_, start, stop in entries)
     _broadcast(group, torch.zeros(2, dtype=torch.int64, device=device))
     return sent
 
 
 def receive(group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of the stream `send` broadcasts, one chunk at a time, until its end mark."""
+    """(name, tensor) pairs of the stream `send` broadcasts, one payload at a time, until its end mark. A
+    tensor that fits in one payload is a view into it; a split one is assembled (the one buffer beyond
+    the payload a receiver holds) and yielded once its last byte arrived."""
+    assembling: torch.Tensor | None = None
     while True:
         sizes = torch.empty(2, dtype=torch.int64, device=device)
         _broadcast(group, sizes)
@@ -84,8 +123,16 @@ def receive(group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[st
         payload = torch.empty(payload_len, dtype=torch.uint8, device=device)
         _broadcast(group, payload)
         offset = 0
-        for name, dtype_name, shape in json.loads(header.cpu().numpy().tobytes()):
+        for name, dtype_name, shape, start, stop in json.loads(header.cpu().numpy().tobytes()):
             dtype = getattr(torch, dtype_name)
-            n = math.prod(shape) * dtype.itemsize
-            yield name, payload[offset:offset + n].view(dtype).view(shape)
-            offset += _padded(n)
+            nbytes, piece = math.prod(shape) * dtype.itemsize, payload[offset:offset + stop - start]
+            offset += _padded(stop - start)
+            if start == 0 and stop == nbytes:
+                yield name, piece.view(dtype).view(shape)
+                continue
+            if start == 0:
+                assembling = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            assembling[start:stop] = piece
+            if stop == nbytes:
+                yield name, assembling.view(dtype).view(shape)
+                assembling = None

@@ -155,6 +155,15 @@ def _route_capture(spec: RunSpec) -> None:
     if spec.parallel.device == "cuda" and not engine.enable_prefix_caching:
         raise ValueError("model.router_replay=true on parallel.device=cuda needs rollout.engine."
                          "enable_prefix_caching=true: vLLM's routed-experts capture requires it")
+    if spec.parallel.device == "cuda" and spec.rollout.partial_rollout:
+        # The refit's cache reset recomputes a kept request's tokens with the new weights, but vLLM's GPU
+        # capture returns only the rows from its last token on for a request that already has outputs: the
+        # trainer would replay the old policy's routes where the engine used the new one's.
+        raise ValueError("model.router_replay=true with rollout.partial_rollout=true on parallel.device="
+                         "cuda: "
+                         "vLLM's GPU route capture keeps the routes a request's earlier tokens had before a "
+                         "refit recomputed them, so replay would not match the engine; set "
+                         "rollout.partial_rollout=false (a refit then waits for the requests in flight)")
 
 
 def _speculative_decoding(spec: RunSpec) -> None:

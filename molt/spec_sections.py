@@ -195,8 +195,8 @@ class RolloutSpec(Strict):
     prompt_too_long: Literal["truncate", "reject"] = Field(
         "reject", description="a prompt with no room for one token: fail the rollout or keep its tail")
     refit_chunk_mb: float = Field(
-        256.0, gt=0, description="a refit streams the weights to the engines in chunks of this size (>= 1 "
-        "tensor)")
+        256.0, gt=0, description="a refit streams the weights to the engines in chunks of at most this "
+        "size; a larger tensor is gathered, cast and sent a range of rows (of experts) at a time")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
     eval: SamplingSpec = Field(default_factory=SamplingSpec,
                                description="sampling of the eval set (train.eval_every)")

@@ -186,7 +186,7 @@ def push_weights(ray_session):
         group = asyncio.run(connect())
         receiving = [e.update_weights.remote(version) if version is not None
                      else e.collective_rpc.remote("molt_refit_receive") for e in engines]
-        refit.send(group, chunked(state_dict, chunk_bytes), cpu)
+        refit.send(group, chunked(state_dict, chunk_bytes), cpu, chunk_bytes)
         return ray_session.get(receiving)
 
     return push

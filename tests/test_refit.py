@@ -10,6 +10,56 @@ import torch
 from molt import refit
 
 
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) -> tuple[list[list], list[int]]:
+    """Send each refit's chunks from rank 0 to ranks 1 and 2 of one gloo group (threads); returns what
+    each receiver got (name, tensor), and the bytes each refit sent. With `reform`, every rank closes its
+    group after each refit and joins a new one (as when the engine set changes)."""
+    ports = [_port() for _ in refits] if reform else [_port()] * len(refits)
+    cpu = torch.device("cpu")
+    got: list[list] = [[], []]
+    sent: list[int] = []
+    errors: list[BaseException] = []
+
+    def receiver(rank: int) -> None:
+        group = None
+        for k, _ in enumerate(refits):
+            if k == 0 or reform:
+                refit.close_group(group)
+                group = refit.open_group("127.0.0.1", ports[k], rank, 3, cpu)
+            for name, tensor in refit.receive(group, cpu):
+                got[rank - 1].append((name, tensor.clone()))
+
+    def sender() -> None:
+        group = None
+        for k, chunks in enumerate(refits):
+            if k == 0 or reform:
+                refit.close_group(group)
+                group = refit.open_group("127.0.0.1", ports[k], 0, 3, cpu)
+            sent.append(refit.send(group, chunks, cpu, chunk_bytes))
+
+    def guarded(fn, *args) -> None:
+        try:
+            fn(*args)
+        except BaseException as err:  # surfaced below; a broken stream would otherwise hang its peers
+            errors.append(err)
+
+    # daemon threads: if the stream breaks, a peer blocks in gloo, and the test must still end
+    threads = [threading.Thread(target=guarded, args=a, daemon=True, name=a[0].__name__) for a in
+               ((receiver, 1), (receiver, 2), (sender,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    return got, sent
+
+
 def test_stream_arrives_whole_in_order_and_in_chunks():
     g = torch.Generator().manual_seed(0)
     state = {   # mixed dtypes and odd byte sizes (alignment), a transposed view, a scalar, shared storage
@@ -22,42 +72,49 @@ def test_stream_arrives_whole_in_order_and_in_chunks():
     }
     state["e.tied"] = state["a.weight"]
     chunks = [dict(list(state.items())[:2]), dict(list(state.items())[2:5]), dict(list(state.items())[5:])]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cpu = torch.device("cpu")
-    got: list[list] = [[], []]
-    sent: list[int] = []
-    errors: list[BaseException] = []
-
-    def receiver(rank: int) -> None:
-        group = refit.open_group("127.0.0.1", port, rank, 3, cpu)
-        for name, tensor in refit.receive(group, cpu):
-            got[rank - 1].append((name, tensor.clone()))
-        for name, tensor in refit.receive(group, cpu):   # a second refit over the same group
-            got[rank - 1].append((name, tensor.clone()))
-
-    def sender() -> None:
-        group = refit.open_group("127.0.0.1", port, 0, 3, cpu)
-        sent.append(refit.send(group, chunks, cpu))
-        refit.send(group, [{"z": torch.ones(2)}], cpu)
-
-    def guarded(fn, *args) -> None:
-        try:
-            fn(*args)
-        except BaseException as err:  # surfaced below; a broken stream would otherwise hang its peers
-            errors.append(err)
-
-    # daemon threads: if the stream breaks, a peer blocks in gloo, and the test must still end
-    threads = [threading.Thread(target=guarded, args=a, daemon=True) for a in
-               ((receiver, 1), (receiver, 2), (sender,))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors and not any(t.is_alive() for t in threads), errors
-    assert sent == [sum(t.numel() * t.element_size() for t in state.values())]
+    got, sent = _stream([chunks, [{"z": torch.ones(2)}]], 1 << 20)   # a second refit over the same group
+    assert sent[0] == sum(t.numel() * t.element_size() for t in state.values())
     for received in got:
         assert [n for n, _ in received] == [*state, "z"]
         for (name, tensor), want in zip(received, [*state.values(), torch.ones(2)], strict=True):
             assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
+
+
+def test_a_tensor_larger_than_a_chunk_streams_in_bounded_payloads(monkeypatch):
+    """A refit chunk is capped at rollout.refit_chunk_mb even inside one tensor: a 1 MiB tensor between
+    small ones, with 40 KiB chunks, goes out in payloads of at most 40 KiB and every receiver assembles
+    it bit-equal (and the tensors around it, a bf16 and an odd-sized one, too)."""
+    g = torch.Generator().manual_seed(1)
+    state = {"small": torch.randn(7, generator=g).to(torch.bfloat16),
+             "big": torch.randn(512, 513, generator=g),                      # 1 MiB + odd columns
+             "after": torch.randn(3, 3, generator=g)}
+    chunk_bytes = 40 << 10
+    payloads: list[int] = []
+    broadcast = refit._broadcast
+
+    def recorded(group, tensor):
+        if tensor.dtype == torch.uint8 and threading.current_thread().name == "sender":
+            payloads.append(tensor.numel())
+        broadcast(group, tensor)
+
+    monkeypatch.setattr(refit, "_broadcast", recorded)
+    got, sent = _stream([[state]], chunk_bytes)
+    assert sent == [sum(t.numel() * t.element_size() for t in state.values())]
+    big = state["big"].numel() * 4
+    assert max(payloads) <= chunk_bytes and sum(payloads) >= big, payloads
+    assert len([p for p in payloads if p > 1024]) >= big // chunk_bytes   # the big one really was split
+    for received in got:
+        assert [n for n, _ in received] == list(state)
+        for (name, tensor), want in zip(received, state.values(), strict=True):
+            assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
+
+
+def test_a_re_formed_group_closes_the_one_it_replaces():
+    """When the engine set changes, every rank closes (aborts) its refit group before it joins the new one:
+    on NCCL that frees the communicator that would otherwise leak at each re-form. On gloo, three refits
+    through three groups, each closed before the next forms, arrive whole."""
+    refits = [[{"w": torch.full((3, 4), float(k))}] for k in range(3)]
+    got, sent = _stream(refits, 1 << 20, reform=True)
+    assert sent == [48] * 3
+    for received in got:
+        assert [float(t[0, 0]) for _, t in received] == [0.0, 1.0, 2.0]

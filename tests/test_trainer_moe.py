@@ -26,7 +26,9 @@ def moe_spec(path: str, ws: int = 1, **model) -> RunSpec:
     return RunSpec.model_validate({
         "model": {"path": path, "router_replay": True, "max_model_len": 256, **model},
         "parallel": {"world_size": ws, "dp_size": ws},
-        "rollout": {"samples_per_prompt": 4, "max_tokens": 8, "temperature": 1.0,
+        # 40 KB refit chunks: the experts (128 KB per layer in bf16), the embedding (80 KB) and the wire's
+        # payloads are all split, so the refit tests below run the ranged gathers of 2 FSDP ranks
+        "rollout": {"samples_per_prompt": 4, "max_tokens": 8, "temperature": 1.0, "refit_chunk_mb": 0.04,
                     "engine": {"kv_cache_gib": 0.25}},
         "train": {"prompts_per_step": 1, "micro_batch_size": 2, "lr": 1e-3},
     })
@@ -273,3 +275,121 @@ def test_replay_holds_in_the_recomputation_of_activation_checkpointing(checkpoin
     routes_matter = max(float((plain[n] - free[n]).abs().max()) for n in plain)
     print(f"{checkpointing}: max |grad gap| checkpointed {gap:.2e}, replayed vs free {routes_matter:.2e}")
     assert gap <= 1e-6 and routes_matter > 1e-3
+
+
+def test_grouped_experts_refit_one_expert_range_at_a_time(monkeypatch) -> None:
+    """rollout.refit_chunk_mb bounds what a refit gathers even inside one tensor: with 40 KB chunks the
+    fused experts (4 x 128 x 128, 256 KB in fp32) are gathered, cast and converted one expert at a time,
+    and the stream equals the one gathered whole (names, dtypes, values): the checkpoint's per-expert
+    tensors numbered from each range's first expert."""
+    from molt.tiny import tiny_model_path
+    from molt.trainer import weights
+
+    cpu, chunk_bytes = torch.device("cpu"), 40 << 10
+    gathered: list[int] = []
+    rows = weights._rows
+
+    def recorded(tensor, start, stop, device):
+        piece = rows(tensor, start, stop, device)
+        gathered.append(piece.numel() * piece.element_size())
+        return piece
+
+    with one_rank(moe_spec(str(tiny_model_path(**MOE)))) as worker:
+        whole = [c for c in weights.hf_chunks(worker.model, 1 << 30, torch.bfloat16, cpu, cpu)]
+        monkeypatch.setattr(weights, "_rows", recorded)
+        ranged = [c for c in weights.hf_chunks(worker.model, chunk_bytes, torch.bfloat16, cpu, cpu)]
+        experts = worker.model.model.layers[0].mlp.experts.gate_up_proj
+    want = {k: v for c in whole for k, v in c.items()}
+    got = {k: v for c in ranged for k, v in c.items()}
+    assert sum(len(c) for c in ranged) == len(got) and sorted(got) == sorted(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    # the largest gather is one expert in fp32 (a chunk's worth in bf16), not the 256 KB tensor
+    assert gathered and max(gathered) <= 2 * chunk_bytes < experts.numel() * 4
+    # and the experts reach the wire one range per chunk: per layer 4 gate/up ranges of 1 expert (32 KB
+    # in bf16) and 2 down ranges of 2 (the embedding, 80 KB, is assembled whole: one checkpoint tensor)
+    expert_chunks = [c for c in ranged if any(".experts." in k for k in c)]
+    assert len(expert_chunks) == 2 * (4 + 2) and all(sum(t.numel() * t.element_size() for t in c.values())
+                                                   <= chunk_bytes for c in expert_chunks)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_automodel_grouped_experts_convert_per_expert_range(family: str) -> None:
+    """The GPU trainer's MoE classes (AutoModel's) hold the experts of a layer as one grouped tensor and
+    convert it with their state-dict adapter, which expects every expert at once. A range of experts
+    converted on its own and renumbered (molt/trainer/weights.py `_convert`) gives exactly the adapter's
+    tensors of those experts (uneven ranges: 4 + 2 of 6), and only grouped experts are converted so."""
+    from types import SimpleNamespace
+
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.moe.config import MoEConfig
+
+    from molt.trainer import weights
+
+    if family == "qwen3_moe":
+        from nemo_automodel.components.models.qwen3_moe.state_dict_adapter import (
+            Qwen3MoeStateDictAdapter as A,
+        )
+    else:
+        from nemo_automodel.components.models.deepseek_v3.state_dict_adapter import (
+            DeepSeekV3StateDictAdapter as A,
+        )
+    moe = MoEConfig(n_routed_experts=6, n_shared_experts=0, n_activated_experts=2, n_expert_groups=1,
+                    n_limited_groups=1, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
+                    score_func="softmax", route_scale=1.0, dim=8, inter_dim=16, moe_inter_dim=4,
+                    norm_topk_prob=True)
+    model = SimpleNamespace(state_dict_adapter=A(SimpleNamespace(), moe, BackendConfig()))
+    g = torch.Generator().manual_seed(0)
+    grouped = {"model.layers.1.mlp.experts.gate_and_up_projs": torch.randn(6, 8, 8, generator=g),
+               "model.layers.1.mlp.experts.down_projs": torch.randn(6, 4, 8, generator=g)}
+    for name, tensor in grouped.items():
+        want = model.state_dict_adapter.to_hf({name: tensor})
+        assert weights._per_expert(model, name, tensor.shape)
+        got = {**weights._convert(model, {name: tensor[:4]}, first_expert=0),
+               **weights._convert(model, {name: tensor[4:]}, first_expert=4)}
+        assert sorted(got) == sorted(want) and len(want) in (6, 12)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not weights._per_expert(model, "model.embed_tokens.weight", torch.Size([6, 8]))
+
+
+def test_a_float32_buffer_is_refit_bit_equal() -> None:
+    """DeepSeek-V3's `e_score_correction_bias` is an fp32 buffer in the trainer and in the engine, and
+    decides top-k routing: a bf16 refit sends it as fp32, bit-equal, while parameters go in bf16."""
+    import torch.distributed as dist
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from molt.trainer import weights
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, num_attention_heads=2,
+                              num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=8)
+    model = DeepseekV3ForCausalLM(config)
+    [router] = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    bias = torch.tensor([1 + 2**-20, -3e-5, 0.1, 7.0])   # none of them is a bf16 number
+    router.e_score_correction_bias.copy_(bias)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        chunks = weights.hf_chunks(model, 1 << 20, torch.bfloat16, cpu, cpu)
+        sent = {k: v for c in chunks for k, v in c.items()}
+    finally:
+        dist.destroy_process_group()
+    [name] = [k for k in sent if k.endswith("e_score_correction_bias")]
+    assert sent[name].dtype == torch.float32 and torch.equal(sent[name], bias)
+    assert sent["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_the_gpu_loader_trains_without_a_load_balancing_loss() -> None:
+    """AutoModel's Qwen3-MoE classes (cuda, ep > 1) take their gate's auxiliary loss coefficient from the
+    config's router_aux_loss_coef (0.001 in the checkpoint) and add that loss to the gradient beside
+    Molt's RL loss; the loader is told 0, and AutoModel's own config loading applies it."""
+    from nemo_automodel._transformers.model_init import get_hf_config
+
+    from molt.tiny import tiny_model_path
+    from molt.trainer.model import automodel_kwargs
+
+    path = str(tiny_model_path(**MOE))
+    kwargs = automodel_kwargs(moe_spec(path, router_replay=False), "policy", path)
+    assert get_hf_config(path, "sdpa").router_aux_loss_coef > 0
+    assert get_hf_config(path, "sdpa", config=kwargs["config"]).router_aux_loss_coef == 0

@@ -269,3 +269,32 @@ def test_three_step_vlm_run_trains_and_its_dump_replays(tmp_path, ray_session) -
     replayed = replay(tmp_path, 1)
     for key in ("train/loss", "train/grad_norm", "mismatch/mean_abs", "tokens/trained"):
         assert replayed[key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("role", ["policy", "reference"])
+def test_the_gpu_loader_freezes_the_tower_before_it_shards(vlm_spec, vlm_path, role) -> None:
+    """On cuda AutoModel's loader shards as it loads, and makes a frozen tower one FSDP unit only if it is
+    frozen by then: the trainer hands it a freeze of the same tower the CPU path freezes before
+    `parallelize_model` (model.freeze_vision; the reference's whole model is frozen there). Applied by
+    AutoModel's own freezing to the Hugging Face class, it freezes exactly the parameters `_prepare` does
+    (all the tower's, nothing else)."""
+    from nemo_automodel.components.utils.model_utils import apply_parameter_freezing
+    from transformers import AutoModelForImageTextToText
+
+    from molt.trainer.model import _prepare, automodel_kwargs
+
+    spec = vlm_spec.model_copy(deep=True)
+    spec.model.freeze_vision = True
+    kwargs = automodel_kwargs(spec, role, vlm_path)
+
+    def frozen(model) -> set[str]:
+        return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+    gpu = AutoModelForImageTextToText.from_pretrained(vlm_path)
+    apply_parameter_freezing(gpu, kwargs["freeze_config"], strict=True)
+    cpu = AutoModelForImageTextToText.from_pretrained(vlm_path)
+    _prepare(cpu, spec, "policy")
+    tower = {n for n, _ in gpu.named_parameters() if n.startswith("model.visual.")}
+    assert tower and frozen(gpu) == frozen(cpu) == tower
+    spec.model.freeze_vision = False   # a trained tower: nothing frozen before sharding for the policy
+    assert ("freeze_config" in automodel_kwargs(spec, role, vlm_path)) == (role == "reference")

@@ -27,6 +27,7 @@ class MoltWorkerExtension(RouteCapture):
         """Join the refit group as `rank_offset` + this worker's index in its engine; returns the rank."""
         par = self.parallel_config
         rank = rank_offset + par.data_parallel_index * par.world_size + par.rank
+        refit.close_group(getattr(self, "_molt_refit", None))   # the group of the previous engine set
         self._molt_refit = refit.open_group(host, port, rank, world_size, self.device)
         return rank
 
@@ -41,9 +42,11 @@ class MoltWorkerExtension(RouteCapture):
         self.reload_weights(weights_iterator=refit.receive(self._molt_refit, self.device),
                             is_checkpoint_format=True)
         model = self.model_runner.get_model()
-        if self.model_config.hf_config.get_text_config().tie_word_embeddings:
-            # A tied lm_head receives no checkpoint tensor, so the reload puts its *old* processed
-            # weight back (vLLM 0.32, "ParallelLMHead: Failed to load weights"); tie and process again.
+        if on_cpu() and self.model_config.hf_config.get_text_config().tie_word_embeddings:
+            # A tied lm_head receives no checkpoint tensor, so the CPU reload puts its *old* processed
+            # (oneDNN-packed) weight back (vLLM 0.32, "ParallelLMHead: Failed to load weights"); tie and
+            # process again. Only there: on GPU the head shares the embedding's storage (nothing is
+            # repacked), and vLLM's own VLM classes have no `model.lm_head` / `model.model.embed_tokens`.
             head = model.lm_head
             head.weight = model.model.embed_tokens.weight
             head.quant_method.process_weights_after_loading(head)

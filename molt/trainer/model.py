@@ -87,14 +87,9 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         import nemo_automodel
 
         # AutoModel's loader parallelizes while loading; replay/freeze hooks attach to the sharded modules.
-        # Replay and freeze act on Hugging Face MoE routers, so those switches ask for the HF classes
-        # (which AutoModel's expert parallel does not shard: the spec refuses them with ep_size > 1).
-        moe_switch = spec.model.router_replay or spec.model.freeze_router
         auto = nemo_automodel.NeMoAutoModelForImageTextToText if is_vision_model(
             path, spec.model.trust_remote_code) else nemo_automodel.NeMoAutoModelForCausalLM
-        # LoRA: AutoModel's loader applies the adapters itself, before it shards (molt/trainer/lora.py)
-        peft = {"peft_config": peft_config(spec)} if adapted else {}
-        model = auto.from_pretrained(path, distributed_setup=setup, force_hf=moe_switch, **peft, **common)
+        model = auto.from_pretrained(path, distributed_setup=setup, **automodel_kwargs(spec, role, path))
         if adapted:
             check_adapted(model, spec)
         _prepare(model, spec, role)
@@ -107,10 +102,37 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         model = auto.from_pretrained(path, attn_implementation=attention, **common)
     if adapted:
         apply_lora(model, spec)   # before sharding: FSDP2 then shards adapters and frozen weights alike
-    if cuda:
+    if cuda and spec.parallel.world_size == 1:
+        # One rank is not sharded (AutoModel returns it as is): it moves whole. With more ranks the model
+        # stays on the host: TP's distribute and FSDP2's fully_shard move each unit's shard to the mesh's
+        # device as they wrap it, so no GPU holds a whole critic (120 GB in fp32 at 30B).
         model.to(torch.device("cuda", torch.cuda.current_device()))
     _prepare(model, spec, role)
     return parallelize_model(model, setup.mesh_context)
+
+
+def automodel_kwargs(spec: RunSpec, role: str, path: str) -> dict[str, Any]:
+    """What the GPU trainer asks of AutoModel's loader besides the mesh (it shards as it loads, so whatever
+    must hold before sharding goes in here; the CPU path does the same before `parallelize_model`)."""
+    vision = is_vision_model(path, spec.model.trust_remote_code)
+    kwargs: dict[str, Any] = dict(
+        dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code,
+        # Replay and freeze act on Hugging Face MoE routers, so those switches ask for the HF classes
+        # (which AutoModel's expert parallel does not shard: the spec refuses them with ep_size > 1).
+        force_hf=spec.model.router_replay or spec.model.freeze_router,
+        # AutoModel's Qwen3-MoE gate adds router_aux_loss_coef x its load-balancing loss to the gradient
+        # (backward scale 1, summed over ranks) beside Molt's normalized RL loss: the RL loss alone trains.
+        config={"router_aux_loss_coef": 0.0},
+    )
+    if vision and (spec.model.freeze_vision or role == "reference"):
+        # AutoModel makes a frozen tower one FSDP unit, gathered by every rank; frozen after sharding, it
+        # is wrapped per block and a rank whose micro-batch holds no image would skip the gathers its
+        # peers wait in. The same tower `_prepare` freezes (on CPU, before parallelize_model).
+        kwargs["freeze_config"] = {"freeze_modules": [{"path": "model.visual"}]}
+    if role == "policy" and spec.model.lora.rank > 0:
+        # LoRA: AutoModel's loader applies the adapters itself, before it shards (molt/trainer/lora.py)
+        kwargs["peft_config"] = peft_config(spec)
+    return kwargs
 
 
 def _prepare(model: nn.Module, spec: RunSpec, role: str) -> None:

@@ -25,6 +25,7 @@ from molt.trainer.batch import pad_rows
 
 ROLES = ("policy", "reference", "critic")
 SHUTDOWN_TIMEOUT_S = 30.0   # how long ranks get to leave their process group before they are killed
+PLACEMENT_TIMEOUT_S = 600.0   # how long other work may hold the ranks' resources before the run stops
 
 
 def gather(refs: list[ray.ObjectRef]) -> list[Any]:
@@ -61,7 +62,16 @@ class TrainerRanks:
         ids = [n["NodeID"] for n in cluster_nodes(spec)]
         self._pg = placement_group([bundle] * par.world_size, strategy="PACK",
                                    bundle_label_selector=[node_selector(ids[s.node]) for s in mine])
-        ray.get(self._pg.ready())
+        try:
+            ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            # The plan fits the cluster's totals (checked before Ray starts): what is missing is free now.
+            remove_placement_group(self._pg)
+            raise RuntimeError(
+                f"the {role}'s {par.world_size} trainer rank(s) ({bundle} each, on plan nodes "
+                f"{sorted({s.node for s in mine})}) were not placed within {PLACEMENT_TIMEOUT_S:g} s: the "
+                "cluster is large enough, but other work holds those resources now (`ray status` shows "
+                "what is free)") from None
         # Imported here: the worker's module pulls in transformers and FSDP (≈4.5 s), which the driver
         # then imports after it has asked for the engines, not before (start-up, molt/loop.py).
         from molt.trainer.worker import TrainerWorker
@@ -133,6 +143,10 @@ class TrainerRanks:
     def join_refit(self, host: str, port: int, world_size: int) -> None:
         """Open the refit group on rank 0; blocks until all `world_size - 1` engine workers joined."""
         ray.get(self.workers[0].join_refit.remote(host, port, world_size))
+
+    def abort_refit(self) -> None:
+        """Abort rank 0's refit group while a transfer to receivers that died still waits in it."""
+        ray.get(self.workers[0].abort_refit.remote())
 
     def send_weights(self) -> int:
         """Broadcast the full weights (checkpoint names, model.dtype) to the engines; returns the bytes sent.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from functools import partial
 from typing import Any
 
 import ray
@@ -28,6 +29,7 @@ from molt.algo import (
     value_loss,
     with_kl_coef,
 )
+from molt.fp8 import checkpoint_fp8
 from molt.placement import cpu_threads
 from molt.plugins import load_plugins
 from molt.spec import AlgoSpec, RunSpec
@@ -70,6 +72,7 @@ class TrainerWorker:
         self.engines_idle, self.block_threads = False, []
         self._threads()
         self.step = 0
+        self.refit_group: dist.ProcessGroup | None = None   # rank 0: the group to the engine workers
 
     @ray.method(concurrency_group="control")   # runs while `update` holds the default group
     def set_engines_idle(self, idle: bool) -> None:
@@ -121,6 +124,8 @@ class TrainerWorker:
         torch.manual_seed(self.spec.run.seed)
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
+        # the refit's format (block FP8: molt/fp8.py), read first: one it cannot reproduce stops the run here
+        self.fp8 = None if self.role != "policy" or self.spec.model.lora.rank else checkpoint_fp8(self.path)
         self.model = build_model(self.spec, self.role, self.path, setup)
         self._switch_threads_per_block()
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
@@ -147,7 +152,10 @@ class TrainerWorker:
             # driver imports for the actor class.
             from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
             from nemo_automodel.components.training.utils import clip_grad_norm
-            self.sync_tp_replicas, self.clip_grad_norm = synchronize_tp_replica_gradients, clip_grad_norm
+            # TE's grouped experts carry no EP axis on their own mesh: the EP mesh reduces their norm
+            moe = setup.mesh_context.moe_mesh if self.spec.parallel.ep_size > 1 else None
+            self.sync_tp_replicas = synchronize_tp_replica_gradients
+            self.clip_grad_norm = partial(clip_grad_norm, moe_mesh=moe, ep_axis_name="ep" if moe else None)
 
     # -- forward ---------------------------------------------------------------------------------------
     def _micro_batches(self, shard: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -351,21 +359,25 @@ class TrainerWorker:
 
     # -- weights and checkpoints -----------------------------------------------------------------------
     def join_refit(self, host: str, port: int, world_size: int) -> None:
-        """Rank 0: host the refit group (`molt.refit`); returns once every engine worker joined it."""
+        """Rank 0: host the refit group (`molt.refit`) in place of the last one; returns once all joined."""
+        refit.close_group(self.refit_group)
         self.refit_group = refit.open_group(host, port, 0, world_size, self.device)
 
+    @ray.method(concurrency_group="control")   # runs while `send_weights` waits in the default group
+    def abort_refit(self) -> None:
+        """Rank 0: abort the refit group, whose receivers died mid-transfer (`molt.refit.close_group`)."""
+        if self.cuda:   # gloo's abort does not unblock a waiting broadcast (tried): leave it be there
+            refit.close_group(self.refit_group)
+
     def send_weights(self) -> int:
-        """Full weights (or the LoRA adapter) to every engine worker (all ranks gather, rank 0 broadcasts);
-        returns the bytes sent."""
+        """Full weights (or the LoRA adapter) to the engines: all ranks gather, rank 0 sends; bytes sent."""
         chunk_bytes = int(self.spec.rollout.refit_chunk_mb * 2**20)
-        # with LoRA only the adapter changes: the engines keep the base weights and load a new adapter
-        stream = weights.adapter_chunks if self.spec.model.lora.rank else weights.hf_chunks
-        chunks = stream(self.model, chunk_bytes, DTYPES[self.spec.model.dtype], self.device, self.device)
-        if self.rank == 0:
-            return refit.send(self.refit_group, chunks, self.device)
-        for _ in chunks:  # the other ranks only take part in the gathers
-            pass
-        return 0
+        chunks = weights.refit_chunks(self.model, self.spec, chunk_bytes, self.device, self.fp8)
+        try:
+            return refit.send(self.refit_group, chunks, self.device, chunk_bytes) if self.rank == 0 else 0
+        finally:   # the other ranks only take part in the gathers; so does rank 0 after a failed stream
+            for _ in chunks:
+                pass
 
     def export_hf(self, path: str) -> None:
         weights.export_hf(self.model, self.path, path, DTYPES[self.spec.model.dtype], self.device,

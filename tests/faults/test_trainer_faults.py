@@ -144,3 +144,24 @@ def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp
     while set(trainer_pids()) - others and time.time() < deadline:
         time.sleep(0.2)
     assert not set(trainer_pids()) - others
+
+
+def test_ranks_that_cannot_be_placed_stop_with_a_message(ray_session, monkeypatch):
+    """A cluster large enough for the plan but busy: the trainer's placement group waits for resources
+    that other work holds. It used to wait forever without a word; it stops after PLACEMENT_TIMEOUT_S with
+    what it waited for, and gives its reservation back."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from molt.trainer import ranks
+
+    busy = placement_group([{"CPU": ray.available_resources()["CPU"]}])   # other work takes every free CPU
+    ray.get(busy.ready(), timeout=60)
+    monkeypatch.setattr(ranks, "PLACEMENT_TIMEOUT_S", 2.0)
+    try:
+        with pytest.raises(RuntimeError, match=r"policy's 1 trainer rank\(s\).*not placed within 2 s.*"
+                                               r"other work holds those resources"):
+            TrainerRanks(small_spec(), "policy")
+    finally:
+        remove_placement_group(busy)
+    pending = [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "PENDING"]
+    assert not pending, pending
