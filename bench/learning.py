@@ -6,6 +6,10 @@ mean reward of at least 0.8 (of 1.0) within 400 steps; the table says which runs
 
     python bench/learning.py --quick                 # 10 steps each: a smoke test, prints the section
     python bench/learning.py [--steps 400] [--estimators grpo,rloo] [--seeds 0,1] [--reuse]
+    python bench/learning.py --staleness 1,4 [--steps 200] [--groups-in-flight 32] [--jobs 2]
+
+`--staleness` is the staleness axis instead: grpo in async mode at each `rollout.max_staleness`, with the
+default correction (none) and with decoupled PPO (`algo=decoupled_ppo`), section `staleness`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,53 @@ def run(estimator: str, steps: int, seed: int, reuse: bool, timeout: float) -> d
     print(f"[bench] {estimator} seed {seed}: {status}", flush=True)
     return {"estimator": estimator, "seed": seed, "rc": result["rc"], "rewards": rewards,
             "wall_s": result["wall_s"], "load": result["load"], "cmd": result["cmd"]}
+
+
+def run_stale(algo: str, staleness: int, steps: int, depth: int, seed: int, reuse: bool,
+              timeout: float) -> dict:
+    """One async run of the default task at `rollout.max_staleness=staleness` with `depth` groups in
+    flight (deep enough that older groups exist to be trained or re-queued)."""
+    args = [f"algo={algo}", "rollout.mode=async", f"rollout.max_staleness={staleness}",
+            f"rollout.groups_in_flight={depth}", f"train.steps={steps}", f"run.seed={seed}",
+            f"run.name=staleness-{algo}-{staleness}", *QUIET]
+    result = run_cached(args, reuse, timeout)
+    rows = [r for r in result["rows"] if "reward/mean" in r]
+    print(f"[bench] {algo} staleness {staleness}: rc={result['rc']}", flush=True)
+    if result["rc"]:
+        print(result["log"], flush=True)
+    return {"estimator": f"{algo}, staleness {staleness}", "seed": seed, "rc": result["rc"],
+            "rewards": [r["reward/mean"] for r in rows], "wall_s": result["wall_s"], "load": result["load"],
+            "lag_mean": statistics.fmean(r.get("policy/lag_mean", 0.0) for r in rows) if rows else 0.0,
+            "lag_max": max((r.get("policy/lag_max", 0.0) for r in rows), default=0.0),
+            "requeued": max((r.get("pool/stale_requeued", 0.0) for r in rows), default=0.0)}
+
+
+def staleness_axis(args: argparse.Namespace) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cells = [(algo, int(k)) for k in args.staleness.split(",") for algo in ("grpo", "decoupled_ppo")]
+    with ThreadPoolExecutor(args.jobs) as pool:   # each run is its own process tree
+        records = list(pool.map(lambda c: run_stale(*c, args.steps, args.groups_in_flight,
+                                                    int(args.seeds.split(",")[0]), args.reuse, args.timeout),
+                                cells))
+    command = "python " + " ".join(["bench/learning.py", *sys.argv[1:]])
+    head = ["run", "seed", "reward first 20%", "reward last 20%", f"best {WINDOW}-step mean",
+            f"first step with {WINDOW}-step mean >= {TARGET}", "wall (1-min load at start)",
+            "policy/lag_mean (mean over steps)", "policy/lag_max", "groups re-queued (stale)"]
+    rows = [summary_row(r) + [f"{r['lag_mean']:.2f}", f"{r['lag_max']:.0f}", f"{r['requeued']:.0f}"]
+            for r in records]
+    body = "\n".join([
+        "## Staleness: async grpo at several rollout.max_staleness, without and with decoupled PPO", "",
+        header(), f"- work: the default experiment with `rollout.mode=async rollout.max_staleness=K "
+        f"rollout.groups_in_flight={args.groups_in_flight}`, `algo=grpo` (no correction) or "
+        f"`algo=decoupled_ppo`, {args.steps} steps, evaluation and logging off", f"- command: `{command}`",
+        "", table(head, rows), "", "![staleness curves](staleness.png)"])
+    if not args.quick:
+        draw(records, BENCH / "staleness.png")
+        from common import write_section
+
+        write_section("staleness", body)
+    print(body)
 
 
 def summary_row(rec: dict) -> list:
@@ -78,9 +129,16 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--reuse", action="store_true", help="read back finished runs with identical overrides")
     p.add_argument("--quick", action="store_true", help="10 steps each; prints the section, writes nothing")
+    p.add_argument("--staleness", default=None, help="comma list of rollout.max_staleness: the staleness "
+                   "axis (async grpo, with and without decoupled PPO) instead of the estimators")
+    p.add_argument("--groups-in-flight", type=int, default=32,
+                   help="staleness axis: rollout.groups_in_flight")
+    p.add_argument("--jobs", type=int, default=1, help="staleness axis: runs at once (each is a whole run)")
     args = p.parse_args()
     if args.quick:
         args.steps = 10
+    if args.staleness:
+        return staleness_axis(args)
     records = [run(e, args.steps, int(s), args.reuse, args.timeout)
                for s in args.seeds.split(",") for e in args.estimators.split(",")]
     command = "python " + " ".join(["bench/learning.py", *sys.argv[1:]])

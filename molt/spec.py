@@ -268,6 +268,16 @@ def spec_warnings(spec: RunSpec) -> list[str]:
                    f"{spec.rollout.max_staleness} policy versions old (and, with partial rollouts, responses "
                    "that span a refit) are trained as if on-policy; set algo.correction (e.g. algo=tis) "
                    "unless this is the ablation you want")
+    # Versions count batches, not optimizer steps: each extra update per batch moves the weights further
+    # from the policy that sampled a stale token (docs/algo.md, "Staleness and decoupled PPO").
+    updates = spec.train.minibatches * spec.train.epochs
+    if rl and spec.rollout.mode == "async" and updates > 1:
+        lag = spec.rollout.max_staleness
+        out.append(f"rollout.mode=async with train.minibatches x train.epochs = {updates} updates per "
+                   f"batch: a token up to rollout.max_staleness={lag} versions old is trained up to "
+                   f"{(lag + 1) * updates - 1} optimizer steps after the weights that sampled it; the clip "
+                   "bounds only the steps within this batch, the importance correction (algo.correction, "
+                   "e.g. algo=decoupled_ppo) the rest")
     # With one update per batch the old logprobs are the update's own forward: every ratio is 1.
     loss, default = spec.algo.loss, LossSpec()
     clips = [f"{k}={getattr(loss, k)}" for k in ("eps_low", "eps_high", "dual_clip", "value_clip")

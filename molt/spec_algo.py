@@ -22,6 +22,11 @@ class TrainSpec(Strict):
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="sequence packing: micro-batches of consecutive rows with at most this many "
         "real tokens per rank, packed into one padding-free row (replaces micro_batch_size; cpu; null = off)")
+    logprob_chunk_tokens: int | None = Field(
+        None, ge=1, description="the policy/reference logprob pass (output head, temperature, top-k/top-p, "
+        "entropy) runs over this many sampled positions at a time, recomputed per chunk in the backward, so "
+        "its extra memory is chunk x vocab, not tokens x vocab (null = as many as keep a chunk's fp32 logits "
+        "within 128 MiB)")
     lr: float = Field(5e-4, description="AdamW learning rate of the policy")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="after warm-up: constant, or cosine / linear decay to 0 at train.steps")

@@ -48,6 +48,21 @@ def test_group_estimators_by_hand(name, per_rollout):
         assert out.metrics["zero_std_frac"].item() == pytest.approx(3 / 6)  # rollouts 3, 4, 5
 
 
+def test_grpo_divides_by_each_groups_unbiased_std():
+    """Groups of unequal sizes whose stds are not 1, in an interleaved order: a missing std division, a
+    biased (n) std, or one group's std applied to another changes every value by far more than 1e-12.
+    Group a = rewards 0, 1, 5 (mean 2, unbiased var (4 + 1 + 9) / 2 = 7); group b = 1, 4 (mean 2.5, var
+    (2.25 + 2.25) / 1 = 4.5); rollout order a, b, a, b, a."""
+    rewards = torch.tensor([0.0, 1.0, 1.0, 4.0, 5.0], dtype=F64)
+    groups = torch.tensor([0, 1, 0, 1, 0])
+    mask = torch.tensor([[1, 1], [1, 0], [0, 1], [1, 1], [1, 0]], dtype=F64)
+    sa, sb = math.sqrt(7.0) + 1e-6, math.sqrt(4.5) + 1e-6
+    per_rollout = [-2.0 / sa, -1.5 / sb, -1.0 / sa, 1.5 / sb, 3.0 / sa]
+    out = compute_advantages(rewards, groups, torch.arange(5), mask, algo(estimator="grpo"))
+    expected = torch.tensor(per_rollout, dtype=F64)[:, None] * mask
+    assert (out.advantages - expected).abs().max().item() <= 1e-12
+
+
 def test_reinforce_pp_whitens_reward_to_go_with_kl_in_reward():
     # One rollout in two segments: its sampled tokens in order are seg0[1], seg0[2], seg1[0].
     mask = torch.tensor([[0, 1, 1], [1, 0, 0]], dtype=F64)

@@ -46,6 +46,28 @@ def test_clipped_surrogate_by_hand():
     assert logp.grad.tolist()[0] == pytest.approx([0.0, 0.0, 2.0 * 1.1 / 3, 0.0])
 
 
+def test_decoupled_ppo_by_hand():
+    """algo=decoupled_ppo: the ratio r_t = exp(logp - old_logp) (the proximal policy: the trainer before the
+    update) is clipped, the behaviour policy only weights, w_t = exp(old_logp - behaviour_logp), and a token
+    whose w_t exceeds 5 is dropped. Per token (A, r, w): (1, 1.1, 2) inside the band: -1.1 * 2; (-1, 0.5,
+    0.5) lower clip: 0.8 * 0.5; (1, 1.0, 6) dropped: 0; (-2, 1.3, 1) above the band but A < 0, unclipped:
+    2.6. Clipping against the behaviour policy instead (ratio r*w = 2.2 for the first) would give -1.2."""
+    from molt.config import compose
+
+    spec = compose(["algo=decoupled_ppo"]).algo
+    old = [[-1.0, -2.0, -0.5, -3.0]]
+    behaviour = [[o - LN(w) for o, w in zip(old[0], (2.0, 0.5, 6.0, 1.0), strict=True)]]
+    logp, b = batch_of(old, [[1.1, 0.5, 1.0, 1.3]], [[1.0, -1.0, 1.0, -2.0]], [[1, 1, 1, 1]])
+    b["behaviour_logp"] = torch.tensor(behaviour, dtype=torch.float64)
+    loss, m = policy_loss(logp, b, spec, 4.0)
+    assert abs(loss.item() - (-2.2 + 0.4 + 0.0 + 2.6) / 4) <= 1e-12
+    loss.backward()
+    # d/dlogp of w * (-A * r) where the unclipped term is active, else 0: -1.1 * 2 and 2 * 1.3
+    expected = torch.tensor([[-2.2 / 4, 0.0, 0.0, 2.6 / 4]], dtype=torch.float64)
+    assert (logp.grad - expected).abs().max().item() <= 1e-12
+    assert m["is_masked_frac"].item() == pytest.approx(0.25, abs=1e-12)
+
+
 def test_asymmetric_and_dual_clip_by_hand():
     spec = algo(loss={"eps_low": 0.1, "eps_high": 0.3, "dual_clip": 3.0})
     # ratio 1.25 with A>0 stays inside [0.9, 1.3]; ratio 4 with A<0: max(4, 0.9) = 4 > 3 -> capped at 3.

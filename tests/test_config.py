@@ -249,6 +249,13 @@ def test_async_without_correction_warns():
 
     assert not spec_warnings(compose(["rollout.mode=async", "algo=tis"]))
     assert "algo.correction.level=off" in spec_warnings(compose(["rollout.mode=async"]))[0]
+    # several updates per batch on top of async staleness: (max_staleness + 1) x updates - 1 steps behind
+    stacked = spec_warnings(compose(["rollout.mode=async", "algo=decoupled_ppo", "rollout.max_staleness=4",
+                                     "train.minibatches=2", "train.epochs=2"]))
+    assert len(stacked) == 1 and "4 updates per batch" in stacked[0]
+    assert "up to 19 optimizer steps" in stacked[0]
+    assert not spec_warnings(compose(["rollout.mode=async", "algo=decoupled_ppo"]))
+    assert not spec_warnings(compose(["algo=decoupled_ppo", "train.minibatches=2"]))   # sync: lag 0
     sft = spec_warnings(compose(["rollout.mode=async", "train.objective=sft"]))   # nothing samples
     assert len(sft) == 1 and "rollout.mode set" in sft[0]
 

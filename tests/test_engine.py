@@ -216,6 +216,26 @@ def test_refit_equals_fresh_engine_and_needs_cache_reset(direct, engine, new_wei
     assert [o["token_ids"] for o in generate_all(engine, GREEDY)] == [ids for ids, _ in direct[0][1]]
 
 
+def test_engine_refuses_an_empty_or_partial_reload(engine, new_weights, tiny_model_path, push_weights):
+    """A refit stream with no tensor, or without one tensor of the checkpoint, fails the engine's
+    update_weights with an error naming what is missing, and the engine's version does not move (vLLM's
+    own reload only logs what it did not load). An empty one leaves the weights as they were."""
+    before = generate_all(engine, GREEDY)
+    partial = {k: v for k, v in new_weights[0].items() if k != "model.norm.weight"}
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="refusing an empty reload"):
+            push_weights([engine], {}, 3)
+        assert ray.get(engine.stats.remote())["version"] == 0
+        assert [o["token_ids"] for o in generate_all(engine, GREEDY)] == [o["token_ids"] for o in before]
+        with pytest.raises(ray.exceptions.RayTaskError, match="lacked 1 of .*model.norm.weight"):
+            push_weights([engine], partial, 3)
+        assert ray.get(engine.stats.remote())["version"] == 0
+    finally:  # the engine is shared: restore the initial weights as version 0
+        push_weights([engine], initial_weights(tiny_model_path), 0)
+    after = generate_all(engine, GREEDY)
+    assert [o["token_ids"] for o in after] == [o["token_ids"] for o in before]
+
+
 def max_gap(a: list[float], b: list[float]) -> float:
     return float((torch.tensor(a) - torch.tensor(b)).abs().max())
 

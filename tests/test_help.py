@@ -23,7 +23,7 @@ def test_help_prints_type_value_and_meaning(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m molt")
     # * marks the default
-    assert "  algo        cispo, dapo, dr_grpo, gae, grpo*, " in out and "reinforce_pp," in out
+    assert "  algo        cispo, dapo, decoupled_ppo, dr_grpo, gae, " in out and "reinforce_pp," in out
     assert "  train.lr: float = 0.0005\n      AdamW learning rate of the policy\n" in out
     assert "  rollout.mode: sync|async = sync\n" in out
     assert "  model.tiny: dict[str, int] = {hidden_size: 128," in out   # a free-form dict: one value

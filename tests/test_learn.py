@@ -57,6 +57,25 @@ def rollouts() -> list[Rollout]:
     return out
 
 
+def uneven_rollouts() -> list[Rollout]:
+    """Three kept groups of 4, 2 and 3 rollouts in a non-periodic order (g0 g1 g0 g2 g2 g0 g1 g2 g0), with
+    distinct rewards: a shift, rotation or mix-up of group ids gives some rollout another group's baseline
+    (an alternating order of equal groups only renames them under a rotation). g3 failed and is dropped."""
+    order = ["g0", "g1", "g0", "g2", "g2", "g0", "g1", "g2", "g0", "g3"]
+    rewards = [0.9, 0.1, 0.3, 0.7, 0.2, 0.0, 0.6, 0.45, 0.55, 0.5]
+    out, next_id, seen = [], 10, {}
+    for g, reward in zip(order, rewards, strict=True):
+        i = seen[g] = seen.get(g, -1) + 1
+        ids = list(range(next_id, next_id + 3 + i + len(out) % 3))   # 2 prompt tokens, 1+ response
+        next_id += len(ids)
+        mask = [0, 0] + [1] * (len(ids) - 2)
+        segment = Segment(ids, mask, [-0.5 * m for m in mask], [0 if m else NO_VERSION for m in mask],
+                          f"{g}-{i}", g, 0, 2)
+        error = "agent failed" if g == "g3" else None
+        out.append(Rollout(f"{g}-{i}", g, [] if error else [segment], reward, error=error))
+    return out
+
+
 def rows_by_rollout(batch: dict[str, torch.Tensor], kept: list[Rollout]) -> dict[str, list[int]]:
     """Batch row indexes of each rollout's segments (in segment order), found by their token ids."""
     first_ids = {int(batch["input_ids"][row, 0]): row for row in range(batch["input_ids"].shape[0])}
@@ -72,14 +91,15 @@ def critic(ray_session):
     group.shutdown()
 
 
-def test_learn_trains_exactly_the_estimators_advantages(trainer):
+@pytest.mark.parametrize("make, dropped, rows", [(rollouts, "g1", 7), (uneven_rollouts, "g3", 9)])
+def test_learn_trains_exactly_the_estimators_advantages(trainer, make, dropped, rows):
     spec = compose([*SMALL, "algo=grpo"])
     policy = Recording(trainer)
-    batch_in = rollouts()
+    batch_in = make()
     metrics = asyncio.run(learn(spec, batch_in, policy, None, None, 0, 0))
     [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
-    kept = [r for r in batch_in if r.group_id != "g1"]
-    assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == 7
+    kept = [r for r in batch_in if r.group_id != dropped]
+    assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == rows
     rows = rows_by_rollout(batch, kept)
     for r in kept:
         group = [x.reward for x in kept if x.group_id == r.group_id]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.pool import RolloutPool
 from molt.trajectory import NO_VERSION, Rollout, Segment
@@ -190,3 +192,42 @@ def test_sync_batches_hold_only_current_policy_tokens_across_a_refill(engine, ti
         assert metrics["filter/refill_groups"] >= 1       # the refill asked for fewer than the depth
         assert [versions_of(g) for g in groups] == [{version}] * len(groups), version
     assert [in_flight for *_, in_flight in steps] == [0, 0, 0]   # none started beyond the hand-out
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 4])
+def test_staleness_bound_is_exact(max_staleness):
+    """A group whose oldest token is exactly `max_staleness` versions old is handed out; one version more
+    and it is re-queued and sampled again (a bound one step too strict fails the first half, one step too
+    loose the second). The agent samples at the pool's version, as an engine refitted with it does."""
+    pool: RolloutPool | None = None
+
+    async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:
+        v = pool.version
+        seg = Segment([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [NO_VERSION, v, v], f"{group_id}-{index}",
+                      group_id, prompt_len=1)
+        return Rollout(f"{group_id}-{index}", group_id, [seg], 1.0)
+
+    async def waiting() -> None:
+        while not pool.done:
+            await asyncio.sleep(0)
+
+    async def main() -> tuple[set[int], set[int]]:
+        nonlocal pool
+        pool = RolloutPool(({"i": i} for i in range(10)), rollout_fn, samples_per_prompt=2,
+                           groups_in_flight=1, max_staleness=max_staleness)
+        pool.set_version(0)
+        await waiting()                                  # a group sampled at version 0 waits
+        pool.set_version(max_staleness)                  # exactly max_staleness versions later
+        [at_bound] = await pool.next_batch(1, need_current=False)
+        assert pool.counts["stale_requeued"] == 0
+        await waiting()                                  # the next one, sampled at max_staleness
+        pool.set_version(2 * max_staleness + 1)          # one version beyond the bound
+        assert pool.counts["stale_requeued"] == 1 and not pool.done
+        [beyond] = await pool.next_batch(1, need_current=False)
+        await pool.close()
+        return versions_of(at_bound), versions_of(beyond)
+
+    # a bound too strict at max_staleness 0 re-queues every group forever: fail, do not hang
+    at_bound, beyond = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert at_bound == {0}
+    assert beyond == {2 * max_staleness + 1}             # sampled again by the current policy

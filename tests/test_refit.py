@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
+import pytest
 import torch
 
 from molt import refit
@@ -118,3 +119,48 @@ def test_a_re_formed_group_closes_the_one_it_replaces():
     assert sent == [48] * 3
     for received in got:
         assert [float(t[0, 0]) for _, t in received] == [0.0, 1.0, 2.0]
+def test_trainer_stream_carries_every_tensor_of_the_model(tiny_model_path):
+    """A trainer rank's refit (`send_weights`, chunks of `rollout.refit_chunk_mb`) on a model many chunks
+    long delivers every tensor of the checkpoint once, equal to it, and passes the engine's completeness
+    check (a chunker that drops its last partial chunk, or any tensor, fails here, not only in a loop)."""
+    from safetensors.torch import load_file
+    from trainerlib import one_rank
+    from transformers import AutoConfig
+
+    from molt.rollout.worker import check_complete, checkpoint_names
+    from molt.spec import RunSpec
+
+    chunk_mb = 0.05
+    spec = RunSpec.model_validate({"model": {"path": tiny_model_path},
+                                   "rollout": {"refit_chunk_mb": chunk_mb}})
+    checkpoint = load_file(f"{tiny_model_path}/model.safetensors")
+    size = sum(t.numel() * t.element_size() for t in checkpoint.values())
+    assert size > 10 * chunk_mb * 2**20            # spans many chunks (the last one partial)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cpu, got, errors = torch.device("cpu"), [], []
+
+    def receiver() -> None:
+        try:
+            group = refit.open_group("127.0.0.1", port, 1, 2, cpu)
+            got.extend((name, tensor.clone()) for name, tensor in refit.receive(group, cpu))
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    thread = threading.Thread(target=receiver, daemon=True)
+    thread.start()
+    with one_rank(spec) as rank:
+        rank.join_refit("127.0.0.1", port, 2)
+        sent = rank.send_weights()
+    thread.join(timeout=60)
+    assert not errors and not thread.is_alive(), errors
+    names = [name for name, _ in got]
+    assert len(names) == len(set(names)) and set(names) == set(checkpoint)
+    for name, tensor in got:
+        assert tensor.dtype == checkpoint[name].dtype and torch.equal(tensor, checkpoint[name]), name
+    assert sent == size
+    expected = checkpoint_names(tiny_model_path, AutoConfig.from_pretrained(tiny_model_path))
+    check_complete(names, expected)
+    with pytest.raises(RuntimeError, match="lacked 1 of"):
+        check_complete(names[:-1], expected)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -29,17 +31,24 @@ class MoltWorkerExtension(RouteCapture):
         rank = rank_offset + par.data_parallel_index * par.world_size + par.rank
         refit.close_group(getattr(self, "_molt_refit", None))   # the group of the previous engine set
         self._molt_refit = refit.open_group(host, port, rank, world_size, self.device)
+        config = self.model_config
+        self._molt_expected = checkpoint_names(config.model, config.hf_config.get_text_config())
         return rank
 
     def molt_refit_receive_adapter(self, folder: str, lora: dict) -> None:
         """Receive the LoRA adapter the trainer is broadcasting now into `folder` on this worker's node, as
         the PEFT folder vLLM's LoRA loader reads (`lora`: the spec's model.lora)."""
         tensors = {name: tensor.clone() for name, tensor in refit.receive(self._molt_refit, self.device)}
+        if not tensors:
+            raise RuntimeError("refit: the trainer's stream held no adapter tensor; refusing an empty "
+                               "adapter")
         write_adapter(folder, tensors, lora)
 
     def molt_refit_receive(self) -> None:
-        """Load the weights the trainer is broadcasting now (blocks until its end mark)."""
-        self.reload_weights(weights_iterator=refit.receive(self._molt_refit, self.device),
+        """Load the weights the trainer is broadcasting now (blocks until its end mark). Raises when the
+        stream was empty or lacked a tensor of the engine's checkpoint (`check_complete`)."""
+        received: list[str] = []
+        self.reload_weights(weights_iterator=_named(refit.receive(self._molt_refit, self.device), received),
                             is_checkpoint_format=True)
         model = self.model_runner.get_model()
         if on_cpu() and self.model_config.hf_config.get_text_config().tie_word_embeddings:
@@ -56,6 +65,48 @@ class MoltWorkerExtension(RouteCapture):
                 # vLLM 0.32 skips the CPU MoE kernel's prepack on a weight *update* and copies the
                 # checkpoint-layout experts into the prepacked storage; redo the prepack in place.
                 kernel.fused_experts.process_weights_after_loading(module)
+        check_complete(received, self._molt_expected)
+
+
+Named = Iterator[tuple[str, torch.Tensor]]
+
+
+def _named(stream: Named, names: list[str]) -> Named:
+    for name, tensor in stream:
+        names.append(name)
+        yield name, tensor
+
+
+def checkpoint_names(folder: str, text_config) -> set[str]:
+    """Tensor names of the safetensors checkpoint the engine started from (headers only; empty when
+    `folder` is not a local folder), less a tied output head, which the trainer does not send."""
+    from safetensors import safe_open
+
+    index, names = Path(folder, "model.safetensors.index.json"), set()
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"])
+    elif Path(folder).is_dir():
+        for file in Path(folder).glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                names.update(f.keys())
+    if getattr(text_config, "tie_word_embeddings", False):
+        names.discard("lm_head.weight")
+    return names
+
+
+def check_complete(received: list[str], expected: set[str]) -> None:
+    """Refuse a refit that sent nothing, or not every tensor of the checkpoint: vLLM's reload keeps the
+    old values of what it did not receive (it only logs), so an engine would sample from a mix of two
+    policies, labelled as the new one. The version is not advanced (the caller raises before)."""
+    if not received:
+        raise RuntimeError("refit: the trainer's stream held no tensor; refusing an empty reload (the "
+                           "engine keeps its weights and version)")
+    missing = sorted(expected - set(received))
+    if missing:
+        raise RuntimeError(f"refit: the trainer's stream lacked {len(missing)} of the checkpoint's "
+                           f"{len(expected)} tensors (e.g. {', '.join(missing[:3])}); refusing a partial "
+                           "reload: the engine's weights now mix two policies, and its version is not "
+                           "advanced")
 
 
 def write_adapter(folder: str, tensors: dict[str, torch.Tensor], lora: dict) -> None:

@@ -9,10 +9,15 @@ same backbone), loaded with transformers on both devices and sharded the same wa
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from molt.spec import RunSpec
 from molt.trainer.lora import apply_lora, check_adapted, peft_config
@@ -22,6 +27,9 @@ from molt.vision import is_vision_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
+# train.logprob_chunk_tokens=null: positions per chunk such that its fp32 logits stay within this many bytes
+# (≈ 220 positions at Qwen3's 151,936-token vocabulary; one chunk for the tiny models' 320)
+AUTO_CHUNK_BYTES = 128 * 2**20
 
 
 def autocast_dtype(spec: RunSpec) -> torch.dtype | None:
@@ -172,16 +180,99 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask
     temp = torch.where(mask, _per_token(temperature, targets), 1.0)
     scaled = _truncate(logits[:, :-1].float() / temp[..., None], targets, mask,
                        _per_token(top_p, targets), _per_token(top_k, targets).long())
-    lse = torch.logsumexp(scaled, dim=-1)
-    picked = scaled.gather(-1, targets[..., None]).squeeze(-1)
+    logp, ent = _scored(scaled, targets, entropy)
     weight = mask.to(scaled.dtype)
-    logp = torch.nn.functional.pad((picked - lse) * weight, (1, 0))
+    pad = functools.partial(torch.nn.functional.pad, pad=(1, 0))
+    return pad(logp * weight), None if ent is None else pad(ent * weight)
+
+
+def _scored(scaled: torch.Tensor, targets: torch.Tensor,
+            entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(scaled)[target] and, if asked, the entropy of softmax(scaled), over the last dim."""
+    lse = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, targets[..., None]).squeeze(-1) - lse
     if not entropy:
         return logp, None
     probs = torch.softmax(scaled, dim=-1)
     finite = scaled.masked_fill(scaled == -torch.inf, 0.0)   # 0 * -inf would be NaN
-    entropy = torch.nn.functional.pad((lse - (probs * finite).sum(-1)) * weight, (1, 0))
-    return logp, entropy
+    return logp, lse - (probs * finite).sum(-1)
+
+
+def chunkable(model: nn.Module, par: Any) -> bool:
+    """Whether `chunked_token_logprobs` may call the model's output head itself: not with tensor or context
+    parallel (hidden states are DTensors there), nor for a model that changes its logits after the head."""
+    config = model.config.get_text_config()
+    return par.tp_size == 1 and par.cp_size == 1 and model.get_output_embeddings() is not None and not any(
+        getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
+
+
+@contextmanager
+def head_input(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
+    """While open, the output head's forward gets an empty slice of its input and the input (the last
+    hidden states) is kept in the yielded list: the model's own forward then computes no [tokens, vocab]
+    logits (`chunked_token_logprobs` does, in chunks). With `head` None nothing changes."""
+    kept: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, args: tuple) -> tuple:
+        kept.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+    hook = None if head is None else head.register_forward_pre_hook(keep)
+    try:
+        yield kept
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def chunk_tokens(spec: RunSpec, vocab: int) -> int:
+    """Positions per chunk of the logprob pass: `train.logprob_chunk_tokens`, or automatically as many as
+    keep one chunk's fp32 logits within AUTO_CHUNK_BYTES (at least 64)."""
+    chosen = spec.train.logprob_chunk_tokens
+    return chosen if chosen is not None else max(64, AUTO_CHUNK_BYTES // (4 * vocab))
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: torch.Tensor,
+                           select: torch.Tensor, temperature: float | torch.Tensor,
+                           top_p: float | torch.Tensor, top_k: int | torch.Tensor, entropy: bool,
+                           chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs(head(hidden).float(), ...)` at the positions `select` [B, T] marks (0 elsewhere),
+    without ever holding more than `chunk` positions' logits [chunk, V].
+
+    `hidden` [B, T, H] is the output head's input. The head, temperature, truncation, logsumexp and
+    entropy run per chunk of selected positions; with grad each chunk is checkpointed, so the backward
+    recomputes its logits instead of keeping every chunk's alive (only hidden rows and [chunk] results
+    are saved). Call it under the forward's autocast: the head then computes in the same dtype.
+    """
+    targets = input_ids[:, 1:]
+    where = (select[:, 1:] > 0).nonzero(as_tuple=True)
+    picked = [hidden[:, :-1][where], targets[where], _per_token(temperature, targets)[where],
+              _per_token(top_p, targets)[where], _per_token(top_k, targets).long()[where]]
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for start in range(0, picked[0].shape[0], chunk):
+        args = [x[start:start + chunk] for x in picked]
+        run = functools.partial(_chunk_logprobs, head, entropy=entropy)
+        parts.append(checkpoint(run, *args, use_reentrant=False) if grad else run(*args))
+    logp = hidden.new_zeros(targets.shape, dtype=torch.float32)
+    ent = logp.clone() if entropy else None
+    if parts:
+        logp = logp.index_put(where, torch.cat([p[0] for p in parts]))
+        if entropy:
+            ent = ent.index_put(where, torch.cat([p[1] for p in parts]))
+    pad = functools.partial(torch.nn.functional.pad, pad=(1, 0))
+    return pad(logp), None if ent is None else pad(ent)
+
+
+def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temp: torch.Tensor,
+                    top_p: torch.Tensor, top_k: torch.Tensor,
+                    entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = head(hidden)
+    if isinstance(logits, DTensor):   # tensor parallel: the head is sharded over the vocabulary
+        logits = logits.full_tensor()
+    every = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
+    scaled = _truncate(logits.float()[None] / temp[None, :, None], targets[None], every[None], top_p[None],
+                       top_k[None])[0]
+    return _scored(scaled, targets, entropy)
 
 
 def _per_token(value: float | torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

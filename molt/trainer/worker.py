@@ -39,7 +39,11 @@ from molt.trainer.model import (
     DTYPES,
     autocast_dtype,
     build_model,
+    chunk_tokens,
+    chunkable,
+    chunked_token_logprobs,
     distributed_setup,
+    head_input,
     prefix_values,
     token_logprobs,
 )
@@ -129,6 +133,7 @@ class TrainerWorker:
         self.model = build_model(self.spec, self.role, self.path, setup)
         self._switch_threads_per_block()
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
+        self._chunked = self.role != "critic" and chunkable(self.model, par)
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
                              "use train.micro_batch_size with a vision-language model")
@@ -204,18 +209,25 @@ class TrainerWorker:
             {"position_ids": positions, "cu_seq_lens_q": mb["cu_seq_lens_q"]}
         attention = mb["attention_mask"] if positions is None else None
         scored = mb["attention_mask"] if positions is None else (positions > 0).long()
-        with torch.autocast("cuda" if self.cuda else "cpu", self.autocast or torch.float32,
-                            enabled=self.autocast is not None):
+        autocast = torch.autocast("cuda" if self.cuda else "cpu", self.autocast or torch.float32,
+                                  enabled=self.autocast is not None)
+        head = self.model.get_output_embeddings() if self._chunked else None
+        with head_input(head) as hidden, autocast:
             logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
                                 **packed, **images).logits.float()
+        # the distribution each token was sampled from: recorded per token, else the run's settings
+        r = self.spec.rollout
+        sampling = (mb.get("temperature", r.temperature), mb.get("top_p", r.top_p), mb.get("top_k", r.top_k))
+        if hidden:   # only sampled tokens are scored (the loss and the mismatch need no other)
+            select = scored * (mb["loss_mask"] > 0) if "loss_mask" in mb else scored
+            with autocast:
+                return chunked_token_logprobs(hidden[0], head, mb["input_ids"], select, *sampling, entropy,
+                                              chunk_tokens(self.spec, head.weight.shape[0]))
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
             return prefix_values(logits[..., 0], scored), None
-        # the distribution each token was sampled from: recorded per token, else the run's settings
-        r = self.spec.rollout
-        return token_logprobs(logits, mb["input_ids"], scored, mb.get("temperature", r.temperature),
-                              mb.get("top_p", r.top_p), mb.get("top_k", r.top_k), entropy)
+        return token_logprobs(logits, mb["input_ids"], scored, *sampling, entropy)
 
     @torch.no_grad()
     def forward(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
