@@ -84,6 +84,10 @@ class RunSpec(Strict):
             raise ValueError(f"model.critic=true with algo.estimator={self.algo.estimator}: only gae uses a "
                              "critic's values (others return no value targets to train it on); set "
                              "model.critic=false, or algo=gae")
+        if self.algo.turn_credit == "turn" and self.agent.kind != "env":
+            raise ValueError(f"algo.turn_credit=turn with agent.kind={self.agent.kind}: a ChatAgent returns "
+                             "one reward per rollout, so there are no per-turn rewards to credit; use an "
+                             "Env, or algo.turn_credit=rollout")
         if self.agent.judge.path and self.parallel.device == "cuda":
             raise ValueError("agent.judge on parallel.device=cuda: the placement plan does not reserve GPUs "
                              "for judge engines yet; run the judge on CPU or leave agent.judge.path unset")

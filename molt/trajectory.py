@@ -66,6 +66,10 @@ class Segment:
     # placeholders in `token_ids` stand for, in order; `token_ids` holds the placeholders as the engine
     # expanded them (one per merged patch), so the trainer reads the sequence the engine read.
     images: list[str] = field(default_factory=list)
+    # [turn, first token index] of each turn sampled in this segment, in order: `turn` counts the rollout's
+    # sampled turns from 0 across its segments, and a turn's tokens run to the next turn's start (per-turn
+    # credit, algo.turn_credit). Empty: the segment's sampled tokens are one turn, the rollout's only.
+    turns: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -78,6 +82,10 @@ class Segment:
                 any(not 0 <= i < n for i in starts):
             raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: sampling must be "
                              "[first token index, temperature, top_p, top_k] spans in token order")
+        firsts = [t[1] for t in self.turns if len(t) == 2]
+        if len(firsts) != len(self.turns) or firsts != sorted(firsts) or any(not 0 <= i < n for i in firsts):
+            raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: turns must be [turn, first "
+                             "token index] pairs in token order")
         if self.routed_experts is not None:
             self.routed_experts = pad_routes(np.asarray(self.routed_experts), n)
 

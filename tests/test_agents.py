@@ -180,6 +180,7 @@ def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine):
         # the third turn's calls run too (the step answers them before the turn budget ends the episode)
         assert (r.turns, r.tool_calls, r.tool_errors, r.answered) == (3, 3, 3 * (name == "python"), False)
         assert r.turn_rewards == [0.0, 0.0, 0.0] and r.reward == 0.0
+        assert r.segments[0].turns == [[k, len(c["prompt_ids"])] for k, c in enumerate(calls)]   # turn credit
         rollouts.append(r)
     metrics = rollout_metrics(spec, rollouts)
     assert {k: metrics[f"agent/{k}"] for k in ("turns", "tool_calls", "tool_errors", "answer_rate")} == \
