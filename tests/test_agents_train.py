@@ -3,7 +3,8 @@
 engine, every trajectory is checked against the engine's calls, and one step of the loop's `learn` runs on
 it. The token-level plumbing of forced tool calls is checked in the per-framework files (evaluation's
 constrained decoding); pydantic-ai always forces its structured output, so its training rollouts fail
-with the reason instead of training on logprobs the trainer cannot reproduce.
+with the reason instead of training on logprobs the trainer cannot reproduce. The flagship tool recipe's
+CPU twin (experiments/tiny_tools.yaml) runs 2 steps through the loop.
 """
 
 from __future__ import annotations
