@@ -35,7 +35,7 @@ from molt.rollout.engine import start_engine
 from molt.rollout.pool import RolloutPool
 from molt.rollout.probe import probe_gap, probe_prompt, sample_probe
 from molt.rollout.sampling import TrainingSampler
-from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch
+from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch, turn_credit
 from molt.spec import RunSpec
 from molt.trainer.batch import add_images, check_token_first, make_batch
 from molt.trainer.ranks import TrainerRanks, load_trainers, start_trainers, stop_trainers
@@ -292,9 +292,11 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, re
     metrics["time/logprobs"] = time.perf_counter() - t0
 
     rollout_of = {r.rollout_id: i for i, r in enumerate(kept)}
+    rewards, per_turn = turn_credit(spec, kept, rewards, segments, batch["loss_mask"].shape)
     adv = compute_advantages(
         rewards, group_ids, torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
-        batch["loss_mask"], with_kl_coef(spec.algo, kl_coef), values=values, logp=old_logp, ref_logp=ref_logp)
+        batch["loss_mask"], with_kl_coef(spec.algo, kl_coef), values=values, logp=old_logp, ref_logp=ref_logp,
+        **per_turn)
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
     batch["advantages"] = adv.advantages
     if reference is not None:

@@ -39,7 +39,7 @@ def import_user_module(name: str, prefix: str) -> ModuleType:
 def load_plugins(spec: RunSpec) -> None:
     """Import `spec.algo.plugins` (each once per process), then check the algorithm names against the
     registries; raises ValueError naming the bad key, the nearest name and the registered ones."""
-    from molt.algo import ESTIMATORS, GROUP_BASELINE, POLICY_LOSSES
+    from molt.algo import ESTIMATORS, GROUP_BASELINE, POLICY_LOSSES, TURN_CREDIT
 
     for name in spec.algo.plugins:
         if name in _LOADED:
@@ -57,6 +57,11 @@ def load_plugins(spec: RunSpec) -> None:
         raise ValueError(f"algo.estimator={spec.algo.estimator} compares samples of one prompt, and "
                          "rollout.samples_per_prompt=1 makes every advantage 0; use >= 2 samples, or a "
                          "batch-baseline estimator (reinforce_pp)")
+    if spec.algo.turn_credit == "turn" and spec.algo.estimator not in TURN_CREDIT:
+        takers = ", ".join(sorted(TURN_CREDIT))
+        raise ValueError(f"algo.turn_credit=turn with algo.estimator={spec.algo.estimator}: per-turn "
+                         f"returns feed only the estimators that take them: {takers}; use one of those, "
+                         "or algo.turn_credit=rollout")
 
 
 def _registered(what: str, value: str, registry: dict[str, Any]) -> None:

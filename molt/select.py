@@ -14,7 +14,7 @@ import torch
 from molt.algo import apply_filters, shape_rewards
 from molt.rollout.pool import RolloutPool
 from molt.spec import RunSpec
-from molt.trajectory import Rollout
+from molt.trajectory import Rollout, Segment
 
 
 def rollout_metrics(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, float]:
@@ -30,6 +30,10 @@ def rollout_metrics(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, float]:
            "rollout/failed": float(failed), "rollout/count": float(len(rollouts)),
            "tokens/sampled": float(sum(r.num_sampled for r in rollouts)),
            "rollout/segments_per": sum(len(r.segments) for r in ok) / max(len(ok), 1)}
+    # what the agents did, per rollout that did not fail (docs/loop.md#metrics)
+    for name, of in (("turns", "turns"), ("tool_calls", "tool_calls"), ("tool_errors", "tool_errors"),
+                     ("answer_rate", "answered")):
+        out[f"agent/{name}"] = sum(float(getattr(r, of)) for r in ok) / max(len(ok), 1)
     for key in sorted({k for r in ok for k in r.info}):
         values = [float(r.info[key]) for r in ok if key in r.info]
         out[f"info/{key}"] = sum(values) / len(values)
@@ -67,6 +71,36 @@ def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, di
     budget = room.clamp(min=1, max=spec.rollout.max_tokens * spec.agent.max_turns)
     rewards, metrics = shape_rewards(rewards, lengths, spec.algo, budget)
     return rewards, {k: float(v) for k, v in metrics.items()}
+
+
+def turn_credit(spec: RunSpec, kept: list[Rollout], rewards: torch.Tensor, segments: list[Segment],
+                shape: torch.Size) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The estimator's rewards [R] and extra inputs under algo.turn_credit: unchanged and none for
+    `rollout`; for `turn`, each rollout's return from its first turn and `turn_returns` [S, T] (`shape`,
+    the batch's), every sampled token's return from its turn on, G_k = sum_{j >= k} d^(j-k) r_j over the
+    rollout's per-turn rewards (d = algo.turn_discount; docs/algo.md#credit-over-turns)."""
+    if spec.algo.turn_credit == "rollout":
+        return rewards, {}
+    returns = {}
+    for rollout in kept:
+        if not rollout.turn_rewards:
+            raise ValueError(f"algo.turn_credit=turn: rollout {rollout.rollout_id} has no per-turn rewards "
+                             "(only an Env's rollouts record them)")
+        g, out = 0.0, []
+        for reward in reversed(rollout.turn_rewards):
+            g = reward + spec.algo.turn_discount * g
+            out.append(g)
+        returns[rollout.rollout_id] = out[::-1]
+    tokens = torch.zeros(shape, dtype=rewards.dtype)
+    for row, segment in enumerate(segments):
+        if not segment.turns:
+            raise ValueError(f"algo.turn_credit=turn: segment {segment.rollout_id}/{segment.segment_index} "
+                             "does not record its turns")
+        ends = [start for _, start in segment.turns[1:]] + [len(segment.token_ids)]
+        for (turn, start), end in zip(segment.turns, ends, strict=True):
+            tokens[row, start:end] = returns[segment.rollout_id][turn]
+    first = torch.tensor([returns[r.rollout_id][0] for r in kept], dtype=rewards.dtype)
+    return first, {"turn_returns": tokens}
 
 
 async def take_batch(pool: RolloutPool, spec: RunSpec,

@@ -87,6 +87,10 @@ class RunSpec(Strict):
             raise ValueError(f"model.critic=true with algo.estimator={self.algo.estimator}: only gae uses a "
                              "critic's values (others return no value targets to train it on); set "
                              "model.critic=false, or algo=gae")
+        if self.algo.turn_credit == "turn" and self.agent.kind != "env":
+            raise ValueError(f"algo.turn_credit=turn with agent.kind={self.agent.kind}: a ChatAgent returns "
+                             "one reward per rollout, so there are no per-turn rewards to credit; use an "
+                             "Env, or algo.turn_credit=rollout")
         return self
 
     @model_validator(mode="after")

@@ -175,6 +175,12 @@ class AlgoSpec(Strict):
         "checked, in the driver and every trainer rank: they register estimators or policy losses")
     gamma: float = Field(1.0, description="discount of later rewards (reinforce_pp, gae)")
     lam: float = Field(1.0, description="GAE lambda")
+    turn_credit: Literal["rollout", "turn"] = Field(
+        "rollout", description="rollout: every sampled token gets its rollout's summed reward; turn: each "
+        "turn's tokens get the return from that turn on (an Env's per-step rewards, discounted by "
+        "turn_discount), against the group's baseline of whole-rollout returns (grpo, dr_grpo, rloo)")
+    turn_discount: float = Field(1.0, ge=0, le=1, description="turn credit: weight of a reward k turns "
+                                 "later is turn_discount**k")
     distill_coef: float = Field(1.0, description="on_policy_distill: weight of the teacher log-ratio")
     loss: LossSpec = Field(default_factory=LossSpec, description="the clipped policy loss")
     correction: CorrectionSpec = Field(default_factory=CorrectionSpec,
@@ -193,6 +199,15 @@ class AlgoSpec(Strict):
                              "algo.kl.in_reward=true: its advantages do not use the reward, so a KL folded "
                              "into it is applied nowhere; set algo.kl.in_reward=false (the KL is then a "
                              "loss term)")
+        if self.turn_credit == "rollout" and self.turn_discount != 1.0:
+            raise ValueError(f"algo.turn_discount={self.turn_discount} discounts turns only with "
+                             "algo.turn_credit=turn; set it, or leave turn_discount at 1")
+        folded = self.kl.in_reward and self.kl.coef > 0
+        if self.turn_credit == "turn" and (folded or self.reward != RewardSpec()):
+            raise ValueError("algo.turn_credit=turn with a KL folded into the reward or algo.reward.* "
+                             "transforms: both act on whole-rollout rewards, not on the turns'; set "
+                             "algo.kl.in_reward=false and leave algo.reward at its defaults, or use "
+                             "algo.turn_credit=rollout")
         # ... and for the same reason the reward transforms would change nothing but reward/* metrics
         if self.estimator == "on_policy_distill" and self.reward != RewardSpec():
             raise ValueError("algo.reward.* with algo.estimator=on_policy_distill: its advantages are the "

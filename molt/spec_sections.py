@@ -270,7 +270,11 @@ class AgentSpec(Strict):
     kind: Literal["env", "chat"] = Field(
         "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
-    tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat)")
+    tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat "
+                             "server and Env)")
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, description="tool schemas (OpenAI function format) an Env shows the model on "
+        "every rollout, before the dataset row's own `tools`")
     judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (agents.judge)")
     max_turns: int = Field(1, ge=1, description="most LLM calls per rollout")
     max_total_tokens: int = Field(256, ge=2, description="most tokens per rollout: prompt, turns and "
@@ -280,6 +284,14 @@ class AgentSpec(Strict):
         "drop_group", description="a failed rollout drops its whole group, or only itself")
     max_failure_rate: float = Field(0.5, ge=0, le=1, description="stop the run when more of a batch than "
                                     "this fails")
+
+    @field_validator("tools")
+    @classmethod
+    def _function_schemas(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from molt.agents.tools import check_tools
+
+        check_tools(value, "agent.tools")
+        return value
 
 
 class HubDataset(Strict):

@@ -66,6 +66,10 @@ class Segment:
     # placeholders in `token_ids` stand for, in order; `token_ids` holds the placeholders as the engine
     # expanded them (one per merged patch), so the trainer reads the sequence the engine read.
     images: list[str] = field(default_factory=list)
+    # [turn, first token index] of each turn sampled in this segment, in order: `turn` counts the rollout's
+    # sampled turns from 0 across its segments, and a turn's tokens run to the next turn's start (per-turn
+    # credit, algo.turn_credit). Empty: the segment's sampled tokens are one turn, the rollout's only.
+    turns: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -78,6 +82,10 @@ class Segment:
                 any(not 0 <= i < n for i in starts):
             raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: sampling must be "
                              "[first token index, temperature, top_p, top_k] spans in token order")
+        firsts = [t[1] for t in self.turns if len(t) == 2]
+        if len(firsts) != len(self.turns) or firsts != sorted(firsts) or any(not 0 <= i < n for i in firsts):
+            raise ValueError(f"segment {self.rollout_id}/{self.segment_index}: turns must be [turn, first "
+                             "token index] pairs in token order")
         if self.routed_experts is not None:
             self.routed_experts = pad_routes(np.asarray(self.routed_experts), n)
 
@@ -115,6 +123,14 @@ class Rollout:
     label: Any = None
     info: dict[str, float] = field(default_factory=dict)   # scalar diagnostics, logged
     error: str | None = None        # set when the agent failed; such a rollout is never trained on
+    # What the agent did (agent/* metrics): sampled turns (LLM calls), the tool calls agent.tool_parser
+    # read in them, the tool messages that reported an error ("error: ..."), and whether it ended on an
+    # answer rather than on a budget (agent.max_turns, max_total_tokens, a turn cut at max_tokens).
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    answered: bool = False
+    turn_rewards: list[float] = field(default_factory=list)   # an Env's reward of each step, in turn order
 
     @property
     def ok(self) -> bool:

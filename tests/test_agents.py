@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -136,35 +137,98 @@ def test_math_env_single_turn(tok, sampler):
     assert asyncio.run(env.step(state("no idea"))).info == {"answered": 0.0}
 
 
-def test_tool_env_multi_turn_observations_are_rendered_tokens(tok, sampler):
-    spec = make_spec({"module": str(EXAMPLES / "tool_env.py"), "max_turns": 3})
+def tool_spec(**agent) -> RunSpec:
+    return RunSpec.model_validate({"model": {"max_model_len": 1024}, "rollout": {"max_tokens": 128},
+                                   "agent": {"module": str(EXAMPLES / "tool_env.py"), "max_turns": 3,
+                                             "max_total_tokens": 1024, **agent}})
+
+
+def forced(name: str, argument: str, value: str) -> str:
+    """A regex that makes every turn a Hermes call of tool `name` with one argument matching `value`."""
+    return ('<tool_call>\\{"name": "' + name + '", "arguments": \\{"' + argument + '": "' + value +
+            '"\\}\\}</tool_call>')
+
+
+def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine):
+    """The row's `tools` are in the prompt the engine reads (the template's rendering with `tools=`); every
+    turn is forced to call a tool, so each turn's call is parsed by agent.tool_parser and answered by a
+    tool message whose tokens are prompt (mask 0); a call of a tool the row does not offer (the Env runs
+    `python`, but only the calculator is shown) is answered with an error. Out of turns, none answered."""
+    from molt.agents.tool_tasks import CALCULATOR
+    from molt.select import rollout_metrics
+
+    spec = tool_spec(options={"tool_timeout_s": 30.0})
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec)
-    messages = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 2+3?"}]
-    [r] = run_all(runner, [{"messages": messages, "label": "5"}], sampler)
-    [calls] = assert_exact(r, sampler.calls)
-    assert len(calls) == 3 and calls[0]["prompt_ids"] == chat_ids(tok, messages)
-    hint = "Call the calculator or reply with ANSWER: <number>."
-    for before, after in zip(calls, calls[1:], strict=False):
-        sampled = before["out"]["token_ids"]
-        assert after["prompt_ids"] == before["prompt_ids"] + sampled + turn_glue(tok, sampled, "user", hint)
+    row = {"messages": [{"role": "user", "content": "What is 12*3?"}], "label": "36", "tools": [CALCULATOR]}
+    rollouts = []
+    for name, argument, value in (("calculator", "expression", "[1-9][0-9]\\*[1-9]"),
+                                  ("python", "code", "print\\(1\\)")):
+        sampler = Recorder(engine, structured_outputs={"regex": forced(name, argument, value)})
+        [r] = run_all(runner, [row], sampler, group=name)
+        [calls] = assert_exact(r, sampler.calls)
+        assert len(calls) == 3
+        assert calls[0]["prompt_ids"] == chat_ids(tok, row["messages"], [CALCULATOR])
+        for before, after in zip(calls, calls[1:], strict=False):
+            sampled = before["out"]["token_ids"]
+            # (the markup may be sampled as the special tokens or spelled out in plain ones)
+            expression = re.search(r'"expression": "([^"]+)"', tok.decode(sampled))
+            output = "error: unknown tool 'python'; the tools are: calculator" if name == "python" \
+                else str(eval(expression.group(1)))   # the sandbox's answer, computed here
+            glue = turn_glue(tok, sampled, "tool", output)
+            assert after["prompt_ids"] == before["prompt_ids"] + sampled + glue   # mask 0: assert_exact
+        # the third turn's calls run too (the step answers them before the turn budget ends the episode)
+        assert (r.turns, r.tool_calls, r.tool_errors, r.answered) == (3, 3, 3 * (name == "python"), False)
+        assert r.turn_rewards == [0.0, 0.0, 0.0] and r.reward == 0.0
+        assert r.segments[0].turns == [[k, len(c["prompt_ids"])] for k, c in enumerate(calls)]   # turn credit
+        rollouts.append(r)
+    metrics = rollout_metrics(spec, rollouts)
+    assert {k: metrics[f"agent/{k}"] for k in ("turns", "tool_calls", "tool_errors", "answer_rate")} == \
+        {"turns": 3.0, "tool_calls": 3.0, "tool_errors": 1.5, "answer_rate": 0.0}
+
+
+def test_tool_env_scores_the_first_reply_without_a_call(tok):
+    import reasoning_gym
+
+    runner = load_agent_runner(AgentSpec(module=str(EXAMPLES / "tool_env.py")))
+    env = runner.env_cls({"tool_timeout_s": 30.0})
+    entry = json.loads(json.dumps(next(iter(reasoning_gym.create_dataset(
+        "products", size=1, seed=0, min_terms=2, max_terms=2, min_digits=3, max_digits=3)))))
+    state = lambda text, item: State("q", text, [], "stop", entry["answer"], 1, [], {}, item)  # noqa: E731
+    for text, reward in ((f"<answer>{entry['answer']}</answer>", 1.0), ("<answer>12</answer>", 0.0)):
+        result = asyncio.run(env.step(state(text, {"entry": entry})))
+        assert (result.reward, result.terminated, result.info) == (reward, True, {"exact": reward})
+    assert asyncio.run(env.step(state(f"so {entry['answer']}", {}))).reward == 1.0   # a row without entry
 
 
 def test_tool_env_calls_the_sandboxed_calculator():
+    from molt.agents.tool_tasks import CALCULATOR, PYTHON
+
     runner = load_agent_runner(AgentSpec(module=str(EXAMPLES / "tool_env.py")))
     module = sys.modules[runner.env_cls.__module__]
     # Generous run limits where a result is checked: under the suite's load a sandbox start alone can
     # take longer than the example's 2 s (a rehearsal saw "timed out after 2.0s" for 2+3*4).
     assert module.calculator("2+3*4", timeout_s=30.0) == "14"
-    refused = "error: ValueError: only numbers and + - * / % ** are allowed"
+    refused = "error: ValueError: only numbers and + - * / // % ** are allowed"
     assert module.calculator("__import__('os').system('true')", timeout_s=30.0) == refused
     assert module.calculator("9**9**9**9", timeout_s=0.5) == "error: timed out after 0.5s"
-    action = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
     env = runner.env_cls({"tool_timeout_s": 30.0})
-    result = asyncio.run(env.step(State("q", action, [], "stop", "42", 0, [], {}, {})))
-    assert result.observation == {"role": "tool", "content": "42"} and not result.terminated
-    answer = asyncio.run(runner.env_cls({}).step(State("q", "ANSWER: 42", [], "stop", "42", 1, [], {}, {})))
-    assert answer.reward == 1.0 and answer.terminated
+    call = lambda name, args: {"id": name, "type": "function",  # noqa: E731
+                               "function": {"name": name, "arguments": args}}
+    calls = [call("calculator", '{"expression": "6*7"}'), call("python", '{"code": "print(2)"}'),
+             call("calculator", '{"expr": "1"}'), call("calculator", "[1]"), call("calculator", "6*"),
+             call("python", '{"code": "print(3)", "timeout_s": 99}')]
+    state = State("q", "", [], "stop", "42", 0, [], {}, {}, [CALCULATOR, PYTHON], calls)
+    result = asyncio.run(env.step(state))
+    assert not result.terminated and [m["tool_call_id"] for m in result.observation] == \
+        ["calculator", "python", "calculator", "calculator", "calculator", "python"]
+    out = [m["content"] for m in result.observation]
+    assert out[:2] == ["42", "2"] and all(o.startswith("error: bad arguments for ") for o in out[2:]), out
+    assert "'expression'" in out[2] and "'timeout_s'" in out[5]
+    # a tool the Env runs but the prompt did not offer is unknown to the model
+    hidden = asyncio.run(env.call_tools(State("q", "", [], "stop", "", 0, [], {}, {}, [CALCULATOR],
+                                              [call("python", '{"code": "print(1)"}')])))
+    assert hidden[0]["content"] == "error: unknown tool 'python'; the tools are: calculator"
 
 
 class Raises(Env):

@@ -103,6 +103,11 @@ def test_tool_calls_on_both_wires_streaming_or_not(tok, engine, runners):
             [r] = run_all(runner, [TOOLS_ITEM], sampler, group=f"{module}{stream}")
             [calls] = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
             assert len(calls) == 2 and r.info == {"tool_calls": 1.0}
+            # agent/* metrics: two turns, the one call the server parsed, no tool error; an answer when
+            # the last reply (no longer forced) finished on its own without a call
+            last = tok.decode(calls[1]["out"]["token_ids"], skip_special_tokens=False)
+            answered = calls[1]["out"]["finish_reason"] == "stop" and "<tool_call>" not in last
+            assert (r.turns, r.tool_calls, r.tool_errors, r.answered) == (2, 1, 0, answered)
             results.append(r)
     first, second = calls
     tools = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {

@@ -229,3 +229,96 @@ def test_filters_by_hand():
                                                                              "drop_equal_rewards": True}))
     assert kept.tolist() == [] and m["filter/drop_truncated_dropped"].item() == 1
     assert m["filter/drop_equal_rewards_dropped"].item() == 5
+
+
+# Credit over turns (algo.turn_credit=turn, turn_discount d = 0.5), one group of three Env rollouts and one
+# rollout alone. Per-turn rewards and returns G_k = r_k + d * G_{k+1}:
+#   A: one segment, two turns, rewards [1.0, 0.5]            -> G = [1.25, 0.5]
+#   B: two segments (a re-rendered prompt after its first turn), rewards [0.0, 1.0] -> G = [0.5, 1.0]
+#   C: one turn, reward 0.25                                  -> G = [0.25]
+#   D: alone in its group, two turns, rewards [1.0, 1.0]     -> G = [1.5, 1.0]
+# The group's baseline is over whole-rollout returns G_0 (A 1.25, B 0.5, C 0.25): mean 2/3, unbiased std
+# sqrt((7/12)^2 + (1/6)^2 + (5/12)^2) / 2) = sqrt(0.2708333) = 0.5204165.
+def turn_rollouts():
+    from molt.trajectory import Rollout, Segment
+
+    def seg(rid, mask, turns, index=0):
+        return Segment(list(range(len(mask))), mask, [0.0] * len(mask), [0 if m else -1 for m in mask], rid,
+                       rid[0], index, turns=turns)
+    a = Rollout("A", "g", [seg("A", [0, 0, 1, 1, 1, 0, 0, 1, 1], [[0, 2], [1, 7]])], 1.5,
+                turn_rewards=[1.0, 0.5])
+    b = Rollout("B", "g", [seg("B", [0, 0, 1, 1], [[0, 2]]), seg("B", [0, 0, 0, 0, 1, 1, 1], [[1, 4]], 1)],
+                1.0, turn_rewards=[0.0, 1.0])
+    c = Rollout("C", "g", [seg("C", [0, 1, 1], [[0, 1]])], 0.25, turn_rewards=[0.25])
+    d = Rollout("D", "h", [seg("D", [0, 1, 0, 1], [[0, 1], [1, 3]])], 2.0, turn_rewards=[1.0, 1.0])
+    return [a, b, c, d]
+
+
+STD = math.sqrt(((7 / 12) ** 2 + (1 / 6) ** 2 + (5 / 12) ** 2) / 2)
+TURN_EXPECTED = {   # per segment row: the value on each sampled token, in order (turn 0's, then turn 1's)
+    "dr_grpo": [[7 / 12] * 3 + [0.5 - 2 / 3] * 2, [-1 / 6] * 2, [1.0 - 2 / 3] * 3, [-5 / 12] * 2, [0.0] * 2],
+    "grpo": [[7 / 12 / (STD + 1e-6)] * 3 + [(0.5 - 2 / 3) / (STD + 1e-6)] * 2, [-1 / 6 / (STD + 1e-6)] * 2,
+             [(1 - 2 / 3) / (STD + 1e-6)] * 3, [-5 / 12 / (STD + 1e-6)] * 2, [0.0] * 2],
+    # G minus the mean of the OTHER rollouts' G_0: A (0.5 + 0.25) / 2, B (1.25 + 0.25) / 2, C (1.25 + 0.5) / 2
+    "rloo": [[0.875] * 3 + [0.125] * 2, [-0.25] * 2, [0.25] * 3, [-0.625] * 2, [0.0] * 2],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TURN_EXPECTED))
+def test_turn_credit_by_hand_on_two_turn_trajectories(name):
+    from molt.select import turn_credit
+    from molt.spec import RunSpec
+    from molt.trainer.batch import make_batch
+
+    spec = RunSpec.model_validate({"algo": {"estimator": name, "turn_credit": "turn", "turn_discount": 0.5}})
+    rollouts = turn_rollouts()
+    segments = [s for r in rollouts for s in r.segments]
+    mask = make_batch(segments)["loss_mask"].to(F64)
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=F64)
+    first, extra = turn_credit(spec, rollouts, rewards, segments, mask.shape)
+    assert first.tolist() == [1.25, 0.5, 0.25, 1.5]
+    out = compute_advantages(first, torch.tensor([0, 0, 0, 1]), torch.tensor([0, 1, 1, 2, 3]), mask,
+                             spec.algo, **extra)
+    for row, expected in enumerate(TURN_EXPECTED[name]):
+        got = out.advantages[row][mask[row] > 0].tolist()
+        assert max(abs(g - e) for g, e in zip(got, expected, strict=True)) < 1e-12, (row, got, expected)
+    assert float(out.advantages[mask == 0].abs().max()) == 0.0
+    # rollout credit: the same batch, every token of a rollout gets its summed reward's advantage
+    rollout_spec = RunSpec.model_validate({"algo": {"estimator": name}})
+    same, none = turn_credit(rollout_spec, rollouts, rewards, segments, mask.shape)
+    assert same is rewards and none == {}
+
+
+def test_turn_credit_with_only_a_final_reward_and_no_discount_is_rollout_credit():
+    from molt.select import turn_credit
+    from molt.spec import RunSpec
+    from molt.trainer.batch import make_batch
+
+    rollouts = turn_rollouts()
+    for r in rollouts:
+        r.turn_rewards = [0.0] * (len(r.turn_rewards) - 1) + [r.reward]
+    segments = [s for r in rollouts for s in r.segments]
+    mask = make_batch(segments)["loss_mask"].to(F64)
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=F64)
+    args = torch.tensor([0, 0, 0, 1]), torch.tensor([0, 1, 1, 2, 3]), mask
+    for name in TURN_EXPECTED:
+        turn = RunSpec.model_validate({"algo": {"estimator": name, "turn_credit": "turn"}})
+        first, extra = turn_credit(turn, rollouts, rewards, segments, mask.shape)
+        by_turn = compute_advantages(first, *args, turn.algo, **extra).advantages
+        by_rollout = compute_advantages(rewards, *args, turn.algo).advantages
+        assert float((by_turn - by_rollout).abs().max()) < 1e-12, name
+
+
+def test_turn_credit_is_refused_where_it_cannot_act():
+    from molt.plugins import load_plugins
+    from molt.spec import RunSpec
+
+    with pytest.raises(SpecError, match="turn_discount=0.9 discounts turns only with algo.turn_credit=turn"):
+        compose(["algo.turn_discount=0.9"])
+    with pytest.raises(SpecError, match="agent.kind=chat: a ChatAgent returns one reward per rollout"):
+        compose(["agent=chat_minimal", "algo.turn_credit=turn"])
+    with pytest.raises(SpecError, match="act on whole-rollout rewards"):
+        compose(["algo.turn_credit=turn", "algo.reward.clip=1.0"])
+    with pytest.raises(ValueError, match="estimator=reinforce_pp: per-turn returns feed only .*grpo, rloo"):
+        load_plugins(RunSpec.model_validate({"algo": {"estimator": "reinforce_pp", "turn_credit": "turn"}}))
+    load_plugins(RunSpec.model_validate({"algo": {"estimator": "rloo", "turn_credit": "turn"}}))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_agents import Recorder, assert_exact, make_spec, run_all
+from test_agents import EXAMPLES, Recorder, assert_exact, make_spec, run_all
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Env, Result, State, StepEnvRunner
 from molt.agents.tools import make_parser, parse_reply
@@ -191,6 +191,31 @@ def test_model_chat_template_kwargs_render_every_turn(qwen_tok, engine):
         seals = expected_seals(qwen_tok, requests, replies, **off)
         check_segments(qwen_tok, r, calls, requests, seals, **off)
     assert "differs from the run's model.chat_template_kwargs={'enable_thinking': False}" in refused[0]
+
+
+def test_env_prompt_shows_every_tool_through_qwen3s_template(qwen_tok, engine):
+    """The first prompt of the tool Env, with the flagship's tools (the row's) and one from agent.tools,
+    decoded from the ids the engine read: Qwen3's tools block names each tool and each parameter."""
+    from molt.agents import load_agent_runner
+    from molt.agents.tool_tasks import CALCULATOR, PYTHON
+    from molt.spec import RunSpec
+
+    add = {"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {
+        "type": "object", "properties": {"first": {"type": "integer"}, "second": {"type": "integer"}}}}}
+    spec = RunSpec.model_validate({"model": {"max_model_len": 1024}, "rollout": {"max_tokens": 4}, "agent": {
+        "module": str(EXAMPLES / "tool_env.py"), "tools": [add], "max_total_tokens": 1024}})
+    runner, sampler = load_agent_runner(spec.agent), Recorder(engine)
+    runner.setup(qwen_tok, spec)
+    row = {"prompt": "What is 1234*5678?", "label": "7006652", "tools": [CALCULATOR, PYTHON]}
+    [r] = run_all(runner, [row], sampler, group="qwen-tools")
+    assert r.ok, r.error
+    prompt = qwen_tok.decode(sampler.calls[0]["prompt_ids"])
+    assert "<tools>" in prompt and prompt.endswith("What is 1234*5678?<|im_end|>\n<|im_start|>assistant\n")
+    for tool in (add, CALCULATOR, PYTHON):
+        fn = tool["function"]
+        assert f'"name": "{fn["name"]}"' in prompt, fn["name"]
+        for parameter in fn["parameters"]["properties"]:
+            assert f'"{parameter}": {{"type": ' in prompt, parameter
 
 
 def test_tool_parser_is_a_config_key(tok):

@@ -296,6 +296,8 @@ PLANS = {
               "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "rg_sft": ["node 0: policy rank 0",
                "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "tiny_tools": ["node 0: policy rank 0, engine 0",
+                   "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
 }
 
 
@@ -310,13 +312,18 @@ def test_qwen_vl_geo3k_matches_its_description():
     assert spec.parallel.world_size == 8 and spec.rollout.engine.num_engines == 8
 
 
+# The flagship's data is generated, not committed (its header); the CPU twin's rows are the same mix.
+GENERATED = {"qwen30b_tools": ["data.train_path=examples/data/tool_flagship_train.jsonl",
+                               "data.eval=[examples/data/tool_flagship_eval.jsonl]"]}
+
+
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
     from datalib import with_local_hub
 
     from molt.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
 
-    spec = compose([f"+experiment={name}"])
+    spec = compose([f"+experiment={name}", *GENERATED.get(name, [])])
     lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
              if line.startswith("placement: ")]
     assert lines == PLANS[name]
@@ -344,9 +351,9 @@ def test_an_agent_option_sets_its_data_and_the_plan_names_it():
     from molt.launch import describe_plan
 
     spec = compose(["agent=tools"])
-    assert (spec.data.train_path, spec.data.eval) == ("examples/data/tools_train.jsonl",
-                                                      ["examples/data/tools_eval.jsonl"])
-    assert "data: train examples/data/tools_train.jsonl; eval examples/data/tools_eval.jsonl" in \
+    assert (spec.data.train_path, spec.data.eval) == ("examples/data/tool_flagship_train.jsonl",
+                                                      ["examples/data/tool_flagship_eval.jsonl"])
+    assert "data: train examples/data/tool_flagship_train.jsonl; eval examples/data/tool_flagship_eval.jsonl" in \
         describe_plan(spec)
     # the command line (or an experiment) still picks other rows; an agent without data keeps the default
     assert compose(["agent=tools", "data.eval=[]"]).data.eval == []
@@ -376,7 +383,7 @@ def test_dry_run_checks_data_and_agent_module():
 def test_cli_dry_run_writes_nothing_and_over_subscription_fails_before_ray():
     runs = REPO / "runs" / "qwen30b_tools"   # where its run would go (other tests may write beside it)
     before = sorted(runs.rglob("*")) if runs.exists() else []
-    ok = _molt("+experiment=qwen30b_tools", "run.dry_run=true")
+    ok = _molt("+experiment=qwen30b_tools", "run.dry_run=true", *GENERATED["qwen30b_tools"])
     assert ok.returncode == 0, ok.stderr
     assert "total: 16 of 2 x 8 = 16 GPUs" in ok.stdout and "no run directory" in ok.stdout
     bad = _molt("+experiment=qwen30b_tools", "run.dry_run=true", "rollout.engine.num_engines=16")

@@ -1,33 +1,32 @@
 """Multi-turn tool use (Env): the model may call a calculator or run Python, then answers.
 
-A turn that contains a Hermes tool call `<tool_call>{"name": "calculator", "arguments":
-{"expression": "..."}}</tool_call>` (or `"name": "python", "arguments": {"code": "..."}`) gets the
-tool's output back as a tool message. A turn with `ANSWER: <number>` ends the episode, rewarded 1 when
-the number equals the label. Anything else gets a short hint and another turn, until agent.max_turns.
+The tools the prompt shows come from the row's `tools` (rows of `python -m molt.agents.tool_tasks` carry
+`molt.agents.tool_tasks.TOOLS`) and agent.tools. Each turn, agent.tool_parser reads the calls the model
+wrote; a turn with calls gets one tool message per call back (`Env.call_tools`: an unknown tool or bad
+arguments is answered "error: ..."), and the first turn without a call is the answer, which ends the
+episode. Its reward: a reasoning-gym row (`entry`, from molt.agents.tool_tasks) is scored by the task's
+own scorer on the text inside <answer>...</answer> (else the whole reply); any other row by whether the
+answer's last number equals the label.
 
 Both tools run in `molt.agents.sandbox` (no network, no view of the run or the home directory, limits,
-killed after a timeout); the calculator evaluates only arithmetic (an AST whitelist). What goes wrong
-inside a tool (an exception, a limit, the timeout, a blocked escape) is the model's doing and comes
-back to it as `error: ...` in the tool message; the rollout goes on and is trained. A sandbox that
-cannot start (`SandboxUnavailable`) is not the model's doing: it fails the rollout.
+killed after a timeout: options.tool_timeout_s, default 2 s); the calculator evaluates only arithmetic (an
+AST whitelist). What goes wrong inside a tool (an exception, a limit, the timeout, a blocked escape) is
+the model's doing and comes back to it as `error: ...` in the tool message; the rollout goes on and is
+trained. A sandbox that cannot start (`SandboxUnavailable`) is not the model's doing: it fails the rollout.
 """
 
-import asyncio
-import json
 import re
 
 from molt.agents import Env, Result, State, StepEnvRunner
 from molt.agents.sandbox import run_python
 
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-ANSWER = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)")
-
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 MAX_OUTPUT_CHARS = 2000   # of a tool's stdout shown to the model
 
 CALCULATOR = r"""
 import ast, operator as op, sys
 OPS = {ast.Add: op.add, ast.Sub: op.sub, ast.Mult: op.mul, ast.Div: op.truediv, ast.Mod: op.mod,
-       ast.Pow: op.pow, ast.USub: op.neg, ast.UAdd: op.pos}
+       ast.Pow: op.pow, ast.USub: op.neg, ast.UAdd: op.pos, ast.FloorDiv: op.floordiv}
 def ev(n):
     if isinstance(n, ast.Constant) and type(n.value) in (int, float):
         return n.value
@@ -35,7 +34,7 @@ def ev(n):
         return OPS[type(n.op)](ev(n.left), ev(n.right))
     if isinstance(n, ast.UnaryOp) and type(n.op) in OPS:
         return OPS[type(n.op)](ev(n.operand))
-    raise ValueError("only numbers and + - * / % ** are allowed")
+    raise ValueError("only numbers and + - * / // % ** are allowed")
 print(ev(ast.parse(sys.stdin.read(), mode="eval").body))
 """
 
@@ -51,35 +50,39 @@ def run_tool(code: str, stdin: str = "", timeout_s: float = 2.0) -> str:
 
 
 def calculator(expression: str, timeout_s: float = 2.0) -> str:
-    return run_tool(CALCULATOR, expression, timeout_s)
+    return run_tool(CALCULATOR, str(expression), timeout_s)
+
+
+def python(code: str, timeout_s: float = 2.0) -> str:
+    return run_tool(str(code), "", timeout_s)
+
+
+def score(state: State) -> float:
+    entry = state.item.get("entry")
+    if isinstance(entry, dict) and "source_dataset" in entry.get("metadata", {}):
+        import reasoning_gym
+
+        from molt.agents.reasoning_gym_env import answer_of
+
+        scorer = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
+        return float(scorer(answer_of(state.action), entry))
+    numbers = NUMBER.findall(state.action)
+    return float(bool(numbers) and float(numbers[-1]) == float(state.label))
 
 
 class ToolEnv(Env):
+    def __init__(self, options: dict | None = None) -> None:
+        super().__init__(options)
+        timeout = float(self.options.get("tool_timeout_s", 2.0))
+        # the model's call binds only the schema's parameters; the time limit stays the run's
+        self.tools = {"calculator": lambda expression: calculator(expression, timeout),
+                      "python": lambda code: python(code, timeout)}
+
     async def step(self, state: State) -> Result:
-        answer = ANSWER.search(state.action)
-        if answer:
-            return Result(reward=float(float(answer.group(1)) == float(state.label)))
-        call = CALL.search(state.action)
-        if call:
-            timeout = float(self.options.get("tool_timeout_s", 2.0))
-            try:
-                request = json.loads(call.group(1))
-                name, args = request["name"], request["arguments"]
-                if name == "calculator":
-                    code, stdin = CALCULATOR, str(args["expression"])
-                elif name == "python":
-                    code, stdin = str(args["code"]), ""
-                else:
-                    raise KeyError(f"unknown tool {name!r}; the tools are calculator and python")
-            except (ValueError, KeyError, TypeError) as err:
-                output = f"error: malformed tool call ({err})"
-            else:
-                # a thread, so the subprocess does not block the other rollouts' event loop
-                output = await asyncio.to_thread(run_tool, code, stdin, timeout)
-            return Result(reward=0.0, observation={"role": "tool", "content": output}, terminated=False,
-                          info={"tool_calls": 1.0})
-        hint = "Call the calculator or reply with ANSWER: <number>."
-        return Result(reward=0.0, observation=hint, terminated=False)
+        if state.tool_calls:
+            return Result(reward=0.0, observation=await self.call_tools(state), terminated=False)
+        reward = score(state)
+        return Result(reward=reward, info={"exact": float(reward == 1.0)})
 
 
 AgentRunner = StepEnvRunner(ToolEnv)

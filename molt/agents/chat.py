@@ -18,6 +18,7 @@ import httpx2
 from molt.agents.env import Result
 from molt.agents.runner import Runner, agent_code
 from molt.agents.server import LoopbackServer
+from molt.agents.tools import offered_tools
 from molt.agents.trace import Trace
 from molt.trajectory import AgentError, Rollout, Sampler
 
@@ -34,6 +35,9 @@ class ChatContext:
     sampling_params: dict[str, Any]  # the defaults (temperature, top_p, top_k, max_tokens): rollout's,
                                      # rollout.eval's in evaluation
     options: dict[str, Any] = field(default_factory=dict)   # agent.options
+    # agent.tools, then the row's `tools` (OpenAI function schemas): pass them as the SDK's `tools=`, and
+    # the server renders them through the chat template as the Env path does
+    tools: list[dict] = field(default_factory=list)
     max_turns: int = 1
     item: dict = field(default_factory=dict)
     judge: Any = None                # the LLM judge (agent.judge), for rewards: `await judge.p_yes(messages)`
@@ -84,7 +88,8 @@ class ChatAgentRunner(Runner):
                 api_key=session.key, model_name=self.server.model_name,
                 messages=_openai_images(self.messages_of(item)),
                 prompt=None if prompt is None else str(prompt), label=self.label_of(item),
-                sampling_params=dict(defaults), options=dict(agent.options), max_turns=agent.max_turns,
+                sampling_params=dict(defaults), options=dict(agent.options),
+                tools=offered_tools(agent.tools, item), max_turns=agent.max_turns,
                 item=item, judge=self.judge, http_client=http_client)
             with agent_code():
                 result = await self.agent_cls(agent.options).run(ctx)
@@ -94,7 +99,10 @@ class ChatAgentRunner(Runner):
         if not isinstance(result, Result):
             raise AgentError(f"{self.agent_cls.__name__}.run returned {type(result).__name__}, not Result")
         session.finish()
-        return trace.rollout(result.reward, result.score, result.info, self.label_of(item))
+        rollout = trace.rollout(result.reward, result.score, result.info, self.label_of(item))
+        rollout.turns, rollout.answered = session.turns, session.answered
+        rollout.tool_calls, rollout.tool_errors = session.tool_calls, session.tool_errors
+        return rollout
 
     def close(self) -> None:
         if self.server is not None:

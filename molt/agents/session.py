@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from molt.agents.render import continuation, encode, render
+from molt.agents.render import continuation, encode, render, text_of
+from molt.agents.tools import ERROR_PREFIX
 from molt.agents.trace import Trace
 from molt.trajectory import Sampler
 from molt.vision import normalize
@@ -45,27 +46,33 @@ class ChatSession:
         self.history: list[dict] = []   # messages of the last request (its prompt)
         self.tools: list[dict] | None = None
         self.candidates: list[Candidate] = []
+        # agent/* metrics: tool calls in the replies that joined the trajectory, tool messages reporting
+        # an error, and whether the reply the agent ended on was an answer (no call, not cut short)
+        self.tool_calls, self.tool_errors, self.answered = 0, 0, False
 
     def checkpoint(self) -> Callable[[], None]:
         """A function that puts this session and its trace back as they are now."""
-        saved = (self.turns, self.history, self.tools, list(self.candidates),
-                 {k: list(v) if isinstance(v, list) else v for k, v in vars(self.trace).items()})
+        trace = {k: list(v) if isinstance(v, list) else v for k, v in vars(self.trace).items()}
+        saved = (self.turns, self.history, self.tools, list(self.candidates), self.tool_calls,
+                 self.tool_errors, trace)
 
         def undo() -> None:
-            self.turns, self.history, self.tools, self.candidates, trace = saved
+            self.turns, self.history, self.tools, self.candidates, self.tool_calls, self.tool_errors, \
+                trace = saved
             vars(self.trace).update(trace)
         return undo
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """Accumulate this request into the trajectory; return the ids the engine is to continue."""
         tok, continued = self.tokenizer, self._continued(messages, tools)
+        self.tool_errors += _tool_errors(messages)
         if continued is None:
             if self.candidates:   # the agent did not continue from any reply: keep the first one it got
-                self.trace.add_sample(self.candidates[0].out)
+                self._keep(self.candidates[0])
             self.trace.restart(encode(tok, self._render(messages, tools)), normalize(messages)[1])
         else:
             chosen, glue = continued
-            self.trace.add_sample(chosen.out)
+            self._keep(chosen)
             self.trace.extend_prompt(encode(tok, glue), normalize(messages[len(self.history) + 1:])[1])
         self.history, self.tools, self.candidates = messages, tools, []
         return list(self.trace.ids)
@@ -96,11 +103,28 @@ class ChatSession:
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = True) -> str:
         return render(self.tokenizer, messages, tools, generation_prompt, self.chat_template_kwargs)
 
+    def _keep(self, reply: Candidate) -> None:
+        self.trace.add_sample(reply.out)
+        self.tool_calls += len(reply.message.get("tool_calls") or [])
+
     def finish(self) -> None:
         """The agent returned: the reply it got last is part of the trajectory."""
         if self.candidates:
-            self.trace.add_sample(self.candidates[0].out)
+            last = self.candidates[0]
+            self._keep(last)
+            self.answered = not last.message.get("tool_calls") and last.out.get("finish_reason") == "stop"
             self.candidates = []
+
+
+def _tool_errors(messages: list[dict]) -> int:
+    """The tool messages after the request's last assistant message (what the agent's tools just
+    answered) that report an error."""
+    count = 0
+    for message in reversed(messages):
+        if message.get("role") != "tool":
+            break
+        count += text_of(message.get("content")).startswith(ERROR_PREFIX)
+    return count
 
 
 def _canonical(message: dict) -> dict:

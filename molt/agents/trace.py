@@ -25,6 +25,8 @@ class Trace:
         self.sampling: list[list[float]] = []   # per turn: [first token index, temperature, top_p, top_k]
         self.finish_reason = "stop"
         self.images: list[str] = []   # data URLs of the open segment's image placeholders, in order
+        self.turns: list[list[int]] = []   # [turn, first token index] of the open segment's turns
+        self.turn = 0                 # samples added so far: the next sample's turn
 
     def extend_prompt(self, ids: list[int], images: list[str] = ()) -> None:
         """Tokens the model reads but did not sample (prompt, observation, template glue), and the images
@@ -54,6 +56,9 @@ class Trace:
                              f"{len(versions)} versions")
         if out.get("sampling") is not None and ids:
             self.sampling.append([len(self.ids), *out["sampling"]])
+        if ids:
+            self.turns.append([self.turn, len(self.ids)])
+        self.turn += 1
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
@@ -82,6 +87,7 @@ class Trace:
         self.mask, self.logprobs, self.versions = ([seq[k] for k in keep] for seq in
                                                    (self.mask, self.logprobs, self.versions))
         self.sampling = [[keep.index(span[0]), *span[1:]] for span in self.sampling]
+        self.turns = [[turn, keep.index(start)] for turn, start in self.turns]
         return True
 
     def restart(self, prompt_ids: list[int], images: list[str] = ()) -> None:
@@ -97,9 +103,9 @@ class Trace:
                 token_ids=self.ids, loss_mask=self.mask, logprobs=self.logprobs, versions=self.versions,
                 rollout_id=self.rollout_id, group_id=self.group_id, segment_index=len(self.segments),
                 prompt_len=self.mask.index(1), finish_reason=self.finish_reason, routed_experts=self.routes,
-                sampling=self.sampling, images=self.images))
+                sampling=self.sampling, images=self.images, turns=self.turns))
         self.ids, self.mask, self.logprobs, self.versions, self.routes = [], [], [], [], None
-        self.sampling, self.images = [], []
+        self.sampling, self.images, self.turns = [], [], []
 
     def rollout(self, reward: Any, score: Any = None, info: dict | None = None, label: Any = None) -> Rollout:
         """Seal and return the rollout; a non-numeric / non-finite reward or no sampled token is an error."""

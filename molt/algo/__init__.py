@@ -5,6 +5,7 @@ looks functions up by name and never branches on the algorithm:
 
     ESTIMATORS        algo.estimator          -> advantage estimator (compute_advantages calls it)
     GROUP_BASELINE    the estimators that need several samples per prompt
+    TURN_CREDIT       the estimators that take per-turn returns (algo.turn_credit=turn)
     POLICY_LOSSES     algo.loss.policy        -> per-token policy surrogate (policy_loss calls it)
     LOSS_NORMS        algo.loss.norm          -> aggregation: normalizer and per-token scale
     CORRECTIONS       algo.correction.level   -> gated importance statistic (importance_weights)
@@ -18,6 +19,7 @@ from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, gap_metrics, gap
 from molt.algo.estimators import (
     ESTIMATORS,
     GROUP_BASELINE,
+    TURN_CREDIT,
     Advantages,
     compute_advantages,
     kl_penalty,
@@ -34,7 +36,7 @@ from molt.algo.surrogates import POLICY_LOSSES
 
 __all__ = [
     "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
-    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "Advantages",
+    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "TURN_CREDIT", "Advantages",
     "adaptive_kl_coef", "apply_filters", "compute_advantages", "gap_metrics", "gap_sums", "group_mean",
     "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",

@@ -11,6 +11,9 @@ ignores the optional inputs it does not need. Inputs, for R rollouts and S segme
     algo             AlgoSpec
     values           [S, T]  critic V(tokens < t) (gae)
     logp, ref_logp   [S, T]  policy / reference logprobs of the sampled tokens (KL, distillation)
+    turn_returns     [S, T]  algo.turn_credit=turn only, and only to the estimators in TURN_CREDIT: each
+                             sampled token's return from its turn on; `rewards` are then each rollout's
+                             return from its first turn (its baseline is taken over those)
 
 Output: `Advantages(advantages [S, T], returns [S, T] or None, metrics {name: 0-dim tensor})`.
 """
@@ -42,21 +45,32 @@ class Advantages(NamedTuple):
 Estimator = Callable[..., Advantages]
 ESTIMATORS: dict[str, Estimator] = {}
 GROUP_BASELINE: set[str] = set()    # estimators whose baseline is the prompt's other samples
+TURN_CREDIT: set[str] = set()       # estimators that take `turn_returns` (algo.turn_credit=turn)
 
 
-def register_estimator(name: str, group_baseline: bool = False) -> Callable[[Estimator], Estimator]:
+def register_estimator(name: str, group_baseline: bool = False,
+                       turn_credit: bool = False) -> Callable[[Estimator], Estimator]:
     """Decorator: make `fn` the estimator for `algo.estimator: name`.
 
     `group_baseline=True` says its advantage compares the samples of one prompt, so the spec refuses it
-    with one sample per prompt (every advantage would be 0)."""
+    with one sample per prompt (every advantage would be 0); `turn_credit=True` that it takes the keyword
+    `turn_returns` (algo.turn_credit=turn; the spec refuses that setting with any other estimator)."""
     def add(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
         ESTIMATORS[name] = fn
         if group_baseline:
             GROUP_BASELINE.add(name)
+        if turn_credit:
+            TURN_CREDIT.add(name)
         return fn
     return add
+
+
+def _returns(r: Tensor, segment_rollout: Tensor, loss_mask: Tensor, turn_returns: Tensor | None) -> Tensor:
+    """[S, T] each sampled token's return: its rollout's `r`, or with turn credit its turn's return."""
+    return to_tokens(r, segment_rollout, loss_mask) if turn_returns is None else \
+        torch.where(loss_mask > 0, turn_returns.to(r.dtype), torch.zeros_like(turn_returns, dtype=r.dtype))
 
 
 def kl_penalty(loss_mask: Tensor, algo: AlgoSpec, logp: Tensor | None, ref_logp: Tensor | None) -> Tensor:
@@ -103,40 +117,60 @@ def reinforce_baseline(rewards: Tensor, group_ids: Tensor, segment_rollout: Tens
                         values, logp, ref_logp)
 
 
-@register_estimator("grpo", group_baseline=True)
+@register_estimator("grpo", group_baseline=True, turn_credit=True)
 def grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-         values: Tensor | None = None, logp: Tensor | None = None,
-         ref_logp: Tensor | None = None) -> Advantages:
-    """GRPO: A = (r - mean_g) / (std_g + 1e-6), std unbiased; a group of one gets A = 0."""
+         values: Tensor | None = None, logp: Tensor | None = None, ref_logp: Tensor | None = None,
+         turn_returns: Tensor | None = None) -> Advantages:
+    """GRPO: A = (r - mean_g) / (std_g + 1e-6), std unbiased; a group of one gets A = 0. With turn credit a
+    token's A = (G_turn - mean_g) / (std_g + 1e-6), mean and std over the group's whole-rollout returns."""
     r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
     n = _group_size(r, group_ids)
-    centered = r - group_mean(r, group_ids)
+    mean = group_mean(r, group_ids)
+    centered = r - mean
     std = (group_sum(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
-    adv = torch.where(n > 1, centered / (std + EPS), torch.zeros_like(r))
     zero_std = (std == 0) | (n == 1)
-    return Advantages(to_tokens(adv, segment_rollout, loss_mask), None,
-                      {"zero_std_frac": zero_std.float().mean()})
+    metrics = {"zero_std_frac": zero_std.float().mean()}
+    if turn_returns is None:
+        adv = torch.where(n > 1, centered / (std + EPS), torch.zeros_like(r))
+        return Advantages(to_tokens(adv, segment_rollout, loss_mask), None, metrics)
+    per_token = lambda x: to_tokens(x, segment_rollout, loss_mask)  # noqa: E731
+    adv = (_returns(r, segment_rollout, loss_mask, turn_returns) - per_token(mean)) / (per_token(std) + EPS)
+    return Advantages(torch.where(per_token((n > 1).to(r.dtype)) > 0, adv, torch.zeros_like(adv)), None,
+                      metrics)
 
 
-@register_estimator("dr_grpo", group_baseline=True)
+@register_estimator("dr_grpo", group_baseline=True, turn_credit=True)
 def dr_grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-            values: Tensor | None = None, logp: Tensor | None = None,
-            ref_logp: Tensor | None = None) -> Advantages:
-    """Dr.GRPO: A = r - mean_g (no std; pair with loss.norm=seq for the constant length normalizer)."""
+            values: Tensor | None = None, logp: Tensor | None = None, ref_logp: Tensor | None = None,
+            turn_returns: Tensor | None = None) -> Advantages:
+    """Dr.GRPO: A = r - mean_g (no std; pair with loss.norm=seq for the constant length normalizer); with
+    turn credit a token's A = G_turn - mean_g, and a group of one (no baseline but itself) gets 0."""
     r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
-    return Advantages(to_tokens(r - group_mean(r, group_ids), segment_rollout, loss_mask), None, {})
+    if turn_returns is None:
+        return Advantages(to_tokens(r - group_mean(r, group_ids), segment_rollout, loss_mask), None, {})
+    per_token = lambda x: to_tokens(x, segment_rollout, loss_mask)  # noqa: E731
+    adv = _returns(r, segment_rollout, loss_mask, turn_returns) - per_token(group_mean(r, group_ids))
+    alone = per_token((_group_size(r, group_ids) == 1).to(r.dtype)) > 0
+    return Advantages(torch.where(alone, torch.zeros_like(adv), adv), None, {})
 
 
-@register_estimator("rloo", group_baseline=True)
+@register_estimator("rloo", group_baseline=True, turn_credit=True)
 def rloo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-         values: Tensor | None = None, logp: Tensor | None = None,
-         ref_logp: Tensor | None = None) -> Advantages:
-    """RLOO: A_i = r_i - mean_{j != i in group} r_j = n / (n - 1) * (r_i - mean_g); a group of one gets 0."""
+         values: Tensor | None = None, logp: Tensor | None = None, ref_logp: Tensor | None = None,
+         turn_returns: Tensor | None = None) -> Advantages:
+    """RLOO: A_i = r_i - mean_{j != i in group} r_j = n / (n - 1) * (r_i - mean_g); a group of one gets 0.
+    With turn credit a token's A = G_turn - mean_{j != i} r_j (the other rollouts' whole returns)."""
     r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
     n = _group_size(r, group_ids)
-    adv = (r - group_mean(r, group_ids)) * n / (n - 1).clamp(min=1)
-    adv = torch.where(n > 1, adv, torch.zeros_like(adv))
-    return Advantages(to_tokens(adv, segment_rollout, loss_mask), None, {})
+    if turn_returns is None:
+        adv = (r - group_mean(r, group_ids)) * n / (n - 1).clamp(min=1)
+        adv = torch.where(n > 1, adv, torch.zeros_like(adv))
+        return Advantages(to_tokens(adv, segment_rollout, loss_mask), None, {})
+    others = torch.where(n > 1, (group_sum(r, group_ids) - r) / (n - 1).clamp(min=1), r)   # one: A = 0
+    adv = _returns(r, segment_rollout, loss_mask, turn_returns) - \
+        to_tokens(others, segment_rollout, loss_mask)
+    single = to_tokens((n == 1).to(r.dtype), segment_rollout, loss_mask) > 0
+    return Advantages(torch.where(single, torch.zeros_like(adv), adv), None, {})
 
 
 @register_estimator("gae")
@@ -168,7 +202,7 @@ def on_policy_distill(rewards: Tensor, group_ids: Tensor, segment_rollout: Tenso
 
 def compute_advantages(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
                        algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
-                       ref_logp: Tensor | None = None) -> Advantages:
+                       ref_logp: Tensor | None = None, turn_returns: Tensor | None = None) -> Advantages:
     """Check shapes, run `ESTIMATORS[algo.estimator]`, and add the common metrics.
 
     Inputs as in this module's docstring. Metrics added: advantage_mean / advantage_std /
@@ -183,11 +217,15 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, segment_rollout: Tens
                          f"{tuple(segment_rollout.shape)} must be [S]")
     if num_segments and not (0 <= int(segment_rollout.min()) and int(segment_rollout.max()) < num_rollouts):
         raise ValueError(f"segment_rollout must index the {num_rollouts} rollouts")
-    for name, x in (("values", values), ("logp", logp), ("ref_logp", ref_logp)):
+    inputs = (("values", values), ("logp", logp), ("ref_logp", ref_logp), ("turn_returns", turn_returns))
+    for name, x in inputs:
         if x is not None and x.shape != loss_mask.shape:
             raise ValueError(f"{name} {tuple(x.shape)} must match loss_mask {tuple(loss_mask.shape)}")
+    if turn_returns is not None and algo.estimator not in TURN_CREDIT:
+        raise ValueError(f"algo.estimator={algo.estimator} takes no turn_returns (algo.turn_credit=turn)")
+    turns = {} if turn_returns is None else {"turn_returns": turn_returns}   # plugins need not know the key
     out = ESTIMATORS[algo.estimator](rewards, group_ids, segment_rollout, loss_mask, algo, values, logp,
-                                     ref_logp)
+                                     ref_logp, **turns)
     adv, mask = out.advantages, loss_mask > 0
     mean = masked_mean(adv, mask)
     metrics = {

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 
 from molt.agents.render import encode, render
+from molt.agents.tools import TOOLS_KEY
 from molt.data import read_rows
 from molt.spec import DataSpec, HubDataset
-
-TOOLS_KEY = "tools"
 
 
 @dataclass

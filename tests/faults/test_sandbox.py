@@ -24,6 +24,7 @@ from faultlib import REPO, small_spec
 from molt.agents import StepEnvRunner, load_agent_runner
 from molt.agents import sandbox as sandbox_module
 from molt.agents.sandbox import SandboxUnavailable, run_python
+from molt.agents.tool_tasks import PYTHON
 from molt.rollout.dispatch import Dispatcher
 from molt.select import drop_failed, rollout_metrics
 from molt.spec import AgentSpec
@@ -216,11 +217,13 @@ def test_escapes_through_the_reference_tool_agent_become_tool_errors_and_trainin
 
         async def step(self, state):
             if state.turn == 0:
-                call = {"name": "python", "arguments": {"code": cases[state.item["escape"]][0]}}
-                state = dataclasses.replace(state, action=f"<tool_call>{json.dumps(call)}</tool_call>")
+                call = {"id": "c0", "type": "function", "function": {
+                    "name": "python", "arguments": json.dumps({"code": cases[state.item["escape"]][0]})}}
+                state = dataclasses.replace(state, tool_calls=[call])
             return await super().step(state)
 
-    spec = small_spec({"module": TOOL_ENV, "max_turns": 2, "options": {"tool_timeout_s": 6.0}})
+    spec = small_spec({"module": TOOL_ENV, "max_turns": 2, "tools": [PYTHON], "max_total_tokens": 512,
+                       "options": {"tool_timeout_s": 6.0}})
     runner = StepEnvRunner(Escaping)
     runner.setup(tok, spec)
     dispatcher = Dispatcher([engine])
