@@ -353,8 +353,8 @@ def test_an_agent_option_sets_its_data_and_the_plan_names_it():
     spec = compose(["agent=tools"])
     assert (spec.data.train_path, spec.data.eval) == ("examples/data/tool_flagship_train.jsonl",
                                                       ["examples/data/tool_flagship_eval.jsonl"])
-    assert "data: train examples/data/tool_flagship_train.jsonl; eval examples/data/tool_flagship_eval.jsonl" in \
-        describe_plan(spec)
+    assert ("data: train examples/data/tool_flagship_train.jsonl; "
+            "eval examples/data/tool_flagship_eval.jsonl") in describe_plan(spec)
     # the command line (or an experiment) still picks other rows; an agent without data keeps the default
     assert compose(["agent=tools", "data.eval=[]"]).data.eval == []
     assert "; eval none" in describe_plan(compose(["agent=tools", "data.eval=[]"]))
