@@ -71,7 +71,9 @@ class StepEnvRunner(Runner):
     async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
         agent, tok, template_kwargs = self.spec.agent, self.tokenizer, self.spec.model.chat_template_kwargs
         messages, images = normalize(self.messages_of(item))
-        trace.extend_prompt(encode(tok, render(tok, messages, chat_template_kwargs=template_kwargs)), images)
+        tools = item.get("tools") or None   # the row's tool schemas, rendered as the SFT data path does
+        trace.extend_prompt(encode(tok, render(tok, messages, tools, chat_template_kwargs=template_kwargs)),
+                            images)
         with agent_code():
             env = self.env_cls(self.spec.agent.options)
         env.tokenizer, env.judge = tok, self.judge
@@ -104,11 +106,11 @@ class StepEnvRunner(Runner):
             message = result.observation if isinstance(result.observation, dict) else \
                 {"role": "user", "content": result.observation}
             [message], images = normalize([message])   # image parts -> placeholders + data URLs
-            glue = continuation(tok, messages[:-1], messages[-1], [message], None,
+            glue = continuation(tok, messages[:-1], messages[-1], [message], tools,
                                 bool(ids) and ids[-1] == tok.eos_token_id, template_kwargs)
             messages.append(message)
             if glue is None:   # the template re-renders earlier turns (Qwen3 drops old <think> blocks)
-                trace.restart(encode(tok, render(tok, messages, chat_template_kwargs=template_kwargs)),
+                trace.restart(encode(tok, render(tok, messages, tools, chat_template_kwargs=template_kwargs)),
                               normalize(messages)[1])
             else:
                 trace.extend_prompt(encode(tok, glue), images)
