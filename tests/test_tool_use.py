@@ -25,7 +25,8 @@ def test_traces_hold_a_call_the_parser_reads_and_the_sandboxs_output(tok, tmp_pa
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     traces, env = load("tool_traces"), load("tool_env")
-    traces.main([str(tmp_path / "t"), "--eval", "4", "--sft", "3", "--sft-eval", "1", "--train", "3"])
+    traces.main([str(tmp_path / "t"), "--eval", "4", "--sft", "3", "--bare", "1", "--sft-eval", "1",
+                 "--train", "3"])
     def read(part: str) -> list[dict]:
         return [json.loads(line) for line in (tmp_path / f"t_{part}.jsonl").read_text().splitlines()]
 
@@ -36,14 +37,15 @@ def test_traces_hold_a_call_the_parser_reads_and_the_sandboxs_output(tok, tmp_pa
     assert not held_out & others
     parser = make_parser(tok, "hermes")
     rows = read("sft") + read("sft_eval")
-    assert len(rows) == 4
+    assert [row.get("tools") for row in rows] == [traces.CALCULATOR] * 3 + [None] + [traces.CALCULATOR]
     for row in rows:
         question, call, tool, final = row["messages"]
-        prompt = render(tok, [question], row["tools"])
-        assert '"name": "calculator"' in prompt and '"expression"' in prompt   # the template shows the tool
-        turn = render(tok, [question, call], row["tools"], generation_prompt=False)[len(prompt):]
+        prompt = render(tok, [question], row.get("tools"))
+        # the template shows the tool, except in the --bare traces
+        assert ('"name": "calculator"' in prompt and '"expression"' in prompt) == ("tools" in row)
+        turn = render(tok, [question, call], row.get("tools"), generation_prompt=False)[len(prompt):]
         request = ChatCompletionRequest.model_validate(
-            {"model": "m", "messages": [question], "tools": row["tools"]})
+            {"model": "m", "messages": [question], "tools": traces.CALCULATOR})
         parsed = parser.extract_tool_calls(turn.replace(tok.eos_token, ""), request)
         expression = row["entry"]["metadata"]["expression"]
         assert parsed.tools_called and [c.function.name for c in parsed.tool_calls] == ["calculator"]

@@ -1,7 +1,7 @@
 """Data for learning to use a tool: reasoning-gym rows with the tools, and SFT traces of a correct call.
 
     python examples/agents/tool_traces.py examples/data/tool_products [--task products]
-        [--config JSON] [--eval N] [--sft N] [--sft-eval N] [--train N]
+        [--config JSON] [--eval N] [--sft N] [--bare N] [--sft-eval N] [--train N]
 
 writes PREFIX_eval.jsonl (held-out questions), PREFIX_sft.jsonl and PREFIX_sft_eval.jsonl (traces for
 `python -m molt.sft`), PREFIX_train.jsonl (RL prompts); none of the last three holds an eval question.
@@ -10,6 +10,10 @@ column: tool_env.py's calculator schema, which the chat template renders into th
 alike. A trace is the question, one calculator call on the task's own expression, the tool message
 holding the calculator's REAL output from the sandbox (checked against the task's answer), and the final
 turn tool_env.py rewards (`answer_text`). The template renders the call in its own tool-call markup.
+`--bare N` adds N more traces to PREFIX_sft.jsonl without the `tools` column: the same turns in a context
+about a third as long. A random-init model first has to learn to copy digits, and it learns that sooner
+where its attention is spread over fewer tokens; the text between the question and the call is the
+same with or without the tools block, so the copying carries over to the prompts that have it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from tool_env import TOOLS, answer_text, calculator  # noqa: E402
 from molt.agents.reasoning_gym_env import task_rows  # noqa: E402
 
 CALCULATOR = [tool for tool in TOOLS if tool["function"]["name"] == "calculator"]
-PRODUCTS = {"min_digits": 3, "max_digits": 4, "min_terms": 2, "max_terms": 2}
+PRODUCTS = {"min_digits": 3, "max_digits": 3, "min_terms": 2, "max_terms": 2}
 
 
 def call_message(expression: str) -> dict[str, Any]:
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", default="products", help="a reasoning-gym task with metadata.expression")
     parser.add_argument("--config", type=json.loads, default=PRODUCTS, help="task options (JSON)")
     parser.add_argument("--eval", type=int, default=100)
-    parser.add_argument("--sft", type=int, default=200)
+    parser.add_argument("--sft", type=int, default=300)
+    parser.add_argument("--bare", type=int, default=300, help="extra SFT traces without the tools column")
     parser.add_argument("--sft-eval", type=int, default=50)
     parser.add_argument("--train", type=int, default=1000)
     args = parser.parse_args(argv)
@@ -71,8 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     exclude = {row["entry"]["question"] for row in held_out}
     sft, sft_eval = (with_tools(task_rows(args.task, n, seed, args.config, exclude=exclude))
                      for n, seed in ((args.sft, 10**6), (args.sft_eval, 2 * 10**6)))
+    bare = task_rows(args.task, args.bare, 4 * 10**6, args.config, exclude=exclude)
     with ThreadPoolExecutor(4) as pool:   # each call starts a sandbox; a few at a time
-        sft, sft_eval = list(pool.map(trace, sft)), list(pool.map(trace, sft_eval))
+        sft, sft_eval = list(pool.map(trace, sft + bare)), list(pool.map(trace, sft_eval))
     prefix = Path(args.prefix)
     write(prefix.with_name(prefix.name + "_eval.jsonl"), held_out)
     write(prefix.with_name(prefix.name + "_sft.jsonl"), sft)
