@@ -2,7 +2,7 @@
 
     python bench/tool_use_plot.py RUN_DIR [RUN_DIR2 ...] [--labels Env ChatAgent] [--out docs/tool_use.png]
 
-Four panels over RL steps: training reward (rolling mean over 10 steps), held-out greedy accuracy
+Four panels over RL steps: training reward (rolling mean over --window steps), held-out greedy accuracy
 (eval/tool_products_eval/pass@1; step 0 is the SFT model), tool calls per rollout and turns per rollout
 (the Env's info/tool_calls and info/turns, or agent/tool_calls and agent/turns where logged).
 """
@@ -16,10 +16,10 @@ from matplotlib.figure import Figure
 
 from molt.plot import read_metrics, rolling_mean
 
-PANELS = [("training reward (rolling 10)", ["reward/mean"], 10),
-          ("held-out greedy accuracy", ["eval/tool_products_eval/pass@1"], 1),
-          ("tool calls per rollout", ["agent/tool_calls", "info/tool_calls"], 10),
-          ("turns per rollout", ["agent/turns", "info/turns"], 10)]
+PANELS = [("training reward", ["reward/mean"], True),
+          ("held-out greedy accuracy", ["eval/tool_products_eval/pass@1"], False),
+          ("tool calls per rollout", ["agent/tool_calls", "info/tool_calls"], True),
+          ("turns per rollout", ["agent/turns", "info/turns"], True)]
 
 
 def series(rows: dict, keys: list[str]) -> tuple[list[int], list[float]]:
@@ -35,17 +35,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
     parser.add_argument("--labels", nargs="*", default=None, help="one legend label per run")
     parser.add_argument("--out", type=Path, default=Path("docs/tool_use.png"))
+    parser.add_argument("--window", type=int, default=3, help="rolling mean of the per-step panels")
     args = parser.parse_args(argv)
     labels = args.labels or [run.name for run in args.runs]
     fig = Figure(figsize=(10, 7), layout="constrained")
     axes = fig.subplots(2, 2).flatten()
     for run, label in zip(args.runs, labels, strict=True):
         rows = read_metrics(run / "metrics.jsonl")
-        for ax, (title, keys, window) in zip(axes, PANELS, strict=True):
+        for ax, (title, keys, rolled) in zip(axes, PANELS, strict=True):
             steps, values = series(rows, keys)
-            ax.plot(steps, rolling_mean(values, window), marker="o" if window == 1 else None, label=label)
-            ax.set_title(title)
+            ax.plot(steps, rolling_mean(values, args.window) if rolled else values, marker="o", label=label)
+            ax.set_title(title + (f" (rolling mean of {args.window})" if rolled and args.window > 1 else ""))
             ax.set_xlabel("RL step")
+    axes[1].set_ylim(0, 1)
     for ax in axes:
         ax.grid(alpha=0.3)
         if len(args.runs) > 1:
