@@ -197,9 +197,26 @@ def test_pasted_outputs_are_what_the_commands_print(monkeypatch, capsys):
             continue
         checked += 1
         if not shown_in([RUN_TIME.sub("<time>", line) for line in shown], actual.splitlines()):
-            stale.append(f"$ {command}\n{actual}")
+            stale.append((command, shown, actual.splitlines()))
     assert checked >= 8
-    assert stale == [], "update docs/workflows.md with what these print:\n" + "\n".join(stale)
+    if stale and os.environ.get("MOLT_UPDATE_DOCS"):
+        page.write_text(updated(page.read_text(encoding="utf-8"), stale), encoding="utf-8")
+        return
+    assert stale == [], ("update docs/workflows.md with what these print (or rerun this test with "
+                         "MOLT_UPDATE_DOCS=1 to paste it):\n" +
+                         "\n".join(f"$ {c}\n" + "\n".join(a) for c, _, a in stale))
+
+
+def updated(text: str, stale: list[tuple[str, list[str], list[str]]]) -> str:
+    """`text` with each stale command's shown lines replaced by its output; a shown block that left lines
+    out (`...`) keeps as many lines before and after the cut as it showed."""
+    for command, shown, actual in stale:
+        if "..." in shown:
+            head, tail = shown.index("..."), len(shown) - 1 - max(i for i, x in enumerate(shown) if x == "...")
+            actual = actual[:head] + ["..."] + (actual[len(actual) - tail:] if tail else [])
+        old = "\n".join([f"$ {command}", *shown]) + "\n"
+        text = text.replace(old, "\n".join([f"$ {command}", *actual]) + "\n", 1)
+    return text
 
 
 def test_an_elided_block_must_still_match():

@@ -13,6 +13,8 @@ killed after a timeout: options.tool_timeout_s, default 2 s); the calculator eva
 AST whitelist). What goes wrong inside a tool (an exception, a limit, the timeout, a blocked escape) is
 the model's doing and comes back to it as `error: ...` in the tool message; the rollout goes on and is
 trained. A sandbox that cannot start (`SandboxUnavailable`) is not the model's doing: it fails the rollout.
+With `agent.options.tool_unavailable: true` every call is answered "error: tool unavailable": the control
+run of docs/tool_use.md, which shows that the tool does the work.
 """
 
 import re
@@ -22,6 +24,7 @@ from molt.agents.sandbox import run_python
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 MAX_OUTPUT_CHARS = 2000   # of a tool's stdout shown to the model
+UNAVAILABLE = "error: tool unavailable"
 
 CALCULATOR = r"""
 import ast, operator as op, sys
@@ -57,6 +60,11 @@ def python(code: str, timeout_s: float = 2.0) -> str:
     return run_tool(str(code), "", timeout_s)
 
 
+def answer_text(value: str) -> str:
+    """The final reply this Env rewards for `value` (what SFT traces write): reasoning-gym's answer tags."""
+    return f"<answer>{value}</answer>"
+
+
 def score(state: State) -> float:
     entry = state.item.get("entry")
     if isinstance(entry, dict) and "source_dataset" in entry.get("metadata", {}):
@@ -77,6 +85,8 @@ class ToolEnv(Env):
         # the model's call binds only the schema's parameters; the time limit stays the run's
         self.tools = {"calculator": lambda expression: calculator(expression, timeout),
                       "python": lambda code: python(code, timeout)}
+        if self.options.get("tool_unavailable"):
+            self.tools = {"calculator": lambda expression: UNAVAILABLE, "python": lambda code: UNAVAILABLE}
 
     async def step(self, state: State) -> Result:
         if state.tool_calls:

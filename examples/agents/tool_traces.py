@@ -1,0 +1,92 @@
+"""Data for learning to use a tool: reasoning-gym rows with the tools, and SFT traces of a correct call.
+
+    python examples/agents/tool_traces.py examples/data/tool_products [--task products]
+        [--config JSON] [--eval N] [--sft N] [--bare N] [--sft-eval N] [--train N]
+
+writes PREFIX_eval.jsonl (held-out questions), PREFIX_sft.jsonl and PREFIX_sft_eval.jsonl (traces for
+`python -m molt.sft`), PREFIX_train.jsonl (RL prompts); none of the last three holds an eval question.
+Rows come from molt.agents.reasoning_gym_env (the task's generator; `label` is its answer) with a `tools`
+column: molt.agents.tool_tasks' calculator schema (the flagship's), which the chat template renders into the prompt in SFT and RL
+alike. A trace is the question, one calculator call on the task's own expression, the tool message
+holding the calculator's REAL output from the sandbox (checked against the task's answer), and the final
+turn tool_env.py rewards (`answer_text`). The template renders the call in its own tool-call markup.
+`--bare N` adds N more traces to PREFIX_sft.jsonl without the `tools` column: the same turns in a context
+about a third as long. A random-init model first has to learn to copy digits, and it learns that sooner
+where its attention is spread over fewer tokens; the text between the question and the call is the
+same with or without the tools block, so the copying carries over to the prompts that have it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tool_env import answer_text, calculator  # noqa: E402
+
+from molt.agents.reasoning_gym_env import task_rows  # noqa: E402
+from molt.agents.tool_tasks import CALCULATOR as CALCULATOR_TOOL  # noqa: E402
+
+CALCULATOR = [CALCULATOR_TOOL]
+PRODUCTS = {"min_digits": 3, "max_digits": 3, "min_terms": 2, "max_terms": 2}
+
+
+def call_message(expression: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function",
+                            "function": {"name": "calculator", "arguments": {"expression": expression}}}]}
+
+
+def trace(row: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+    """`row` with the conversation of a correct tool use; the tool's output is the sandbox's."""
+    expression = row["entry"]["metadata"]["expression"]
+    output = calculator(expression, timeout_s=timeout_s)
+    if output != row["label"]:
+        raise RuntimeError(f"the sandboxed calculator gave {output!r} for {expression!r}, the task says "
+                           f"{row['label']!r}")
+    messages = row["messages"] + [call_message(expression), {"role": "tool", "content": output},
+                                  {"role": "assistant", "content": answer_text(output)}]
+    return {**row, "messages": messages}
+
+
+def write(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"wrote {len(rows)} rows to {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python examples/agents/tool_traces.py",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("prefix", help="output prefix, e.g. examples/data/tool_products")
+    parser.add_argument("--task", default="products", help="a reasoning-gym task with metadata.expression")
+    parser.add_argument("--config", type=json.loads, default=PRODUCTS, help="task options (JSON)")
+    parser.add_argument("--eval", type=int, default=100)
+    parser.add_argument("--sft", type=int, default=100)
+    parser.add_argument("--bare", type=int, default=500, help="extra SFT traces without the tools column")
+    parser.add_argument("--sft-eval", type=int, default=50)
+    parser.add_argument("--train", type=int, default=1000)
+    args = parser.parse_args(argv)
+    with_tools = lambda rows: [{**row, "tools": CALCULATOR} for row in rows]  # noqa: E731
+    # reasoning-gym seeds entry i with seed + i: sets a million seeds apart share no entry
+    held_out = with_tools(task_rows(args.task, args.eval, 1, args.config, unique=True))
+    exclude = {row["entry"]["question"] for row in held_out}
+    sft, sft_eval = (with_tools(task_rows(args.task, n, seed, args.config, exclude=exclude))
+                     for n, seed in ((args.sft, 10**6), (args.sft_eval, 2 * 10**6)))
+    bare = task_rows(args.task, args.bare, 4 * 10**6, args.config, exclude=exclude)
+    with ThreadPoolExecutor(4) as pool:   # each call starts a sandbox; a few at a time
+        sft, sft_eval = list(pool.map(trace, sft + bare)), list(pool.map(trace, sft_eval))
+    prefix = Path(args.prefix)
+    write(prefix.with_name(prefix.name + "_eval.jsonl"), held_out)
+    write(prefix.with_name(prefix.name + "_sft.jsonl"), sft)
+    write(prefix.with_name(prefix.name + "_sft_eval.jsonl"), sft_eval)
+    write(prefix.with_name(prefix.name + "_train.jsonl"),
+          with_tools(task_rows(args.task, args.train, 3 * 10**6, args.config, exclude=exclude)))
+
+
+if __name__ == "__main__":
+    main()
