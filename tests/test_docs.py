@@ -212,7 +212,8 @@ def updated(text: str, stale: list[tuple[str, list[str], list[str]]]) -> str:
     out (`...`) keeps as many lines before and after the cut as it showed."""
     for command, shown, actual in stale:
         if "..." in shown:
-            head, tail = shown.index("..."), len(shown) - 1 - max(i for i, x in enumerate(shown) if x == "...")
+            cuts = [i for i, line in enumerate(shown) if line == "..."]
+            head, tail = cuts[0], len(shown) - 1 - cuts[-1]
             actual = actual[:head] + ["..."] + (actual[len(actual) - tail:] if tail else [])
         old = "\n".join([f"$ {command}", *shown]) + "\n"
         text = text.replace(old, "\n".join([f"$ {command}", *actual]) + "\n", 1)

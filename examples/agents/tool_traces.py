@@ -6,10 +6,11 @@
 writes PREFIX_eval.jsonl (held-out questions), PREFIX_sft.jsonl and PREFIX_sft_eval.jsonl (traces for
 `python -m molt.sft`), PREFIX_train.jsonl (RL prompts); none of the last three holds an eval question.
 Rows come from molt.agents.reasoning_gym_env (the task's generator; `label` is its answer) with a `tools`
-column: molt.agents.tool_tasks' calculator schema (the flagship's), which the chat template renders into the prompt in SFT and RL
-alike. A trace is the question, one calculator call on the task's own expression, the tool message
-holding the calculator's REAL output from the sandbox (checked against the task's answer), and the final
-turn tool_env.py rewards (`answer_text`). The template renders the call in its own tool-call markup.
+column: molt.agents.tool_tasks' calculator schema (the flagship's), which the chat template renders into
+the prompt in SFT and RL alike. A trace is the question, one calculator call on the task's own
+expression, the tool message holding the calculator's REAL output from the sandbox (checked against the
+task's answer), and the final turn tool_env.py rewards (`answer_text`). The template renders the call in
+its own tool-call markup.
 `--bare N` adds N more traces to PREFIX_sft.jsonl without the `tools` column: the same turns in a context
 about a third as long. A random-init model first has to learn to copy digits, and it learns that sooner
 where its attention is spread over fewer tokens; the text between the question and the call is the
