@@ -133,7 +133,6 @@ class TrainerWorker:
         self.model = build_model(self.spec, self.role, self.path, setup)
         self._switch_threads_per_block()
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
-        self._chunked = self.role != "critic" and chunkable(self.model, par)
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
                              "use train.micro_batch_size with a vision-language model")
@@ -211,7 +210,8 @@ class TrainerWorker:
         scored = mb["attention_mask"] if positions is None else (positions > 0).long()
         autocast = torch.autocast("cuda" if self.cuda else "cpu", self.autocast or torch.float32,
                                   enabled=self.autocast is not None)
-        head = self.model.get_output_embeddings() if self._chunked else None
+        chunked = self.role != "critic" and chunkable(self.model, self.spec.parallel)
+        head = self.model.get_output_embeddings() if chunked else None
         with head_input(head) as hidden, autocast:
             logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
                                 **packed, **images).logits.float()
