@@ -200,9 +200,13 @@ def _scored(scaled: torch.Tensor, targets: torch.Tensor,
 
 def chunkable(model: nn.Module, par: Any) -> bool:
     """Whether `chunked_token_logprobs` may call the model's output head itself: not with tensor or context
-    parallel (hidden states are DTensors there), nor for a model that changes its logits after the head."""
+    parallel (hidden states are DTensors there), nor for a model that changes its logits after the head.
+    Nor on more than one rank for now: each call of a sharded head gathers its weight, and ranks whose
+    micro-batches select different numbers of positions would call it a different number of times (a hang
+    seen with two packed ranks); matching the chunk count across ranks is the fix still to make."""
     config = model.config.get_text_config()
-    return par.tp_size == 1 and par.cp_size == 1 and model.get_output_embeddings() is not None and not any(
+    return par.world_size == 1 and par.tp_size == 1 and par.cp_size == 1 and \
+        model.get_output_embeddings() is not None and not any(
         getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
 
 
