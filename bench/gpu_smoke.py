@@ -10,7 +10,8 @@ ASSUMPTIONS (checked first; the script stops with exit code 2 and says which one
 - It starts Ray locally, writes under --out (default bench/out/gpu_smoke) and takes about 10-20 minutes.
 
 WHAT IT CHECKS, for the dense model and then the MoE (router replay on):
-1. 5 sync steps and 5 async steps with partial rollouts, bf16, the NCCL refit (`python -m molt`, as a user
+1. 5 sync steps and 5 async steps with partial rollouts (the MoE runs without them: router replay with
+   partial rollouts is refused on cuda), bf16, the NCCL refit (`python -m molt`, as a user
    runs it): every step's engine/trainer `mismatch/max_abs` <= --max-abs (default 0.1, a first bound: bf16
    rounds each logit to ~3 significant digits, and a random-init model's logits are near 0, so a gap of a
    tenth of a nat means a real disagreement; replace it by the measured value once known).
@@ -74,7 +75,9 @@ def runs(args: argparse.Namespace) -> dict[str, list[str]]:
                 *model_overrides(kind, args.layers), "model.dtype=bfloat16", "model.max_model_len=1024",
                 "parallel.device=cuda", "parallel.nodes=1", "parallel.gpus_per_node=2",
                 "rollout.engine.gpu_memory_utilization=0.5", f"rollout.mode={mode}",
-                "rollout.partial_rollout=true", "rollout.max_tokens=256", "agent.max_total_tokens=512",
+                # router replay with partial rollouts is refused on cuda (vLLM's GPU route capture)
+                f"rollout.partial_rollout={'false' if kind == 'moe' else 'true'}",
+                "rollout.max_tokens=256", "agent.max_total_tokens=512",
                 "rollout.groups_in_flight=8",
                 f"train.steps={args.steps}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
                 "train.micro_batch_size=8", "train.save_every=0", *QUIET]

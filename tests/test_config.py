@@ -298,6 +298,10 @@ PLANS = {
                "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "tiny_tools": ["node 0: policy rank 0, engine 0",
                    "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "tool_rl": ["node 0: policy rank 0, engine 0",
+                "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "tool_sft": ["node 0: policy rank 0",
+                 "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
 }
 
 

@@ -72,7 +72,7 @@ def test_unified_and_exit_codes(capsys):
     ("experiments/nope.yaml", "experiments/nope.yaml: no such file or directory; available: "
                               + ", ".join(sorted(p.stem for p in EXPERIMENTS.glob("*.yaml")))),
     (str(REPO / "docs"), "a directory without spec.yaml (not a run directory)"),
-    ("tiny algo=nope", "tiny algo=nope: unknown algo 'nope'; available: cispo, dapo, dr_grpo, gae, grpo,"),
+    ("tiny algo=nope", "tiny algo=nope: unknown algo 'nope'; available: cispo, dapo, decoupled_ppo,"),
     ("tiny train.lrr=1", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
     ("tiny algo=[", "tiny algo=[: "),
     ("experiments/tiny.yaml@no-such-rev", "fatal: invalid object name 'no-such-rev'"),
