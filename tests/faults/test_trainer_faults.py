@@ -10,8 +10,8 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
+import psutil
 import pytest
 import ray
 import torch
@@ -93,16 +93,15 @@ def test_a_dead_rank_is_reported_as_its_death_not_as_the_survivors_error(ray_ses
 
 
 def trainer_pids() -> list[int]:
-    """Pids of this test process's trainer rank actors (Ray sets their process title)."""
-    pids, todo = [], [os.getpid()]
-    while todo:
-        parent = todo.pop()
-        threads = [t / "children" for t in Path(f"/proc/{parent}/task").glob("*")]   # Ray forks from threads
-        for child in [c for t in threads if t.exists() for c in t.read_text().split()]:
-            todo.append(int(child))
-            cmdline = Path(f"/proc/{child}/cmdline")
-            if cmdline.exists() and cmdline.read_bytes().startswith(b"ray::TrainerWorker"):
-                pids.append(int(child))
+    """Pids of this test process's trainer rank actors (Ray sets their process title). psutil finds
+    children by parent pid and tolerates processes and threads that exit while it looks."""
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith("ray::TrainerWorker"):
+                pids.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
     return pids
 
 
