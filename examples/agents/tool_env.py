@@ -65,17 +65,18 @@ def answer_text(value: str) -> str:
     return f"<answer>{value}</answer>"
 
 
-def score(state: State) -> float:
-    entry = state.item.get("entry")
+def score(answer: str, item: dict, label: object) -> float:
+    """The reward of the final reply `answer` to the row `item` (also tool_chat.py's, the ChatAgent path)."""
+    entry = item.get("entry")
     if isinstance(entry, dict) and "source_dataset" in entry.get("metadata", {}):
         import reasoning_gym
 
         from molt.agents.reasoning_gym_env import answer_of
 
         scorer = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
-        return float(scorer(answer_of(state.action), entry))
-    numbers = NUMBER.findall(state.action)
-    return float(bool(numbers) and float(numbers[-1]) == float(state.label))
+        return float(scorer(answer_of(answer), entry))
+    numbers = NUMBER.findall(answer)
+    return float(bool(numbers) and float(numbers[-1]) == float(label))
 
 
 class ToolEnv(Env):
@@ -91,7 +92,7 @@ class ToolEnv(Env):
     async def step(self, state: State) -> Result:
         if state.tool_calls:
             return Result(reward=0.0, observation=await self.call_tools(state), terminated=False)
-        reward = score(state)
+        reward = score(state.action, state.item, state.label)
         return Result(reward=reward, info={"exact": float(reward == 1.0)})
 
 
