@@ -23,8 +23,8 @@ from breakdown import PROMPT, policy_batch
 from common import write_section
 from molt_run import overrides
 
-from molt.arch import arch_of
-from molt.memory import trainer_estimate
+from molt.driver.arch import arch_of
+from molt.driver.memory import trainer_estimate
 
 MIB = 2 ** 20
 
@@ -35,8 +35,8 @@ def _status_kib(field: str) -> int:
 
 
 def measure(size: str, rows: int, length: int) -> dict[str, float]:
-    from molt.config import compose
-    from molt.models import model_path
+    from molt.driver.models import model_path
+    from molt.spec.config import compose
     from molt.trainer.worker import TrainerWorker
 
     row = PROMPT + length

@@ -61,7 +61,7 @@ def train_one_step(trainer, rollouts: list, sampler, tok) -> dict:
     (`sampler`: a `Recorder(engine, training=True)`, i.e. through TrainingSampler), from the engine's
     weights: the trainer scores every sampled token as the engine did (`check_trainer_scores`), exactly
     the sampled tokens are trained, with a finite loss and gradient norm."""
-    from molt.loop import learn
+    from molt.driver.loop import learn
     from molt.spec import RunSpec
 
     assert sampler.training, "train only on rollouts sampled through the TrainingSampler, as a run does"

@@ -155,7 +155,7 @@ def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine):
     tool message whose tokens are prompt (mask 0); a call of a tool the row does not offer (the Env runs
     `python`, but only the calculator is shown) is answered with an error. Out of turns, none answered."""
     from molt.agents.tool_tasks import CALCULATOR
-    from molt.select import rollout_metrics
+    from molt.driver.select import rollout_metrics
 
     spec = tool_spec(options={"tool_timeout_s": 30.0})
     runner = load_agent_runner(spec.agent)
@@ -338,7 +338,7 @@ def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_sco
 
 
 def test_loader_finds_every_configured_agent():
-    from molt.config import compose
+    from molt.spec.config import compose
 
     for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "agent").glob("*.yaml")):
         agent = compose([f"agent={path.stem}"]).agent   # an option sets only what differs from the spec

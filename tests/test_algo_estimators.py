@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from molt.algo import ESTIMATORS, KL_ESTIMATORS, apply_filters, compute_advantages
 from molt.algo.filters import FILTERS
-from molt.config import compose
 from molt.spec import AlgoSpec, SpecError
+from molt.spec.config import compose
 
 compose(["algo=opo"])   # registers the worked example's estimator (its algo.plugins) for the tests below
 
@@ -266,7 +266,7 @@ TURN_EXPECTED = {   # per segment row: the value on each sampled token, in order
 
 @pytest.mark.parametrize("name", sorted(TURN_EXPECTED))
 def test_turn_credit_by_hand_on_two_turn_trajectories(name):
-    from molt.select import turn_credit
+    from molt.driver.select import turn_credit
     from molt.spec import RunSpec
     from molt.trainer.batch import make_batch
 
@@ -290,7 +290,7 @@ def test_turn_credit_by_hand_on_two_turn_trajectories(name):
 
 
 def test_turn_credit_with_only_a_final_reward_and_no_discount_is_rollout_credit():
-    from molt.select import turn_credit
+    from molt.driver.select import turn_credit
     from molt.spec import RunSpec
     from molt.trainer.batch import make_batch
 
@@ -310,8 +310,8 @@ def test_turn_credit_with_only_a_final_reward_and_no_discount_is_rollout_credit(
 
 
 def test_turn_credit_is_refused_where_it_cannot_act():
-    from molt.plugins import load_plugins
     from molt.spec import RunSpec
+    from molt.spec.plugins import load_plugins
 
     with pytest.raises(SpecError, match="turn_discount=0.9 discounts turns only with algo.turn_credit=turn"):
         compose(["algo.turn_discount=0.9"])

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from molt.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
-from molt.export import checkpoint_dir
+from molt.driver.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
+from molt.driver.export import checkpoint_dir
 from molt.spec import RunSpec
 from molt.trainer import checkpoint
 

@@ -73,7 +73,7 @@ def direct_vllm(paths: list[str], spec: dict, prompts: list[list[int]], sampling
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory):
     """(initial folder, perturbed state dict, perturbed folder) of a tiny model with its own lm_head."""
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
 
     path = str(tiny_model_path(tie_word_embeddings=0))
     sd, folder = perturbed_checkpoint(path, tmp_path_factory.mktemp("untied"))
@@ -350,9 +350,9 @@ def test_eval_sampling_uses_eval_params(direct, engine, engine_spec):
 
 def test_engine_runs_in_its_actor_with_the_planned_threads(engine, engine_spec):
     """vLLM's engine core and its worker run in the engine actor's own process (no child process: one
-    vLLM import per engine), with the threads `molt.placement.cpu_threads` plans (the rule itself and the
-    trainer's side: tests/test_config.py)."""
-    from molt.placement import cpu_threads
+    vLLM import per engine), with the threads `molt.driver.placement.cpu_threads` plans (the rule itself
+    and the trainer's side: tests/test_config.py)."""
+    from molt.driver.placement import cpu_threads
 
     def layout(actor) -> tuple:
         import psutil

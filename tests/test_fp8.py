@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_refit import _stream
 
-from molt.fp8 import FP8, checkpoint_fp8, quantize_blocks, quantize_chunk
+from molt.trainer.fp8 import FP8, checkpoint_fp8, quantize_blocks, quantize_chunk
 
 
 def test_each_block_gets_the_scale_of_its_largest_magnitude() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from molt.metrics import RunLogger, load_rollouts, wandb_mode
+from molt.driver.metrics import RunLogger, load_rollouts, wandb_mode
 from molt.spec import RunSpec
 from molt.trajectory import NO_VERSION, Rollout, Segment
 

@@ -11,7 +11,7 @@ import reasoning_gym
 
 from molt.agents.env import State
 from molt.agents.reasoning_gym_env import ReasoningGymEnv, main, task_rows
-from molt.data import PromptDataset
+from molt.inputs.data import PromptDataset
 from molt.sft.data import load_conversations
 from molt.spec import DataSpec
 

@@ -151,9 +151,9 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
 
 
 def test_sft_spec_plan_inputs_and_refusals() -> None:
-    from molt.config import compose
-    from molt.launch import check_inputs, describe_plan
+    from molt.driver.launch import check_inputs, describe_plan
     from molt.spec import SpecError
+    from molt.spec.config import compose
 
     spec = compose(["+experiment=rg_sft"])
     plan = describe_plan(spec)

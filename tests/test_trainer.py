@@ -446,7 +446,7 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
     its step and the policy is never called (None here would raise), the step is marked."""
     import asyncio
 
-    from molt.loop import learn
+    from molt.driver.loop import learn
     from molt.trajectory import Rollout
 
     spec, critic = critic

@@ -27,7 +27,7 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
-    """The Molt modules that `path` imports anywhere in its body (`from a import b` counts a.b if a module)."""
+    """The Molt modules `path` imports anywhere in its body (`from a import b` counts a.b if a module)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):

@@ -23,8 +23,8 @@ from molt.agents.render import continuation, encode, render, text_of
 from molt.agents.runner import Runner, agent_code
 from molt.agents.tools import ERROR_PREFIX, make_parser, offered_tools, parse_reply, tool_request
 from molt.agents.trace import Trace, as_finite
+from molt.inputs.vision import normalize
 from molt.trajectory import AgentError, Rollout, Sampler
-from molt.vision import normalize
 
 
 @dataclass

@@ -40,9 +40,9 @@ from molt.agents.render import text_of
 from molt.agents.session import ChatSession
 from molt.agents.tools import FORCEABLE_PARSERS, forced_call_regex, make_parser, parse_reply
 from molt.agents.trace import Trace
+from molt.inputs.vision import normalize
 from molt.spec import AgentSpec
 from molt.trajectory import Sampler
-from molt.vision import normalize
 
 MAX_BODY_BYTES = 4 << 20
 READ_TIMEOUT_S = 30.0   # for a request's head (request line + headers) and, separately, its body

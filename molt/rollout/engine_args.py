@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, get_args
 
+from molt.inputs.vision import is_vision_model
 from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
-from molt.vision import is_vision_model
 
 WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
 MOE_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")   # expert counts in HF configs

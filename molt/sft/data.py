@@ -24,7 +24,7 @@ import torch
 
 from molt.agents.render import encode, render
 from molt.agents.tools import TOOLS_KEY
-from molt.data import read_rows
+from molt.inputs.data import read_rows
 from molt.spec import DataSpec, HubDataset
 
 

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from molt.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
-from molt.data import PromptIterator
-from molt.loop import install_stop_handler
-from molt.metrics import RunLogger
-from molt.models import model_path
+from molt.driver.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
+from molt.driver.loop import install_stop_handler
+from molt.driver.metrics import RunLogger
+from molt.driver.models import model_path
+from molt.inputs.data import PromptIterator
 from molt.sft.data import Example, load_conversations, sft_batch, tokenize_rows
 from molt.spec import RunSpec, eval_names
 from molt.trainer.ranks import TrainerRanks

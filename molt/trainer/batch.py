@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from molt.inputs.vision import pixel_inputs
 from molt.spec import GREEDY_BELOW
 from molt.trajectory import NO_VERSION, Segment
-from molt.vision import pixel_inputs
 
 # Per-token sampling parameters a segment records; tokens the engine did not sample get these neutral
 # values (their logprobs are never used), so the trainer only truncates where a sampled token needs it.

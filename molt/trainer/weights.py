@@ -27,8 +27,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from molt.fp8 import quantize_chunk
 from molt.spec import RunSpec
+from molt.trainer.fp8 import quantize_chunk
 from molt.trainer.lora import PEFT_PREFIX, is_adapter
 from molt.trainer.model import DTYPES
 

@@ -29,12 +29,12 @@ from molt.algo import (
     value_loss,
     with_kl_coef,
 )
-from molt.fp8 import checkpoint_fp8
-from molt.placement import cpu_threads
-from molt.plugins import load_plugins
+from molt.driver.placement import cpu_threads
 from molt.spec import AlgoSpec, RunSpec
+from molt.spec.plugins import load_plugins
 from molt.trainer import checkpoint, weights
 from molt.trainer.batch import image_inputs, inert_rows
+from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.model import (
     DTYPES,
     autocast_dtype,

@@ -14,10 +14,10 @@ import pytest
 from faultlib import FAULTY, small_spec
 
 from molt.agents import load_agent_runner
-from molt.loop import learn
+from molt.driver.loop import learn
+from molt.driver.select import drop_failed, rollout_metrics
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.pool import RolloutPool
-from molt.select import drop_failed, rollout_metrics
 
 ERRORS = {"raise": "RuntimeError: the agent crashed", "hang": "agent timed out after 8.0s",
           "nan": "reward must be a finite number, got nan",

@@ -14,9 +14,9 @@ from pathlib import Path
 from faultlib import FAULTY, small_spec
 
 from molt.agents import load_agent_runner
-from molt.data import PromptDataset
-from molt.eval import evaluate
-from molt.metrics import RunLogger, load_rollouts
+from molt.driver.eval import evaluate
+from molt.driver.metrics import RunLogger, load_rollouts
+from molt.inputs.data import PromptDataset
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.pool import RolloutPool
 from molt.trajectory import Rollout, Segment

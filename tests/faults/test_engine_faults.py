@@ -18,7 +18,7 @@ import ray
 from faultlib import small_spec, train_once
 
 from molt.agents import load_agent_runner
-from molt.fleet import Fleet
+from molt.driver.fleet import Fleet
 from molt.rollout.dispatch import Dispatcher, EngineDiedError
 from molt.rollout.engine import start_engine, start_engines
 from molt.rollout.pool import RolloutPool

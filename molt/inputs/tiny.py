@@ -137,7 +137,7 @@ def _save_processor(folder: Path, tokenizer: Any) -> None:
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from molt import tiny_vl_processor
+    from molt.inputs import tiny_vl_processor
 
     images = Qwen2VLImageProcessorPil(size=IMAGE_PIXELS)
     processor = tiny_vl_processor.TinyVLProcessor(images, tokenizer, chat_template=tokenizer.chat_template)

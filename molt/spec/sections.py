@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from molt.spec_algo import Strict
+from molt.spec.algo import Strict
 
 GREEDY_BELOW = 1e-5   # vLLM decodes greedily below this temperature
 # The distribution vLLM reports logprobs of: after temperature/top-k/top-p, what the trainer recomputes.
@@ -77,7 +77,7 @@ class ModelSpec(Strict):
     @field_validator("arch")
     @classmethod
     def _arch_keys(cls, value: dict[str, int]) -> dict[str, int]:
-        from molt.arch import ARCH_KEYS
+        from molt.driver.arch import ARCH_KEYS
 
         unknown = sorted(set(value) - set(ARCH_KEYS))
         if unknown:

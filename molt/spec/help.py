@@ -13,9 +13,9 @@ import types
 from importlib.resources import files
 from typing import Any, Literal, Union, get_args, get_origin
 
-from molt.config import GROUPS, choices_of, compose_config, to_spec
-from molt.diff import leaves, show
 from molt.spec import RunSpec, SpecError, Strict, unknown_key_message
+from molt.spec.config import GROUPS, choices_of, compose_config, to_spec
+from molt.spec.diff import leaves, show
 
 USAGE = """\
 usage: python -m molt [+experiment=NAME] [GROUP=OPTION ...] [KEY=VALUE ...] [-m] [--cfg job]

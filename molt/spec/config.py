@@ -8,10 +8,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from molt import memory
-from molt.placement import plan
-from molt.plugins import load_plugins
+from molt.driver import memory
+from molt.driver.placement import plan
 from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
+from molt.spec.plugins import load_plugins
 
 CONFIG_MODULE = "molt.conf"
 GROUPS = ("experiment", "model", "parallel", "algo", "agent")

@@ -25,22 +25,22 @@ from ray.exceptions import RayActorError
 
 from molt.agents import load_agent_runner
 from molt.algo import adaptive_kl_coef, compute_advantages, with_kl_coef
-from molt.checkpoints import carry_best, find_checkpoint, latest_of, new_best, save_checkpoint
-from molt.data import PromptDataset, PromptIterator, load_eval_sets
-from molt.eval import evaluate
-from molt.fleet import Fleet
-from molt.metrics import RunLogger
-from molt.models import model_path
+from molt.driver.checkpoints import carry_best, find_checkpoint, latest_of, new_best, save_checkpoint
+from molt.driver.eval import evaluate
+from molt.driver.fleet import Fleet
+from molt.driver.metrics import RunLogger
+from molt.driver.models import model_path
+from molt.driver.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch, turn_credit
+from molt.inputs.data import PromptDataset, PromptIterator, load_eval_sets
+from molt.inputs.vision import processor
 from molt.rollout.engine import start_engine
 from molt.rollout.pool import RolloutPool
 from molt.rollout.probe import probe_gap, probe_prompt, sample_probe
 from molt.rollout.sampling import TrainingSampler
-from molt.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch, turn_credit
 from molt.spec import RunSpec
 from molt.trainer.batch import add_images, check_token_first, make_batch
 from molt.trainer.ranks import TrainerRanks, load_trainers, start_trainers, stop_trainers
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
-from molt.vision import processor
 
 
 def train(spec: RunSpec) -> dict[str, float]:

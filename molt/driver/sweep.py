@@ -26,7 +26,7 @@ def job_row(job: Path) -> dict[str, Any]:
     when it logged no step."""
     import yaml
 
-    from molt.plot import read_metrics, rolling_mean
+    from molt.driver.plot import read_metrics, rolling_mean
 
     metrics = job / "metrics.jsonl"
     rows = read_metrics(metrics) if metrics.is_file() else {}
@@ -67,7 +67,7 @@ def plot_rewards(jobs: list[Path], out: Path) -> Path:
     """Every job's rolling-mean reward on one axis (its raw per-step reward faint behind it)."""
     from matplotlib.figure import Figure
 
-    from molt.plot import read_metrics, rolling_mean
+    from molt.driver.plot import read_metrics, rolling_mean
 
     fig = Figure(figsize=(8, 4.5))
     ax = fig.add_subplot()

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from molt.inputs.vision import normalize
 from molt.spec import DataSpec, HubDataset, eval_names
-from molt.vision import normalize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +79,7 @@ def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, 
     """Every row of a JSONL or Parquet file, or of a hub dataset, through `check` (which raises ValueError on
     a bad row; the error then names the file and line, or row); a source without rows is an error too."""
     if isinstance(source, HubDataset):
-        from molt.data_hub import describe, hub_rows
+        from molt.inputs.data_hub import describe, hub_rows
 
         return _checked(describe(source), [(f": row {i}", row) for i, row in
                                            enumerate(hub_rows(source, data))], check)

@@ -73,7 +73,7 @@ def arch_from_config(config: dict) -> Arch:
 def arch_of(spec: RunSpec, role: str = "policy") -> Arch | None:
     """The architecture of `role`'s model (policy, reference, critic, judge); None when nothing on disk or
     in the spec says (a hub id without `model.arch`)."""
-    from molt.tiny import DEFAULTS, VISION, VISION_TOKENS
+    from molt.inputs.tiny import DEFAULTS, VISION, VISION_TOKENS
 
     model = spec.model
     if role == "reference" and model.reference == "tiny":

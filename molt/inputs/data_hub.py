@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from molt.data import without_null_fields
+from molt.inputs.data import without_null_fields
 from molt.spec import DataSpec, HubDataset
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -78,7 +78,7 @@ def _image(value: Any) -> Any:
 
 
 def _transform(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    from molt.plugins import import_user_module
+    from molt.spec.plugins import import_user_module
 
     module_name, _, function = name.rpartition(":")
     try:

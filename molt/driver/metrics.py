@@ -144,6 +144,6 @@ class RunLogger:
             self._wandb = None
         if not self.spec.logging.plots:
             return []
-        from molt.plot import plot_run
+        from molt.driver.plot import plot_run
 
         return plot_run(self.dir)

@@ -15,8 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from molt.config import compose_config, spec_yaml, to_spec
 from molt.spec import RunSpec, SpecError
+from molt.spec.config import compose_config, spec_yaml, to_spec
 
 
 @dataclass
@@ -98,7 +98,7 @@ def plan(overrides: Sequence[str], multirun: bool) -> list[Job]:
 def show(jobs: list[Job], what: str) -> str:
     """`spec`: each job's validated spec as YAML (one document per job); `plan`: each job's dry run
     (warnings logged, data and agent checked, the placement plan; a dry run has no run directory)."""
-    from molt.launch import dry_run
+    from molt.driver.launch import dry_run
 
     parts = []
     for num, job in enumerate(jobs):

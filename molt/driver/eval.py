@@ -71,10 +71,10 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from molt.agents import load_agent_runner
-    from molt.data import load_eval_sets
-    from molt.export import as_hf_folder
-    from molt.models import model_path
-    from molt.placement import init_ray
+    from molt.driver.export import as_hf_folder
+    from molt.driver.models import model_path
+    from molt.driver.placement import init_ray
+    from molt.inputs.data import load_eval_sets
     from molt.rollout.dispatch import Dispatcher
     from molt.rollout.engine import start_engines
 
@@ -104,8 +104,8 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from molt.config import compose
     from molt.spec import SpecError
+    from molt.spec.config import compose
 
     overrides = sys.argv[1:] if argv is None else argv
     try:

@@ -23,10 +23,10 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     import ray
     from transformers import AutoTokenizer
 
-    from molt.loop import learn
-    from molt.metrics import load_rollouts
-    from molt.models import model_path
-    from molt.placement import init_ray
+    from molt.driver.loop import learn
+    from molt.driver.metrics import load_rollouts
+    from molt.driver.models import model_path
+    from molt.driver.placement import init_ray
     from molt.trainer.ranks import load_trainers, start_trainers, stop_trainers
 
     spec = RunSpec.model_validate(yaml.safe_load((run_dir / "spec.yaml").read_text()))

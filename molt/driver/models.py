@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from molt.inputs.tiny import tiny_model_path
 from molt.spec import RunSpec
-from molt.tiny import tiny_model_path
 
 
 def model_path(spec: RunSpec, role: str = "policy") -> str:

@@ -27,8 +27,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from molt.config import spec_yaml
 from molt.spec import RunSpec
+from molt.spec.config import spec_yaml
 
 log = logging.getLogger("molt")
 # What may differ between a run and the run `run.resume=auto` continues (None: the whole section).

@@ -23,7 +23,7 @@ from molt.spec import RunSpec, validate_spec
 
 def checkpoint_dir(target: str, which: str = "latest") -> Path:
     """A checkpoint folder from a run folder and a step number / "latest" / "best", or a checkpoint folder."""
-    from molt.checkpoints import read_best
+    from molt.driver.checkpoints import read_best
 
     path = Path(target).expanduser()
     if (path / "meta.json").is_file() and (path / "policy").is_dir():
@@ -51,7 +51,7 @@ def run_spec_of(checkpoint: Path) -> RunSpec:
 
 def export_checkpoint(checkpoint: Path) -> Path:
     """Write <checkpoint>/hf from the checkpoint's policy weights; returns the folder."""
-    from molt.models import model_path
+    from molt.driver.models import model_path
     from molt.trainer.worker import TrainerWorker
 
     spec = run_spec_of(checkpoint).model_copy(deep=True)

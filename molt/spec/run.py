@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from molt.spec_algo import (  # noqa: F401  (re-exported: the spec's public types live in molt.spec)
+from molt.spec.algo import (  # noqa: F401  (re-exported: the spec's public types live in molt.spec)
     AlgoSpec,
     CorrectionSpec,
     FilterSpec,
@@ -25,7 +25,7 @@ from molt.spec_algo import (  # noqa: F401  (re-exported: the spec's public type
     Strict,
     TrainSpec,
 )
-from molt.spec_sections import (  # noqa: F401  (re-exported)
+from molt.spec.sections import (  # noqa: F401  (re-exported)
     GREEDY_BELOW,
     LOGPROBS_MODE,
     AgentSpec,

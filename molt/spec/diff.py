@@ -30,8 +30,8 @@ from typing import Any
 
 import yaml
 
-from molt.config import GROUPS, choices_of, compose_config, spec_yaml, to_spec
 from molt.spec import RunSpec, SpecError, Strict, validate_spec
+from molt.spec.config import GROUPS, choices_of, compose_config, spec_yaml, to_spec
 
 SIDE = "_molt_diff_side"   # the name an experiment file gets while it is composed
 ABSENT = "<absent>"
