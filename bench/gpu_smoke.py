@@ -202,7 +202,7 @@ def refit_check(name: str, overrides: list[str], args: argparse.Namespace) -> li
     import torch
 
     from molt import refit
-    from molt.driver.models import model_path
+    from molt.plan.models import model_path
     from molt.rollout.dispatch import Dispatcher
     from molt.rollout.engine import start_engine
     from molt.spec.config import compose

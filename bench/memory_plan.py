@@ -23,8 +23,8 @@ from breakdown import PROMPT, policy_batch
 from common import write_section
 from molt_run import overrides
 
-from molt.driver.arch import arch_of
-from molt.driver.memory import trainer_estimate
+from molt.plan.arch import arch_of
+from molt.plan.memory import trainer_estimate
 
 MIB = 2 ** 20
 
@@ -35,7 +35,7 @@ def _status_kib(field: str) -> int:
 
 
 def measure(size: str, rows: int, length: int) -> dict[str, float]:
-    from molt.driver.models import model_path
+    from molt.plan.models import model_path
     from molt.spec.config import compose
     from molt.trainer.worker import TrainerWorker
 

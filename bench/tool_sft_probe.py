@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from molt.inputs.sft_data import tokenize_conversation
 from molt.inputs.tiny import tiny_model_path
-from molt.sft.data import tokenize_conversation
 
 ROWS = Path(__file__).resolve().parents[1] / "examples" / "data" / "tool_products_sft.jsonl"
 

@@ -37,7 +37,7 @@ def compare(size: str, threads: int, repeats: int, length: int = 128) -> dict[st
     import ray
     from transformers import AutoModelForCausalLM
 
-    from molt.driver.placement import init_ray
+    from molt.plan.placement import init_ray
     from molt.spec.config import compose
     from molt.trainer import TrainerRanks
 

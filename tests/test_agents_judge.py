@@ -59,8 +59,8 @@ def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer,
 
 
 def test_judge_engines_get_gpus_of_their_own_in_the_plan():
-    from molt.driver.memory import estimates
-    from molt.driver.placement import describe, plan
+    from molt.plan.memory import estimates
+    from molt.plan.placement import describe, plan
     from molt.spec.config import compose
 
     gpu = ["agent=judge", "parallel=gpu8", "parallel.nodes=1", "parallel.trainer_nodes=null",

@@ -59,8 +59,8 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
     the depth being a flag) at the stated size, and on a machine without 2 GPUs it stops with exit code 2
     naming the assumption before it starts anything."""
-    from molt.driver.models import model_path
-    from molt.driver.placement import plan
+    from molt.plan.models import model_path
+    from molt.plan.placement import plan
     from molt.spec.config import compose
 
     loaded = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "bench" / "gpu_smoke.py")

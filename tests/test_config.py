@@ -475,7 +475,7 @@ def test_an_invalid_sweep_job_fails_before_any_job_starts(tmp_path, monkeypatch,
     (["rollout.mode=async", "algo=tis", "parallel.cpu_threads=3"], {"engine": 3, "policy": 3}),
 ])
 def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
-    from molt.driver.placement import cpu_threads
+    from molt.plan.placement import cpu_threads
     from molt.rollout.engine_args import actor_options
     from molt.trainer.worker import TrainerWorker
 

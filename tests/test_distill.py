@@ -53,7 +53,7 @@ def test_student_reverse_kl_to_a_larger_teacher_falls(tmp_path, ray_session) -> 
 
 def test_teacher_needs_the_students_tokenizer() -> None:
     """A teacher with another vocabulary is refused when its trainer builds it (the check runs there)."""
-    from molt.driver.models import check_same_tokenizer
+    from molt.plan.models import check_same_tokenizer
 
     with pytest.raises(SpecError, match="reference_tiny"):
         compose(["++model.reference_tiny={hidden_size: 256}"])

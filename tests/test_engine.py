@@ -350,9 +350,9 @@ def test_eval_sampling_uses_eval_params(direct, engine, engine_spec):
 
 def test_engine_runs_in_its_actor_with_the_planned_threads(engine, engine_spec):
     """vLLM's engine core and its worker run in the engine actor's own process (no child process: one
-    vLLM import per engine), with the threads `molt.driver.placement.cpu_threads` plans (the rule itself
+    vLLM import per engine), with the threads `molt.plan.placement.cpu_threads` plans (the rule itself
     and the trainer's side: tests/test_config.py)."""
-    from molt.driver.placement import cpu_threads
+    from molt.plan.placement import cpu_threads
 
     def layout(actor) -> tuple:
         import psutil

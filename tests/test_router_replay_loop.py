@@ -37,7 +37,7 @@ def test_async_partial_run_replays_the_engine_routes(tmp_path, ray_session, monk
     from transformers import AutoModelForCausalLM
 
     from molt.driver.loop import train
-    from molt.driver.models import model_path
+    from molt.plan.models import model_path
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     spec = compose(["model=tiny_moe", "rollout.mode=async", "rollout.partial_rollout=true",

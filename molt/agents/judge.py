@@ -55,8 +55,8 @@ class Judge:
         plan gives them, or connect to agent.judge.url."""
         from transformers import AutoTokenizer
 
-        from molt.driver.models import model_path
-        from molt.driver.placement import plan
+        from molt.plan.models import model_path
+        from molt.plan.placement import plan
         from molt.rollout.engine import start_engines
 
         judge = spec.agent.judge

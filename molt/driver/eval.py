@@ -72,9 +72,9 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
 
     from molt.agents import load_agent_runner
     from molt.driver.export import as_hf_folder
-    from molt.driver.models import model_path
-    from molt.driver.placement import init_ray
     from molt.inputs.data import load_eval_sets
+    from molt.plan.models import model_path
+    from molt.plan.placement import init_ray
     from molt.rollout.dispatch import Dispatcher
     from molt.rollout.engine import start_engines
 

@@ -51,7 +51,7 @@ def run_spec_of(checkpoint: Path) -> RunSpec:
 
 def export_checkpoint(checkpoint: Path) -> Path:
     """Write <checkpoint>/hf from the checkpoint's policy weights; returns the folder."""
-    from molt.driver.models import model_path
+    from molt.plan.models import model_path
     from molt.trainer.worker import TrainerWorker
 
     spec = run_spec_of(checkpoint).model_copy(deep=True)

@@ -13,8 +13,8 @@ log = logging.getLogger("molt")
 def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
     """What the launcher places where, in words (printed by `run.dry_run=true` and at every start);
     `nodes` (the bound Ray nodes) adds each plan node's address."""
-    from molt.driver import memory
-    from molt.driver.placement import describe
+    from molt.plan import memory
+    from molt.plan.placement import describe
 
     p, e = spec.parallel, spec.rollout.engine
     unit = "GPU" if p.device == "cuda" else "CPU process"
@@ -54,7 +54,7 @@ def check_inputs(spec: RunSpec) -> None:
     model the engines cannot serve adapters for, so a bad path, name or model fails before anything starts."""
     from molt.agents import load_agent_runner
     from molt.inputs.data import PromptDataset, load_eval_sets
-    from molt.sft.data import load_conversations
+    from molt.inputs.sft_data import load_conversations
     from molt.spec.plugins import load_plugins
 
     load_plugins(spec)
@@ -70,7 +70,7 @@ def check_inputs(spec: RunSpec) -> None:
     # The loop starts its engines one by one (start_engine), which skips start_engines' check_lora; the
     # guard keeps a run without LoRA (a dry run too) from resolving, and so building, the model here.
     if spec.model.lora.rank:
-        from molt.driver.models import model_path
+        from molt.plan.models import model_path
         from molt.rollout.engine_args import check_lora
 
         check_lora(model_path(spec), spec.model)
@@ -116,8 +116,8 @@ def launch(spec: RunSpec) -> dict[str, float]:
     import ray
 
     from molt.driver.loop import train as train_rl
-    from molt.driver.placement import bind, init_ray
-    from molt.sft.loop import train as train_sft
+    from molt.driver.sft_loop import train as train_sft
+    from molt.plan.placement import bind, init_ray
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_ray(spec)

@@ -29,13 +29,13 @@ from molt.driver.checkpoints import carry_best, find_checkpoint, latest_of, new_
 from molt.driver.eval import evaluate
 from molt.driver.fleet import Fleet
 from molt.driver.metrics import RunLogger
-from molt.driver.models import model_path
+from molt.driver.probe import probe_gap, probe_prompt, sample_probe
 from molt.driver.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch, turn_credit
 from molt.inputs.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.inputs.vision import processor
+from molt.plan.models import model_path
 from molt.rollout.engine import start_engine
 from molt.rollout.pool import RolloutPool
-from molt.rollout.probe import probe_gap, probe_prompt, sample_probe
 from molt.rollout.sampling import TrainingSampler
 from molt.spec import RunSpec
 from molt.trainer.batch import add_images, check_token_first, make_batch

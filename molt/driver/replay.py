@@ -25,8 +25,8 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
 
     from molt.driver.loop import learn
     from molt.driver.metrics import load_rollouts
-    from molt.driver.models import model_path
-    from molt.driver.placement import init_ray
+    from molt.plan.models import model_path
+    from molt.plan.placement import init_ray
     from molt.trainer.ranks import load_trainers, start_trainers, stop_trainers
 
     spec = RunSpec.model_validate(yaml.safe_load((run_dir / "spec.yaml").read_text()))

@@ -8,8 +8,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from molt.driver import memory
-from molt.driver.placement import plan
+from molt.plan import memory
+from molt.plan.placement import plan
 from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
 from molt.spec.plugins import load_plugins
 

@@ -77,7 +77,7 @@ class ModelSpec(Strict):
     @field_validator("arch")
     @classmethod
     def _arch_keys(cls, value: dict[str, int]) -> dict[str, int]:
-        from molt.driver.arch import ARCH_KEYS
+        from molt.plan.arch import ARCH_KEYS
 
         unknown = sorted(set(value) - set(ARCH_KEYS))
         if unknown:

@@ -18,8 +18,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from molt.driver.models import check_same_tokenizer, model_path
-from molt.driver.placement import cluster_nodes, node_selector, plan
+from molt.plan.models import check_same_tokenizer, model_path
+from molt.plan.placement import cluster_nodes, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
 

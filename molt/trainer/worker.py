@@ -29,7 +29,7 @@ from molt.algo import (
     value_loss,
     with_kl_coef,
 )
-from molt.driver.placement import cpu_threads
+from molt.plan.placement import cpu_threads
 from molt.spec import AlgoSpec, RunSpec
 from molt.spec.plugins import load_plugins
 from molt.trainer import checkpoint, weights

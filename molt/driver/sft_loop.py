@@ -20,9 +20,9 @@ from typing import Any
 from molt.driver.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
 from molt.driver.loop import install_stop_handler
 from molt.driver.metrics import RunLogger
-from molt.driver.models import model_path
 from molt.inputs.data import PromptIterator
-from molt.sft.data import Example, load_conversations, sft_batch, tokenize_rows
+from molt.inputs.sft_data import Example, load_conversations, sft_batch, tokenize_rows
+from molt.plan.models import model_path
 from molt.spec import RunSpec, eval_names
 from molt.trainer.ranks import TrainerRanks
 

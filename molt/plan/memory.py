@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from molt.driver.arch import (
+from molt.plan.arch import (
     Arch,
     arch_of,
     expert_params,
@@ -191,7 +191,7 @@ def cpu_engine_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
 def estimates(spec: RunSpec) -> tuple[list[Estimate], list[str]]:
     """The estimate of one device of every role the plan places, and the roles left out (no architecture
     numbers: a hub id without model.arch)."""
-    from molt.driver.placement import plan
+    from molt.plan.placement import plan
 
     roles = list(dict.fromkeys(s.role for s in plan(spec)))
     out, unknown = [], []
