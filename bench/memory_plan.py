@@ -1,4 +1,4 @@
-"""The dry run's memory estimate (molt/memory.py) against the measured peak of one trainer rank on CPU.
+"""The dry run's memory estimate (molt/plan/memory.py) against the measured peak of one trainer rank on CPU.
 
 One `TrainerWorker` runs in this process (world size 1, gloo, fp32): `setup` (model and optimizer), then
 one `update` on a GRPO batch of `rows` rows of 8 prompt + `length` sampled tokens in one micro-batch. The

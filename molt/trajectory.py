@@ -62,7 +62,7 @@ class Segment:
     # top_k] per turn, in order; a turn's values hold until the next turn's index. The trainer scores
     # every token under the same distribution. Empty: the run's rollout.temperature/top_p/top_k.
     sampling: list[list[float]] = field(default_factory=list)
-    # Vision-language models: the images (data URLs of their exact bytes, molt.vision) that the image
+    # Vision-language models: the images (data URLs of their exact bytes, molt.inputs.vision) that the image
     # placeholders in `token_ids` stand for, in order; `token_ids` holds the placeholders as the engine
     # expanded them (one per merged patch), so the trainer reads the sequence the engine read.
     images: list[str] = field(default_factory=list)

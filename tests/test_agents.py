@@ -93,7 +93,7 @@ def assert_exact(rollout, calls: list[dict]) -> list[list[dict]]:
 
 def turn_glue(tok, sampled: list[int], role: str, content: str) -> list[int]:
     """The template's tokens between a sampled turn and the next generation, written out by hand for
-    molt.tiny's ChatML template (its `{%-` tags drop the newlines between turns)."""
+    molt.inputs.tiny's ChatML template (its `{%-` tags drop the newlines between turns)."""
     close = "" if sampled and sampled[-1] == tok.eos_token_id else END
     return encode(tok, f"{close}{IM}{role}\n{content}{END}{IM}assistant")
 

@@ -1,5 +1,6 @@
-"""Hugging Face datasets as data.train_path / data.eval (molt/data_hub.py), read by `datasets.load_dataset`
-from local copies in the hub's layout (tests/datalib.py), and the math-verify reward the math recipes use."""
+"""Hugging Face datasets as data.train_path / data.eval (molt/inputs/data_hub.py), read by
+`datasets.load_dataset` from local copies in the hub's layout (tests/datalib.py), and the math-verify
+reward the math recipes use."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_embedded_files_are_the_files():
 
 
 def parameters(**opts: int) -> int:
-    """Parameters of the molt.tiny model with these options (tied embeddings counted once)."""
+    """Parameters of the molt.inputs.tiny model with these options (tied embeddings counted once)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Block-FP8 refits (molt/fp8.py): the quantizer against scales worked out by hand, which tensors a
+"""Block-FP8 refits (molt/trainer/fp8.py): the quantizer against scales worked out by hand, which tensors a
 checkpoint quantizes, refusals, and FP8 tensors with their scales across the refit wire."""
 
 from __future__ import annotations

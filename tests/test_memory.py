@@ -1,4 +1,4 @@
-"""The memory plan (molt/memory.py): the formula by hand on a small config, the parameter counts of the
+"""The memory plan (molt/plan/memory.py): the formula by hand on a small config, the parameter counts of the
 shipped hub models against their published sizes, the refusal of plans that cannot fit (with the knob that
 would make them fit), and the estimate against the measured peak of a CPU trainer rank."""
 
@@ -83,7 +83,7 @@ def test_the_hub_models_numbers_give_their_published_sizes(model, published):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe", "tiny_vl"])
 def test_a_folders_config_and_the_tiny_options_agree(model):
-    # the tiny model's options (what a dry run reads) describe the folder molt.tiny writes
+    # the tiny model's options (what a dry run reads) describe the folder molt.inputs.tiny writes
     from molt.plan.models import model_path
 
     spec = compose([f"model={model}"])

@@ -26,7 +26,7 @@ def png(size: tuple[int, int], seed: int) -> bytes:
 
 
 def test_tiny_vlm_folder_loads_offline(vlm_path) -> None:
-    """molt.tiny's VLM folder: transformers' auto classes load model and processor (Pillow images, no
+    """molt.inputs.tiny's VLM folder: transformers' auto classes load model and processor (Pillow images, no
     torchvision), and the chat template renders an image part as one vision placeholder."""
     from transformers import AutoModelForImageTextToText
 

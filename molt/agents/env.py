@@ -30,8 +30,8 @@ from molt.trajectory import AgentError, Rollout, Sampler
 @dataclass
 class Result:
     reward: float
-    # next input: text (a user turn), a whole message dict (its content may hold image parts, molt.vision),
-    # or a list of messages (the tool messages `Env.call_tools` returns)
+    # next input: text (a user turn), a whole message dict (its content may hold image parts,
+    # molt.inputs.vision), or a list of messages (the tool messages `Env.call_tools` returns)
     observation: str | dict | list[dict] | None = None
     terminated: bool = True
     truncated: bool = False

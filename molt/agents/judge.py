@@ -13,7 +13,7 @@ of "yes" against "no", sigmoid((log p(yes) - log p(no)) / agent.judge.temperatur
 judge that would have written garbage still gives a number in (0, 1), it is continuous (groups of equal
 0/1 verdicts would carry no advantage), and it costs two prefill passes and no decoding.
 
-The judge's engines have GPUs of their own on CUDA (molt/placement.py plans them like the policy's). A judge
+The judge's engines have GPUs of their own on CUDA (plan/placement.py plans them as the policy's). A judge
 served elsewhere is `agent.judge.url`, an OpenAI-compatible server (vLLM's): the same words are scored as
 the echoed prompt logprobs of a completion request of token ids, rendered with `agent.judge.path`'s
 tokenizer. Either way a verdict request gets `agent.judge.timeout_s`, is retried `agent.judge.retries`

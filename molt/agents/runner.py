@@ -87,7 +87,7 @@ class Runner:
 
     def messages_of(self, item: dict) -> list[dict]:
         data = self.spec.data
-        if item.get(data.messages_key):   # messages win over a prompt string, as in molt.data
+        if item.get(data.messages_key):   # messages win over a prompt string, as in molt.inputs.data
             return [dict(m) for m in item[data.messages_key]]
         if item.get(data.prompt_key) is not None:
             return [{"role": "user", "content": str(item[data.prompt_key])}]

@@ -273,7 +273,7 @@ class LoopbackServer:
 
         A turn that fails or is cancelled leaves the session as it was before the request."""
         # OpenAI's `developer` role is the system prompt under another name; templates know `system`.
-        # Text parts are joined into a string; a message with images keeps its parts (molt.vision).
+        # Text parts are joined into a string; a message with images keeps its parts (molt.inputs.vision).
         messages = [{**m, "content": m["content"] if _has_image(m) else text_of(m.get("content")),
                      "role": "system" if m.get("role") == "developer" else m.get("role")}
                     for m in self._normalize(chat)]

@@ -115,7 +115,7 @@ class Position:
     saved: int              # the step of the last checkpoint written (or loaded)
     kl_coef: float          # the KL weight in use (algo.kl.coef, moved by the adaptive controller)
     trainer_restarts: int = 0
-    probe: asyncio.Task | None = None   # async mode: the post-refit probe (molt.rollout.probe)
+    probe: asyncio.Task | None = None   # async mode: the post-refit probe (molt.driver.probe)
 
 
 def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, tuple, Any, RunLogger]:
@@ -159,7 +159,7 @@ async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, c
     sync = spec.rollout.mode == "sync"
 
     def engines_generating(busy: bool) -> None:   # async, CPU, cpu_threads null: idle engines lend
-        for group in filter(None, trainers):       # their cores to the trainer (molt.placement.cpu_threads)
+        for group in filter(None, trainers):       # their cores to the trainer (placement.cpu_threads)
             group.set_engines_idle(not busy)
     lend = not sync and spec.parallel.device == "cpu" and not spec.parallel.cpu_threads
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,

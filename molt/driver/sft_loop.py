@@ -1,11 +1,11 @@
 """Supervised fine-tuning on the RL trainer: `python -m molt.sft +experiment=NAME` (train.objective=sft).
 
-    setup      model path → tokenizer → conversations → examples (molt/sft/data.py) → policy trainer ranks
+    setup      model path → tokenizer → conversations → examples (molt/inputs/sft_data.py) → policy ranks
     each step  train.prompts_per_step examples (seeded, resumable epochs) → sorted by length, dealt to
                the data-parallel ranks → policy.update: token-mean NLL on the assistant tokens
                (molt.algo.sft_loss) through the same micro-batching and global normalization as RL
                → log; eval loss of every data.eval set at step 0 and every train.eval_every;
-               checkpoints, HF exports and the best checkpoint exactly as in RL (molt/checkpoints.py)
+               checkpoints, HF exports and the best checkpoint exactly as in RL (molt/driver/checkpoints.py)
 
 No engine starts: nothing is sampled.
 """

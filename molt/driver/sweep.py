@@ -36,7 +36,7 @@ def job_row(job: Path) -> dict[str, Any]:
     window = max(1, len(reward) // 10)
     last_eval = next((r for r in reversed(rows.values()) if any(k.startswith("eval/") for k in r)), {})
     spec = yaml.safe_load((job / "spec.yaml").read_text()) if (job / "spec.yaml").is_file() else {}
-    # molt.eval.set_metrics logs each set's mean@N first, and `evaluate` the sets in data.eval order
+    # molt.driver.eval.set_metrics logs each set's mean@N first, and `evaluate` the sets in data.eval order
     metric = spec.get("train", {}).get("best_metric") or next(
         (k for k in last_eval if k.startswith("eval/") and "/mean@" in k), None)
     step_time = sum(r.get("time/step", 0.0) for r in rows.values())

@@ -1,10 +1,10 @@
-"""Prompt datasets: JSONL or Parquet rows (or a Hugging Face dataset: molt/data_hub.py), and a seeded,
+"""Prompt datasets: JSONL or Parquet rows (or a Hugging Face dataset: molt/inputs/data_hub.py), and a seeded,
 resumable epoch iterator over them.
 
 A row holds either chat-format messages (`data.messages_key`) or a prompt string (`data.prompt_key`),
 plus a label (`data.label_key`, may be null); other keys are the agent's (tool specs, test cases).
 Items are the row dicts themselves, as both agent kinds take them (`molt.agents` reads messages and
-label with the same keys); their messages may hold images (molt.vision). Rows are checked once at load
+label with the same keys); their messages may hold images (molt.inputs.vision). Rows are checked once at load
 time, so a bad row fails before any engine starts, naming its file and line.
 """
 
@@ -37,7 +37,7 @@ def resolve_path(path: str | Path) -> Path:
 def _check_row(row: Any, data: DataSpec, base_dir: Path | None = None) -> dict[str, Any]:
     """The checked row; raises ValueError saying what is wrong (the caller adds file and line).
 
-    Image parts of messages (a path relative to `base_dir`, bytes, or a data URL; molt.vision) become
+    Image parts of messages (a path relative to `base_dir`, bytes, or a data URL; molt.inputs.vision) become
     {"type": "image", "image": <data URL>}, each decoded once here.
 
     Messages win over a prompt string when a row has both (as in `molt.agents`). A null messages /

@@ -1,6 +1,6 @@
 """A Hugging Face dataset as Molt rows: `data.train_path` / `data.eval` given as {hub, config, split, fields |
 transform} (molt.spec.HubDataset), loaded with `datasets.load_dataset`, so its cache and its offline mode
-(HF_DATASETS_OFFLINE=1, HF_HOME) apply. The rows then pass the same checks as a file's rows (molt/data.py).
+(HF_DATASETS_OFFLINE=1, HF_HOME) apply. The rows then pass the same checks as a file's rows (data.py).
 
 `fields` maps Molt's fields to the dataset's columns; other columns stay in the row for the agent. `images`
 (a column holding one image or a list) becomes one user message: the images, then the prompt's text with
@@ -26,7 +26,7 @@ def describe(source: HubDataset) -> str:
 
 
 def hub_rows(source: HubDataset, data: DataSpec) -> list[dict[str, Any]]:
-    """The rows of `source` in Molt's shape (not yet checked: molt.data.read_rows checks them)."""
+    """The rows of `source` in Molt's shape (not yet checked: molt.inputs.data.read_rows checks them)."""
     import datasets
 
     where = describe(source)
@@ -71,7 +71,7 @@ def _mapped(row: dict[str, Any], fields: dict[str, str], data: DataSpec) -> dict
 
 
 def _image(value: Any) -> Any:
-    """A stored image ({"bytes", "path"}) as its bytes, else as given (a path, a data URL: molt.vision)."""
+    """A stored image ({"bytes", "path"}) as its bytes, else as given (a path or a data URL)."""
     if isinstance(value, dict):
         return value.get("bytes") or value.get("path")
     return value

@@ -1,7 +1,7 @@
 """The tiny VLM's processor: Qwen2.5-VL's, without its video processor.
 
 Every video processor in transformers needs torchvision, which has no CPU build for the torch that
-vLLM's CPU build pins; images need only Pillow. `molt.tiny` copies this file into the model folder and
+vLLM's CPU build pins; images need only Pillow. `molt.inputs.tiny` copies this file into the model folder and
 names it in `auto_map`, so the folder loads with `trust_remote_code` wherever transformers or vLLM
 look for its processor. It must import nothing but transformers.
 """

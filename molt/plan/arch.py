@@ -1,8 +1,8 @@
 """A model's architecture numbers and parameter counts, from the spec alone (no weights loaded).
 
-The numbers come from a local folder's config.json, the tiny model's options (molt/tiny.py), or
+The numbers come from a local folder's config.json, the tiny model's options (molt/inputs/tiny.py), or
 `model.arch` (conf/model/*.yaml, copied from the hub model's public config.json, since a hub model's config
-is not on disk before its first download). molt/memory.py sizes every role's device memory from them.
+is not on disk before its first download). molt/plan/memory.py sizes every role's device memory from them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Arch:
-    """The architecture numbers a memory estimate needs, named like molt.tiny's options (HF config keys in
+    """The architecture numbers a memory estimate needs, named like tiny-model options (HF config keys in
     `HF_KEYS`). MLA attention (DeepSeek) when kv_lora_rank > 0; MoE when num_experts > 0."""
 
     hidden_size: int
@@ -86,10 +86,10 @@ def arch_of(spec: RunSpec, role: str = "policy") -> Arch | None:
         return _from_folder(model.path) or (Arch(**model.arch) if model.arch else None)
     else:
         tiny = {**DEFAULTS, **model.tiny}
-    if not tiny["num_experts"]:   # molt.tiny's MoE options act only with experts (as in the config it writes)
+    if not tiny["num_experts"]:   # the tiny model's MoE options act only with experts (as in its config)
         tiny = {**tiny, "num_experts_per_tok": 0, "moe_intermediate_size": 0}
     vision = {}
-    if tiny["vision_layers"]:   # molt.tiny's VLM: its vision tower, untied, 4 vision tokens more
+    if tiny["vision_layers"]:   # molt.inputs.tiny's VLM: its vision tower, untied, 4 vision tokens more
         vision = dict(vision_hidden_size=VISION["hidden_size"],
                       vision_intermediate_size=VISION["intermediate_size"])
         tiny = {**tiny, "tie_word_embeddings": 0, "vocab_size": tiny["vocab_size"] + len(VISION_TOKENS)}

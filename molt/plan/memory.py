@@ -5,7 +5,7 @@ engines), the bytes one device holds, split into named parts; `check(spec)` refu
 CUDA plan whose estimate exceeds `parallel.gpu_memory_gib`, naming the role, the estimate and what would
 make it fit. The formula, its assumptions and how it compares with measured peaks: docs/parallelism.md#memory.
 
-Model sizes come from the model's architecture numbers (molt/arch.py).
+Model sizes come from the model's architecture numbers (molt/plan/arch.py).
 """
 
 from __future__ import annotations

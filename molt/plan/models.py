@@ -1,5 +1,6 @@
 """Where each role's weights come from, resolved once, in the driver: `model.path`, a reference of its own,
-or a tiny model that molt/tiny.py builds offline (so a trainer rank or an engine only ever reads a folder)."""
+or a tiny model that molt/inputs/tiny.py builds offline (so a trainer rank or an engine only reads a
+folder)."""
 
 from __future__ import annotations
 

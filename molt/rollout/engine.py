@@ -362,7 +362,7 @@ class EngineActor:
 
 
 def start_engine(spec: Any, model_path: str, index: int, slot: Any = None) -> Any:
-    """Engine actor `index` on its plan node (molt/placement.py), or on `slot`'s (a judge engine, planned
+    """Engine actor `index` on its plan node (molt/plan/placement.py), or on `slot`'s (a judge engine, planned
     from the run's spec); call `ready` on it before use."""
     from molt.plan.placement import cluster_nodes, cpu_threads, node_selector, plan
 

@@ -3,7 +3,7 @@
 Every performance flag a user may want is either an `EngineSpec` field mapped here or goes through
 `rollout.engine.extra_args`, which is passed to `EngineArgs` unchanged and wins over the mapped
 values, so a new vLLM flag never needs a code change (the spec refuses there the arguments it derives
-from other keys: `molt.spec_sections.OWNED_ENGINE_ARGS`).
+from other keys: `molt.spec.sections.OWNED_ENGINE_ARGS`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
     cores.
 
     On CPU the engine runs its worker inside the actor's process (≈2× faster on few cores than a
-    separate worker process) with `threads` OpenMP threads (`molt.placement.cpu_threads`), not pinned,
+    separate worker process) with `threads` OpenMP threads (`molt.plan.placement.cpu_threads`), not pinned,
     so several engines can share cores.
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.

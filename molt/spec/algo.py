@@ -1,6 +1,6 @@
-"""The `algo` and `train` sections of the run spec (molt/spec.py composes them into RunSpec).
+"""The `algo` and `train` sections of the run spec (molt/spec/run.py composes them into RunSpec).
 
-`Strict` lives here, below molt/spec.py, so both modules share one base without an import cycle.
+`Strict` lives here, below molt/spec/run.py, so both modules share one base without an import cycle.
 """
 
 from __future__ import annotations

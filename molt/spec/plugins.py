@@ -2,8 +2,8 @@
 
 A plugin is a dotted module or a .py file, like `agent.module`; importing it runs its registrations
 (`@register_estimator(...)`, `POLICY_LOSSES[name] = fn`). Registries live in each process, so the
-driver loads the plugins when it checks a spec (`molt.config.to_spec`, `molt.launch.launch`) and every
-trainer rank loads them again before it computes a loss.
+driver loads the plugins when it checks a spec (`molt.spec.config.to_spec`, `molt.driver.launch.launch`) and
+every trainer rank loads them again before it computes a loss.
 """
 
 from __future__ import annotations

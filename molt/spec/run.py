@@ -111,8 +111,9 @@ def _check_eval_keys(spec: RunSpec) -> None:
     if len(parts) != 3 or parts[0] != "eval" or parts[1] not in names:
         raise ValueError(f"train.best_metric={metric!r} must be eval/NAME/METRIC with NAME the stem of a "
                          f"data.eval file ({', '.join(names) or 'none configured'}), e.g. eval/NAME/pass@1")
-    # the metrics an evaluation logs (molt/eval.py set_metrics; SFT: molt/sft/loop.py eval_losses): an unknown
-    # one would only fail at the first evaluation, taking the steps since the last checkpoint with it
+    # the metrics an evaluation logs (molt/driver/eval.py set_metrics; SFT: molt/driver/sft_loop.py
+    # eval_losses): an unknown one would only fail at the first evaluation, taking the steps since the
+    # last checkpoint with it
     n = spec.rollout.eval.n
     logged = ["loss"] if spec.train.objective == "sft" else [f"mean@{n}", *(f"pass@{k}" for k in pass_ks(n))]
     if parts[2] not in logged:
@@ -125,7 +126,7 @@ def _check_eval_keys(spec: RunSpec) -> None:
 
 def check_combinations(spec: RunSpec) -> None:
     """Cross-section refusals that need a reason (the placement plan is checked after validation:
-    molt.config.to_spec)."""
+    molt.spec.config.to_spec)."""
     _moe_with_expert_parallel(spec)
     _route_capture(spec)
     _speculative_decoding(spec)
@@ -231,7 +232,7 @@ def _vlm(model: ModelSpec) -> bool:
 
         try:
             cached = try_to_load_from_cache(model.path, "config.json")
-        except HFValidationError:     # not a hub id either: molt.models.model_path says so at launch
+        except HFValidationError:     # not a hub id either: molt.plan.models.model_path says so at launch
             return False
         if not isinstance(cached, str):
             return False

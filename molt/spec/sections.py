@@ -1,5 +1,5 @@
 """The run, model, parallel, rollout, agent, data, logging and ray sections of the run spec
-(molt/spec.py composes them, with molt/spec_algo.py's algo and train sections, into RunSpec)."""
+(molt/spec/run.py composes them, with molt/spec/algo.py's algo and train sections, into RunSpec)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class ModelSpec(Strict):
     tiny: dict[str, int] = Field(
         default_factory=lambda: dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                                      vocab_size=320),
-        description="molt.tiny options (sizes, experts, seed; the rest: molt.tiny's defaults)")
+        description="molt.inputs.tiny options (sizes, experts, seed; the rest: molt.inputs.tiny's defaults)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="compute dtype of engines and trainer (master weights stay float32; CPU: "
         "the trainer under CPU autocast); float16 is refused: the trainer has no loss scaling")
@@ -57,7 +57,7 @@ class ModelSpec(Strict):
         None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "
         "a frozen copy of the start; 'tiny' = built offline from reference_tiny")
     reference_tiny: dict[str, int] = Field(
-        default_factory=dict, description="molt.tiny options of the reference when reference=tiny (e.g. a "
+        default_factory=dict, description="tiny-model options of the reference when reference=tiny (e.g. a "
         "larger teacher to distill from)")
     critic: bool = Field(False, description="train a value model beside the policy (gae needs one; "
                          "only gae uses it)")
@@ -71,7 +71,7 @@ class ModelSpec(Strict):
     lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters instead of full fine-tuning")
     arch: dict[str, int] = Field(
         default_factory=dict, description="architecture numbers of a hub model for the memory estimate "
-        "(molt/arch.py Arch: hidden_size, num_layers, ...; copied from its config.json); a local folder's "
+        "(molt/plan/arch.py Arch: hidden_size, num_layers, ...; from its config.json); a local folder's "
         "config.json and the tiny model's options are read instead")
 
     @field_validator("arch")
@@ -91,7 +91,7 @@ class ModelSpec(Strict):
 class ParallelSpec(Strict):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where trainer ranks and engines run: cpu (gloo) or cuda (NCCL)")
-    nodes: int = Field(1, ge=1, description="Ray nodes the run uses (the placement plan, molt/placement.py)")
+    nodes: int = Field(1, ge=1, description="Ray nodes the run uses (molt/plan/placement.py)")
     gpus_per_node: int = Field(8, ge=1, description="cuda: GPUs on each node; the plan must fit nodes x this")
     trainer_nodes: int | None = Field(
         None, description="K: nodes 0..K-1 train, the others generate; null: all roles share every node")
@@ -106,7 +106,7 @@ class ParallelSpec(Strict):
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     gpu_memory_gib: float = Field(
         80.0, gt=0, description="cuda: memory of one GPU; the plan is refused when a role's estimate "
-        "(molt/memory.py, shown by run.dry_run=true) exceeds it")
+        "(molt/plan/memory.py, shown by run.dry_run=true) exceeds it")
     cpu_threads: int | None = Field(
         None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
         "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
@@ -252,8 +252,8 @@ class JudgeSpec(Strict):
 
     @model_validator(mode="after")
     def _no_restarts(self) -> JudgeSpec:
-        # Only the policy's engines have a fleet that restarts them (molt/fleet.py); the judge's dispatcher
-        # goes on with the live ones and fails the verdicts once none is left.
+        # Only the policy's engines have a fleet that restarts them (molt/driver/fleet.py); the judge's
+        # dispatcher goes on with the live ones and fails the verdicts once none is left.
         if self.url and not self.path:
             raise ValueError(f"agent.judge.url={self.url} needs agent.judge.path: the folder of the judge's "
                              "tokenizer (or 'policy'), which renders the verdict prompt")
@@ -295,7 +295,7 @@ class AgentSpec(Strict):
 
 
 class HubDataset(Strict):
-    """A Hugging Face dataset in place of a data file (molt/data_hub.py loads it: datasets.load_dataset)."""
+    """A Hugging Face dataset in place of a data file (molt/inputs/data_hub.py: datasets.load_dataset)."""
     hub: str = Field(description="hub id (openai/gsm8k), or a local folder in the hub's layout")
     config: str | None = Field(None, description="the dataset's configuration (subset), e.g. main")
     split: str = Field("train", description="split, e.g. train, test, train[:1000]")

@@ -84,7 +84,7 @@ def add_images(batch: dict[str, torch.Tensor], segments: list[Segment], proc: An
     """Add each row's images as `pixel_values` [B, patches, dim] and `image_grid_thw` [B, images, 3]
     (zero-padded: a zero grid is no image), and take image placeholders out of the loss.
 
-    `proc` is the model's processor (molt.vision.processor). A row's placeholder count must be what its
+    `proc` is the model's processor (molt.inputs.vision.processor). A row's placeholder count must be what its
     images expand to, or the trainer would not read what the engine read.
     """
     image_token, merge = proc.image_token_id, proc.image_processor.merge_size ** 2

@@ -70,8 +70,8 @@ def distributed_setup(spec: RunSpec) -> Any:
 
 
 def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
-    """The sharded model of `role` (policy | reference | critic), loaded from `path` (molt.models, resolved
-    by the driver), on `distributed_setup(spec)`'s mesh, ready for forward on this rank."""
+    """The sharded model of `role` (policy | reference | critic), loaded from `path` (resolved by
+    the driver: molt.plan.models), on `distributed_setup(spec)`'s mesh, ready for forward on this rank."""
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
     cuda = spec.parallel.device == "cuda"

@@ -1,7 +1,7 @@
 """Driver-side handle over the Ray actors of one trainer role (policy, reference or critic).
 
 The group places one `TrainerWorker` per rank (one GPU each on CUDA) on the node the placement plan gives
-it (molt/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
+it (molt/plan/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
 the same collective call on every rank: rows of a batch are padded to a multiple of dp_size and split
 into equal contiguous shards (tp/cp ranks of one data shard get the same rows), and rank 0's answer is
 returned.
@@ -73,7 +73,7 @@ class TrainerRanks:
                 "cluster is large enough, but other work holds those resources now (`ray status` shows "
                 "what is free)") from None
         # Imported here: the worker's module pulls in transformers and FSDP (≈4.5 s), which the driver
-        # then imports after it has asked for the engines, not before (start-up, molt/loop.py).
+        # then imports after it has asked for the engines, not before (start-up, molt/driver/loop.py).
         from molt.trainer.worker import TrainerWorker
 
         # "control": `set_engines_idle` is delivered while a step runs in the default group
@@ -131,7 +131,7 @@ class TrainerRanks:
 
     def set_engines_idle(self, idle: bool) -> None:
         """Async mode: the engines sample nothing (`idle`) or resume; the ranks change their CPU threads at
-        the next block of the model they compute (`molt.placement.cpu_threads`). Not awaited: it must not
+        the next block of the model they compute (`molt.plan.placement.cpu_threads`). Not awaited: it must not
         wait for a step."""
         for w in self.workers:
             w.set_engines_idle.remote(idle)

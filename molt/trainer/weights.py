@@ -188,8 +188,8 @@ def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: to
               out: torch.device, fp8: tuple[set[str], tuple[int, int]] | None = None
               ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield dicts of full tensors on `out` of about `chunk_bytes` each (rank 0; see `_chunks`), LoRA
-    adapters merged into their layers; with `fp8` (`molt.fp8.checkpoint_fp8` of a block-FP8 checkpoint)
-    the tensors it names quantized as the checkpoint holds them, with their scales."""
+    adapters merged into their layers; with `fp8` (`molt.trainer.fp8.checkpoint_fp8` of a block-FP8
+    checkpoint) the tensors it names quantized as the checkpoint holds them, with their scales."""
     for chunk in _chunks(_merged(model, device, dtype), chunk_bytes, device, out, model):
         yield quantize_chunk(chunk, fp8)
 

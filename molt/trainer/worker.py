@@ -60,7 +60,7 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (
 class TrainerWorker:
     def __init__(self, spec: RunSpec, role: str, rank: int, path: str) -> None:
         self.spec = spec   # this rank's own copy (Ray pickles it): the SFT switch below stays here
-        self.path = path   # the role's weights, resolved by the driver (molt.models)
+        self.path = path   # the role's weights, resolved by the driver (molt.plan.models)
         load_plugins(self.spec)   # this process's loss registry must hold the spec's names too
         self.role, self.rank = role, rank
         self.cuda = self.spec.parallel.device == "cuda"
@@ -128,7 +128,8 @@ class TrainerWorker:
         torch.manual_seed(self.spec.run.seed)
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
-        # the refit's format (block FP8: molt/fp8.py), read first: one it cannot reproduce stops the run here
+        # the refit's format (block FP8: molt/trainer/fp8.py), read first: one it cannot reproduce stops the
+        # run here
         self.fp8 = None if self.role != "policy" or self.spec.model.lora.rank else checkpoint_fp8(self.path)
         self.model = build_model(self.spec, self.role, self.path, setup)
         self._switch_threads_per_block()

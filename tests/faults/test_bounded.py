@@ -31,7 +31,7 @@ def test_the_router_forgets_every_rollout_when_it_ends(tok, engine, tmp_path):
     runner.setup(tok, spec)
     dispatcher = Dispatcher([engine])
 
-    async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:   # as molt.loop's
+    async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:   # as molt.driver.loop's
         row = {"prompt": item["prompt"], "label": "a", "fault": FAULTS[index]}
         return await runner.run(row, f"{group_id}-{index}", group_id, dispatcher)
 
