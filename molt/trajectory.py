@@ -22,6 +22,12 @@ class AgentError(ValueError):
     stops the run with its traceback."""
 
 
+class EngineDiedError(RuntimeError):
+    """An engine actor is gone (its rollouts are restarted), or no engine is left to run (the run stops).
+    Part of the contract: the dispatcher raises it through any sampler, and an agent's runner tells it
+    from an agent's own failure without knowing the rollout side."""
+
+
 class Sample(TypedDict):
     """One completion, engine -> agent (a plain dict: it crosses Ray). `EngineActor.generate` makes it,
     the dispatcher adds `engine`, the agent layer (`Trace.add_sample`) turns it into a segment's tokens."""

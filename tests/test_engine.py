@@ -338,12 +338,10 @@ def test_bfloat16_engine_takes_a_bfloat16_refit(own_engines, new_weights, tiny_m
 
 
 def test_eval_sampling_uses_eval_params(direct, engine, engine_spec):
-    from molt.rollout.sampling import eval_sampling, train_sampling
-
     spec = engine_spec.rollout.model_copy(update={"eval": engine_spec.rollout.eval.model_copy(
         update={"temperature": 0.0, "max_tokens": 5, "n": 3})})
-    sampling = eval_sampling(spec)
-    assert "n" not in sampling and train_sampling(spec)["temperature"] == 1.0
+    sampling = spec.eval.request()
+    assert "n" not in sampling and spec.request()["temperature"] == 1.0
     out = ray.get(engine.generate.remote(PROMPTS[1], sampling))
     assert out["token_ids"] == ray.get(direct)[0][1][1][0][:5]      # greedy, 5 tokens
 

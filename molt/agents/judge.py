@@ -29,9 +29,9 @@ import uuid
 from typing import Any
 
 from molt.agents.render import encode, render
-from molt.rollout.dispatch import Dispatcher, EngineDiedError
+from molt.rollout.dispatch import Dispatcher
 from molt.spec import JudgeSpec, LoRASpec, RunSpec
-from molt.trajectory import AgentError
+from molt.trajectory import AgentError, EngineDiedError
 
 YES, NO = "yes", "no"
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from molt.rollout.sampling import eval_sampling
 from molt.spec import RunSpec, pass_ks
 
 
@@ -52,7 +51,7 @@ async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[
     # rollout.eval is the agent's default sampling here, where training's would be (what State /
     # ChatContext.sampling_params report and the chat server starts from), so per-turn overrides and the
     # agent.max_total_tokens cap still apply; training rollouts in flight on `runner` keep theirs.
-    sampling = eval_sampling(spec.rollout)
+    sampling = spec.rollout.eval.request()
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
     results = await asyncio.gather(*[
         runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher, sampling)

@@ -23,8 +23,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from molt.rollout.dispatch import Dispatcher, EngineDiedError
+from molt.rollout.dispatch import Dispatcher
 from molt.rollout.engine import start_engine, start_engines
+from molt.trajectory import EngineDiedError
 
 PING_TIMEOUT_S = 60.0   # an engine actor that does not answer a trivial call for this long is treated as dead
 REFIT_GRACE_S = 30.0    # after a failed refit, how long the other engines get to finish theirs

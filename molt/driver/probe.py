@@ -17,11 +17,11 @@ from typing import Any
 
 from molt.agents.trace import Trace
 from molt.algo import gap_metrics, gap_sums
-from molt.rollout.dispatch import Dispatcher, EngineDiedError
-from molt.rollout.sampling import TrainingSampler, train_sampling
+from molt.rollout.dispatch import Dispatcher
+from molt.rollout.sampling import TrainingSampler
 from molt.spec import RunSpec
 from molt.trainer.batch import make_batch
-from molt.trajectory import AgentError, Rollout, Segment
+from molt.trajectory import AgentError, EngineDiedError, Rollout, Segment
 
 # Enough sampled tokens that one badly reproduced token shows in `mismatch/max_abs`; few enough that the
 # request ends within a few engine steps of the refit, alongside the groups the engines are sampling.
@@ -47,7 +47,7 @@ async def sample_probe(spec: RunSpec, dispatcher: Dispatcher, prompt_ids: list[i
     trace = Trace(key, "probe")
     trace.extend_prompt(list(prompt_ids))
     try:
-        trace.add_sample(await sampler.generate(list(prompt_ids), {**train_sampling(spec.rollout),
+        trace.add_sample(await sampler.generate(list(prompt_ids), {**spec.rollout.request(),
                                                                   "max_tokens": PROBE_TOKENS}, key))
     except (AgentError, EngineDiedError) as err:
         dispatcher.take_lost([key])

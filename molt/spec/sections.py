@@ -165,6 +165,11 @@ OWNED_ENGINE_ARGS = {"model": "model.path", "tensor_parallel_size": "rollout.eng
                      "worker_extension_cls": "Molt's refit (molt/rollout/worker.py)"}
 
 
+# The sampling a section sets for every request: one dict shape for training (`rollout.request()`) and
+# evaluation (`rollout.eval.request()`), which agents see and may override per turn.
+REQUEST_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
+
+
 class SamplingSpec(Strict):
     """How the eval sets are sampled (rollout.eval): greedy unless set."""
 
@@ -175,6 +180,10 @@ class SamplingSpec(Strict):
     n: int = Field(1, ge=1, description="samples per eval prompt (eval/pass@n)")
     pass_reward: float = Field(1.0, description="a sample with at least this reward counts as correct for "
                                "eval/pass@k (mean@n averages the rewards themselves)")
+
+    def request(self) -> dict[str, Any]:
+        """The eval sets' default sampling of a request (`n` is rollouts per prompt, not a request's)."""
+        return {key: getattr(self, key) for key in REQUEST_DEFAULTS}
 
 
 class RolloutSpec(Strict):
@@ -200,6 +209,10 @@ class RolloutSpec(Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
     eval: SamplingSpec = Field(default_factory=SamplingSpec,
                                description="sampling of the eval set (train.eval_every)")
+
+    def request(self) -> dict[str, Any]:
+        """Training's default sampling of a request; a turn may override it (rollout/sampling.py checks)."""
+        return {key: getattr(self, key) for key in REQUEST_DEFAULTS}
 
     @field_validator("temperature")
     @classmethod

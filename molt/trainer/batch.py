@@ -17,7 +17,7 @@ from molt.trajectory import NO_VERSION, Segment
 
 # Per-token sampling parameters a segment records; tokens the engine did not sample get these neutral
 # values (their logprobs are never used), so the trainer only truncates where a sampled token needs it.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+RECORDED_SAMPLING = ("temperature", "top_p", "top_k")
 NEUTRAL_SAMPLING = (1.0, 1.0, 0.0)
 
 
@@ -63,7 +63,7 @@ def make_batch(segments: list[Segment], pad_id: int = 0,
     if any(s.sampling for s in segments):
         if not all(s.sampling for s in segments):
             raise ValueError("make_batch: some segments record their sampling parameters and some do not")
-        batch.update(zip(SAMPLING_KEYS, torch.stack([_sampling_rows(s, length) for s in segments], 1),
+        batch.update(zip(RECORDED_SAMPLING, torch.stack([_sampling_rows(s, length) for s in segments], 1),
                          strict=True))
     return batch
 
