@@ -183,12 +183,16 @@ def cluster_nodes(spec: RunSpec) -> list[dict]:
     return nodes[:spec.parallel.nodes]
 
 
+# Ray CPUs one engine actor reserves (rollout/engine_args.py actor_options asks for them): on CPU a
+# tiny fraction, so engines and trainer ranks share cores (threads are cpu_threads' business); on CUDA
+# one core for the actor that drives its GPUs.
+ENGINE_CPUS = {"cpu": 0.01, "cuda": 1}
+
+
 def bind(spec: RunSpec) -> list[dict]:
     """`cluster_nodes`, after checking that each one's total resources hold what the plan puts on it;
     raises RuntimeError with the numbers otherwise. Call it before any actor starts."""
-    from molt.rollout.engine_args import actor_options
-
-    engine_cpus = actor_options(spec.rollout.engine, spec.parallel.device)["num_cpus"]
+    engine_cpus = ENGINE_CPUS[spec.parallel.device]
     nodes, slots, problems = cluster_nodes(spec), plan(spec), []
     for i, node in enumerate(nodes):
         here = [s for s in slots if s.node == i]

@@ -12,6 +12,7 @@ import os
 from typing import Any, get_args
 
 from molt.inputs.vision import is_vision_model
+from molt.plan.placement import ENGINE_CPUS
 from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
 
 WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
@@ -94,8 +95,8 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
     # vLLM's engine core in the actor's process, which drives it (molt/rollout/engine.py).
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cuda":
-        return {"num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000,
-                "runtime_env": {"env_vars": in_process}}
+        return {"num_cpus": ENGINE_CPUS[device], "num_gpus": engine.tp_size * engine.dp_size,
+                "max_concurrency": 10_000, "runtime_env": {"env_vars": in_process}}
     env = {**in_process, "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
     if engine.enforce_eager:
@@ -103,7 +104,7 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
         # never reads) on its first request: 3.5-4 s of every engine's start on an idle 2-core host, for no
         # change in any logprob. Compiled mode keeps torch.compile.
         env["TORCH_COMPILE_DISABLE"] = "1"
-    return {"num_cpus": 0.01, "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
+    return {"num_cpus": ENGINE_CPUS[device], "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
 
 
 def lora_kwargs(rank: int, max_staleness: int) -> dict[str, Any]:
