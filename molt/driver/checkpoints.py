@@ -10,6 +10,8 @@
 A checkpoint is written whole before `latest` names it. The last `train.keep_checkpoints` are kept, and
 the best one too: a step whose eval improves `train.best_metric` is saved even between `train.save_every`
 steps, so the best model always exists on disk.
+SIGINT / SIGTERM end either loop the same way: the current step finishes, a checkpoint is written
+(`install_stop_handler`).
 
 A run directory is `runs/<run.name>/<start time>/` (a sweep job: `runs/sweeps/<name>_<time>/<job>/`).
 `run.resume=auto` continues the newest run of the same experiment that has a checkpoint; with none the run
@@ -18,10 +20,12 @@ starts fresh, so one command both starts a run and continues it after the driver
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +178,12 @@ def save_checkpoint(spec: RunSpec, step: int, groups: dict[str, Any], extra: dic
             shutil.rmtree(old, ignore_errors=True)
     return path
 
+
+def install_stop_handler() -> asyncio.Event:
+    """SIGINT / SIGTERM finish the current step, write a checkpoint and exit cleanly (both loops: RL and
+    SFT, in the running event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -12,7 +12,6 @@ on Ray, so they run in a worker thread and the pool's rollouts keep going on the
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -25,7 +24,14 @@ from ray.exceptions import RayActorError
 
 from molt.agents import load_agent_runner
 from molt.algo import adaptive_kl_coef, compute_advantages, with_kl_coef
-from molt.driver.checkpoints import carry_best, find_checkpoint, latest_of, new_best, save_checkpoint
+from molt.driver.checkpoints import (
+    carry_best,
+    find_checkpoint,
+    install_stop_handler,
+    latest_of,
+    new_best,
+    save_checkpoint,
+)
 from molt.driver.eval import evaluate
 from molt.driver.fleet import Fleet
 from molt.driver.metrics import RunLogger
@@ -377,12 +383,3 @@ async def fill_routes(engines: list | None, segments: list[Segment], version: in
     for share, got in zip([s for s in shares if s], routes, strict=True):
         for segment, route in zip(share, got, strict=True):
             segment.routed_experts = pad_routes(route, len(segment.token_ids))
-
-
-def install_stop_handler() -> asyncio.Event:
-    """SIGINT / SIGTERM finish the current step, write a checkpoint and exit cleanly."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop

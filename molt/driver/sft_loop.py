@@ -17,8 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from molt.driver.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
-from molt.driver.loop import install_stop_handler
+from molt.driver.checkpoints import (
+    carry_best,
+    find_checkpoint,
+    install_stop_handler,
+    new_best,
+    save_checkpoint,
+)
 from molt.driver.metrics import RunLogger
 from molt.inputs.data import PromptIterator
 from molt.inputs.sft_data import Example, load_conversations, sft_batch, tokenize_rows
