@@ -3,7 +3,7 @@
 Every performance flag a user may want is either an `EngineSpec` field mapped here or goes through
 `rollout.engine.extra_args`, which is passed to `EngineArgs` unchanged and wins over the mapped
 values, so a new vLLM flag never needs a code change (the spec refuses there the arguments it derives
-from other keys: `molt.spec.sections.OWNED_ENGINE_ARGS`).
+from other keys: `molt.spec.rollout.OWNED_ENGINE_ARGS`).
 """
 
 from __future__ import annotations

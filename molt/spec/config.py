@@ -20,7 +20,7 @@ SPEC_DEFAULTS = "spec_defaults"   # conf/config.yaml's first default: every key 
 
 def _store_spec_defaults() -> None:
     """Give Hydra every key at its `RunSpec` default, so `key=value` overrides any key (Hydra refuses a
-    key its config lacks) while molt/spec/run.py stays the one source of defaults: conf/ sets only choices.
+    key its config lacks) while molt/spec/ stays the one source of defaults: conf/ sets only choices.
     Inside a free-form dict that starts empty (rollout.engine.extra_args, model.chat_template_kwargs,
     model.reference_tiny) a new entry is an addition, `+key.entry=value`, as Hydra's error says."""
     from hydra.core.config_store import ConfigStore

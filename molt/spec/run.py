@@ -15,36 +15,38 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from molt.spec.algo import (  # noqa: F401  (re-exported: the spec's public types live in molt.spec)
-    AlgoSpec,
-    CorrectionSpec,
-    FilterSpec,
-    KLSpec,
-    LossSpec,
-    RewardSpec,
-    Strict,
-    TrainSpec,
-)
-from molt.spec.sections import (  # noqa: F401  (re-exported)
-    GREEDY_BELOW,
-    LOGPROBS_MODE,
-    AgentSpec,
-    DataSpec,
-    EngineSpec,
-    HubDataset,
-    JudgeSpec,
-    LoggingSpec,
-    LoRASpec,
-    ModelSpec,
-    ParallelSpec,
-    RaySpec,
-    RolloutSpec,
-    RunSection,
-    SamplingSpec,
-    WandbSpec,
-    eval_names,
-    pass_ks,
-)
+from molt.spec.agent import AgentSpec
+from molt.spec.algo import AlgoSpec, LossSpec
+from molt.spec.data import DataSpec, eval_names, pass_ks
+from molt.spec.logging import LoggingSpec
+from molt.spec.model import ModelSpec
+from molt.spec.parallel import ParallelSpec
+from molt.spec.rollout import RolloutSpec
+from molt.spec.strict import Strict
+from molt.spec.train import TrainSpec
+
+
+class RunSection(Strict):
+    name: str = Field("tiny", description="names the run directory, the sweep directory and the W&B run")
+    seed: int = Field(0, description="seed of the prompt order and of the engines' sampling")
+    dir: str | None = Field(None, description="run directory; the launcher fills it from Hydra's output dir")
+    resume: str | None = Field(
+        None, description="'auto': continue the newest run of this experiment that has a checkpoint (none: "
+                          "start fresh); or a run dir or a checkpoint dir")
+    dry_run: bool = Field(False, description="validate, print the placement plan and exit; starts nothing")
+
+
+class RaySpec(Strict):
+    address: str | None = Field(None, description="attach to this Ray cluster (null = start Ray locally)")
+    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray (null = at least 16 on "
+                                 "CPU)")
+
+    @model_validator(mode="after")
+    def _local_only(self) -> RaySpec:
+        if self.num_cpus is not None and self.address:
+            raise ValueError(f"ray.num_cpus={self.num_cpus} with ray.address={self.address}: the CPUs of a "
+                             "cluster are its nodes' own (ray start --num-cpus); unset ray.num_cpus")
+        return self
 
 
 class RunSpec(Strict):
