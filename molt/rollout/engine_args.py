@@ -15,7 +15,7 @@ from molt.inputs.vision import is_vision_model
 from molt.plan.placement import ENGINE_CPUS
 from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
 
-WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
+WORKER_EXTENSION = "molt.rollout.worker_extension.MoltWorkerExtension"
 MOE_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")   # expert counts in HF configs
 
 

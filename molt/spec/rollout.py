@@ -48,7 +48,7 @@ class EngineSpec(Strict):
 # rollout.engine.extra_args may not override: the plan, prompt fitting and refit read those keys.
 OWNED_ENGINE_ARGS = {"model": "model.path", "tensor_parallel_size": "rollout.engine.tp_size",
                      "data_parallel_size": "rollout.engine.dp_size", "max_model_len": "model.max_model_len",
-                     "worker_extension_cls": "Molt's refit (molt/rollout/worker.py)"}
+                     "worker_extension_cls": "Molt's refit (molt/rollout/worker_extension.py)"}
 
 # The sampling a section sets for every request: one dict shape for training (`rollout.request()`) and
 # evaluation (`rollout.eval.request()`), which agents see and may override per turn.

@@ -31,7 +31,7 @@ from molt.algo import (
 )
 from molt.spec import AlgoSpec, RunSpec
 from molt.spec.plugins import load_plugins
-from molt.trainer import checkpoint, weights
+from molt.trainer import rank_state, weights
 from molt.trainer.batch import image_inputs, inert_rows
 from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.model import (
@@ -365,14 +365,14 @@ class TrainerWorker:
                           self.spec.model.trust_remote_code)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
-        checkpoint.save(path, self.model, self.optimizer, self.scheduler,
+        rank_state.save(path, self.model, self.optimizer, self.scheduler,
                         {"step": self.step, "role": self.role, "extra": extra})
 
     def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
         """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer)."""
         if weights_only:
-            return checkpoint.load(path, self.model, None, None)["extra"]
-        meta = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
+            return rank_state.load(path, self.model, None, None)["extra"]
+        meta = rank_state.load(path, self.model, self.optimizer, self.scheduler)
         self.step = meta["step"]
         return meta["extra"]
 
