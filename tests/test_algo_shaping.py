@@ -55,6 +55,13 @@ def test_the_overlong_band_lies_below_what_max_total_tokens_leaves():
     assert rewards.tolist() == pytest.approx([1.0, 0.5, 0.0])
     assert metrics["reward/overlong_frac"] == pytest.approx(2 / 3)
 
+    # two turns of 32 tokens and room to spare: the band sits below the rollout's budget 2 x 32 = 64
+    spec = RunSpec.model_validate({"rollout": {"max_tokens": 32}, "model": {"max_model_len": 128},
+                                   "agent": {"max_total_tokens": 128, "max_turns": 2}, "algo": {"reward": {
+                                       "overlong_buffer_frac": 0.2, "overlong_penalty": 1.0}}})
+    assert spec.response_budget == 64
+    assert shaped_rewards(spec, rollouts)[0].tolist() == [1.0, 1.0, 1.0]   # 30, 45, 50 < 51.2
+
 
 def test_adaptive_kl_controller_by_hand():
     spec = KLSpec(coef=0.1, target=0.02, horizon=1000)

@@ -36,7 +36,14 @@ from molt.driver.eval import evaluate
 from molt.driver.fleet import Fleet
 from molt.driver.metrics import RunLogger
 from molt.driver.probe import probe_gap, probe_prompt, sample_probe
-from molt.driver.select import filter_rollouts, rollout_metrics, shaped_rewards, take_batch, turn_credit
+from molt.driver.select import (
+    filter_rollouts,
+    group_ids,
+    rollout_metrics,
+    shaped_rewards,
+    take_batch,
+    turn_credit,
+)
 from molt.inputs.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.inputs.vision import processor
 from molt.plan.models import model_path
@@ -270,8 +277,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, re
     metrics.update(filter_metrics)
     rewards, reward_metrics = shaped_rewards(spec, kept)
     metrics.update(reward_metrics)
-    group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in kept))}
-    group_ids = torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long)
+    groups = group_ids(kept)
     segments = [s for r in kept for s in r.segments if sum(s.loss_mask)]
     if not segments:
         metrics["train/skipped"] = 1.0
@@ -300,7 +306,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, re
     rollout_of = {r.rollout_id: i for i, r in enumerate(kept)}
     rewards, per_turn = turn_credit(spec, kept, rewards, segments, batch["loss_mask"].shape)
     adv = compute_advantages(
-        rewards, group_ids, torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
+        rewards, groups, torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
         batch["loss_mask"], with_kl_coef(spec.algo, kl_coef), values=values, logp=old_logp, ref_logp=ref_logp,
         **per_turn)
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})

@@ -48,15 +48,19 @@ def drop_failed(spec: RunSpec, rollouts: list[Rollout]) -> list[Rollout]:
     return [r for r in rollouts if r.ok]
 
 
+def group_ids(rollouts: list[Rollout]) -> torch.Tensor:
+    """[R] each rollout's group as 0, 1, ... in order of first appearance (the groups of the algo/ code)."""
+    index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in rollouts))}
+    return torch.tensor([index[r.group_id] for r in rollouts], dtype=torch.long)
+
+
 def filter_rollouts(spec: RunSpec, rollouts: list[Rollout]) -> tuple[list[Rollout], dict[str, float]]:
     """The rollouts left after `drop_failed` and `algo.filters`, in order, and `filter/*` metrics."""
     kept = drop_failed(spec, rollouts)
     rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
     scores = torch.tensor([r.reward if r.score is None else r.score for r in kept], dtype=torch.float32)
-    group_index = {g: i for i, g in enumerate(dict.fromkeys(r.group_id for r in kept))}
-    group_ids = torch.tensor([group_index[r.group_id] for r in kept], dtype=torch.long)
     truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length" for r in kept])
-    keep, filter_metrics = apply_filters(rewards, scores, group_ids, truncated, spec.algo)
+    keep, filter_metrics = apply_filters(rewards, scores, group_ids(kept), truncated, spec.algo)
     return [kept[i] for i in keep.tolist()], {k: float(v) for k, v in filter_metrics.items()}
 
 
@@ -68,7 +72,7 @@ def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, di
     # its prompt: the overlong band sits below the smaller of the two, so the penalty can fire at all.
     room = torch.tensor([spec.agent.max_total_tokens - (r.segments[0].prompt_len if r.segments else 0)
                          for r in kept], dtype=torch.float32)
-    budget = room.clamp(min=1, max=spec.rollout.max_tokens * spec.agent.max_turns)
+    budget = room.clamp(min=1, max=spec.response_budget)
     rewards, metrics = shape_rewards(rewards, lengths, spec.algo, budget)
     return rewards, {k: float(v) for k, v in metrics.items()}
 

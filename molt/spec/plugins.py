@@ -8,7 +8,6 @@ every trainer rank loads them again before it computes a loss.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 import sys
@@ -17,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from molt.spec import RunSpec
+from molt.spec.strict import did_you_mean
 
 _LOADED: set[str] = set()   # plugins this process imported: a second import would register twice
 
@@ -66,7 +66,6 @@ def load_plugins(spec: RunSpec) -> None:
 
 def _registered(what: str, value: str, registry: dict[str, Any]) -> None:
     if value not in registry:
-        near = difflib.get_close_matches(value, list(registry), n=1, cutoff=0.5)
-        hint = f" (did you mean '{near[0]}'?)" if near else ""
-        raise ValueError(f"unknown {what} '{value}'{hint}; registered: {', '.join(sorted(registry))} "
-                         "(a plugin of your own: algo.plugins=[module or file.py])")
+        raise ValueError(f"unknown {what} '{value}'{did_you_mean(value, registry)}; registered: "
+                         f"{', '.join(sorted(registry))} (a plugin of your own: "
+                         "algo.plugins=[module or file.py])")

@@ -8,7 +8,6 @@ valid key.
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from molt.spec.logging import LoggingSpec
 from molt.spec.model import ModelSpec
 from molt.spec.parallel import ParallelSpec
 from molt.spec.rollout import RolloutSpec
-from molt.spec.strict import Strict
+from molt.spec.strict import Strict, did_you_mean
 from molt.spec.train import TrainSpec
 
 
@@ -60,6 +59,12 @@ class RunSpec(Strict):
     data: DataSpec = Field(default_factory=DataSpec, description="prompt datasets")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="W&B, progress bar, dumps, plots")
     ray: RaySpec = Field(default_factory=RaySpec, description="the Ray cluster")
+
+    @property
+    def response_budget(self) -> int:
+        """The most response tokens one rollout can sample: rollout.max_tokens per turn, agent.max_turns
+        turns (seq-mean-token-sum-norm divides by it; the overlong penalty's band sits below it)."""
+        return self.rollout.max_tokens * self.agent.max_turns
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunSpec:
@@ -344,8 +349,7 @@ def unknown_key_message(dotted: str) -> str | None:
         if fields is None:  # a dict / free-form value: anything below is the user's
             return None
         if part not in fields:
-            near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.5)
-            hint = f" (did you mean '{'.'.join(parts[:i] + [near[0]])}'?)" if near else ""
+            hint = did_you_mean(part, fields, prefix="".join(f"{p}." for p in parts[:i]))
             return f"unknown key '{dotted}'{hint}; valid keys here: {', '.join(fields)}"
         model = fields[part].annotation
     return None
@@ -363,8 +367,7 @@ def validate_spec(data: dict[str, Any]) -> RunSpec:
             if e["type"] == "extra_forbidden" and dotted in RENAMED:
                 lines.append(f"  {dotted}: renamed, use {RENAMED[dotted]}")
             elif e["type"] == "extra_forbidden":
-                near = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1, cutoff=0.5)
-                hint = f" (did you mean '{'.'.join(map(str, loc[:-1] + (near[0],)))}'?)" if near else ""
+                hint = did_you_mean(str(loc[-1]), _fields_at(loc), "".join(f"{p}." for p in loc[:-1]))
                 lines.append(f"  {dotted}: unknown key{hint}")
             else:
                 where = dotted or "spec"

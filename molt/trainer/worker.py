@@ -258,7 +258,7 @@ class TrainerWorker:
         """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `sums`.
         Returns the gradient norm, or None when no rank's `part` holds a sampled token (no step)."""
         mbs = self._micro_batches(part)
-        budget = self.spec.rollout.max_tokens * self.spec.agent.max_turns  # the response budget of seq norm
+        budget = self.spec.response_budget   # seq-mean-token-sum-norm's fixed divisor
         normalizer = LOSS_NORMS["token"].normalizer if self.sft else lambda m, b: loss_normalizer(m, algo, b)
         norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
         if norm == 0:
