@@ -223,6 +223,7 @@ def test_a_loss_token_without_an_engine_version_is_refused():
     import asyncio
 
     from molt.driver.loop import learn
+    from molt.trainer.ranks import Trainers
     from molt.trajectory import NO_VERSION, Rollout, Segment
 
     def rollout(i: int, version: int) -> Rollout:
@@ -231,7 +232,7 @@ def test_a_loss_token_without_an_engine_version_is_refused():
         return Rollout(rollout_id=f"r{i}", group_id="g", segments=[seg], reward=float(i))
 
     with pytest.raises(RuntimeError, match=r"rollout r1 segment 0 token 2 .*refusing to train"):
-        asyncio.run(learn(compose(SMALL), [rollout(0, 0), rollout(1, NO_VERSION)], None, None, None, 0, 0))
+        asyncio.run(learn(compose(SMALL), [rollout(0, 0), rollout(1, NO_VERSION)], Trainers(), 0, 0))
 
 
 @pytest.fixture(autouse=True)

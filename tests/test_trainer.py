@@ -447,6 +447,7 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
     import asyncio
 
     from molt.driver.loop import learn
+    from molt.trainer.ranks import Trainers
     from molt.trajectory import Rollout
 
     spec, critic = critic
@@ -454,7 +455,7 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
     rollouts = [Rollout(s.rollout_id, s.group_id, [s], reward=float(i % 2)) for i, s in enumerate(segs)]
     b = make_batch(segs)
     before = critic.values(b)
-    metrics = asyncio.run(learn(spec, rollouts, None, None, critic, 0, 0, train_policy=False))
+    metrics = asyncio.run(learn(spec, rollouts, Trainers(critic=critic), 0, 0, train_policy=False))
     after = critic.values(b)
     assert metrics["train/critic_warmup"] == 1.0 and "critic/value_loss" in metrics
     assert "train/loss" not in metrics and "mismatch/mean_abs" not in metrics   # no policy step

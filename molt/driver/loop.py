@@ -52,7 +52,7 @@ from molt.rollout.pool import RolloutPool
 from molt.rollout.sampling import TrainingSampler
 from molt.spec import RunSpec
 from molt.trainer.batch import add_images, check_token_first, make_batch
-from molt.trainer.ranks import TrainerRanks, load_trainers, start_trainers, stop_trainers
+from molt.trainer.ranks import TrainerRanks, Trainers
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
 
 
@@ -82,7 +82,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     def save(best: float | None = None) -> None:
         extra = {"step": at.step, "version": at.version, "data": at.data.state_dict(),
                  "pending": at.pool.pending_items(), "groups_started": at.pool.started, "kl_coef": at.kl_coef}
-        save_checkpoint(spec, at.step, {"policy": trainers[0], "critic": trainers[2]}, extra, best)
+        save_checkpoint(spec, at.step, {"policy": trainers.policy, "critic": trainers.critic}, extra, best)
         at.saved = at.step
 
     stop, metrics = install_stop_handler(), {}
@@ -113,7 +113,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         await at.pool.close()
         runner.close()
         logger.close()
-        stop_trainers(trainers)
+        trainers.stop()
         await fleet.close()
     return metrics
 
@@ -131,30 +131,30 @@ class Position:
     probe: asyncio.Task | None = None   # async mode: the post-refit probe (molt.driver.probe)
 
 
-def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, tuple, Any, RunLogger]:
+def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trainers, Any, RunLogger]:
     """The engines (a `Fleet`), trainer roles, tokenizer (`runner` set up on it) and run logger. The engines,
     the longest start (vLLM import, weights, KV cache), load while the rest starts; a failure stops all."""
     engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
-    trainers, logger = (), None
+    trainers, logger = Trainers(), None
     try:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
         runner.setup(tokenizer, spec)
-        trainers = start_trainers(spec)
+        trainers = Trainers.start(spec)
         logger = RunLogger(spec)
         ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
     except BaseException:
         runner.close()   # a judge's engines, a chat server
         if logger:
             logger.close()
-        stop_trainers(trainers)
+        trainers.stop()
         for engine in engines:
             ray.kill(engine)
         raise
     return Fleet(spec, policy_path, engines), trainers, tokenizer, logger
 
 
-async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, checkpoint: Path | None,
+async def begin(spec: RunSpec, trainers: Trainers, fleet: Fleet, rollout_fn: Any, checkpoint: Path | None,
                 refit_engines: bool) -> Position:
     """Load `checkpoint` (if any) into the trainers, connect them to the engines (and refit these when
     they may hold other weights: a resume, a rebuilt trainer) and start a pool at the data position."""
@@ -162,17 +162,17 @@ async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, c
                           shuffle=spec.data.shuffle)
     step, version, pending, kl_coef, groups = 0, 0, [], spec.algo.kl.coef, 0
     if checkpoint:
-        extra = await asyncio.to_thread(load_trainers, trainers, checkpoint)
+        extra = await asyncio.to_thread(trainers.load, checkpoint)
         step, version, pending = extra["step"], extra["version"], extra["pending"]
         kl_coef, groups = extra.get("kl_coef", kl_coef), extra.get("groups_started", 0)
         data.load_state_dict(extra["data"])
-    await fleet.connect(trainers[0])
+    await fleet.connect(trainers.policy)
     if refit_engines:
         await fleet.refit(version)
     sync = spec.rollout.mode == "sync"
 
     def engines_generating(busy: bool) -> None:   # async, CPU, cpu_threads null: idle engines lend
-        for group in filter(None, trainers):       # their cores to the trainer (placement.cpu_threads)
+        for group in trainers.groups():            # their cores to the trainer (placement.cpu_threads)
             group.set_engines_idle(not busy)
     lend = not sync and spec.parallel.device == "cpu" and not spec.parallel.cpu_threads
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
@@ -184,8 +184,8 @@ async def begin(spec: RunSpec, trainers: tuple, fleet: Fleet, rollout_fn: Any, c
     return Position(step, version, data, pool, saved=step, kl_coef=kl_coef)
 
 
-async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trainers: tuple, fleet: Fleet,
-                           rollout_fn: Any) -> tuple[tuple, Position]:
+async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trainers: Trainers, fleet: Fleet,
+                           rollout_fn: Any) -> tuple[Trainers, Position]:
     """New trainer actors from the last checkpoint of this run (or the one resumed from, or the initial
     weights), the engines refitted to them and a new pool at the checkpoint's data position: steps after
     the checkpoint are redone (the metrics log keeps a redone step's last record); bounded by
@@ -197,8 +197,8 @@ async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trai
     if at.probe:
         at.probe.cancel()
     await at.pool.close()
-    stop_trainers(trainers)
-    trainers = start_trainers(spec)
+    trainers.stop()
+    trainers = Trainers.start(spec)
     checkpoint = latest_of(Path(spec.run.dir)) or find_checkpoint(spec)
     at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=True)
     at.trainer_restarts = restarts
@@ -208,7 +208,7 @@ async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trai
     return trainers, at
 
 
-async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pad_id: int,
+async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet, pad_id: int,
                      logger: RunLogger) -> dict[str, float]:
     """One step: a batch from the pool → learn → refit; advances `at` and returns the step's metrics."""
     t_step = time.perf_counter()
@@ -223,8 +223,8 @@ async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pa
     warmup = at.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
     try:
         async with fleet.trainer:
-            metrics = await learn(spec, rollouts, *trainers, pad_id, at.version, live, at.kl_coef,
-                                  train_policy=not warmup, probe=probe)
+            metrics = await learn(spec, rollouts, trainers, pad_id, at.version, engines=live,
+                                  kl_coef=at.kl_coef, train_policy=not warmup, probe=probe)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
         logger.dump_rollouts(at.step + 1, rollouts)
     metrics.update(batch_metrics)
@@ -261,9 +261,8 @@ async def rl_step(spec: RunSpec, at: Position, trainers: tuple, fleet: Fleet, pa
     return metrics
 
 
-async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, reference: TrainerRanks | None,
-                critic: TrainerRanks | None, pad_id: int, version: int, engines: list | None = None,
-                kl_coef: float | None = None, train_policy: bool = True,
+async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, pad_id: int, version: int, *,
+                engines: list | None = None, kl_coef: float | None = None, train_policy: bool = True,
                 probe: Segment | None = None) -> dict[str, float]:
     """One training step on finished rollouts (also how a dumped batch is replayed).
 
@@ -272,6 +271,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], policy: TrainerRanks, re
     the critic (train.critic_warmup_steps). `probe` (async mode) is scored for invariant 3 when no trained
     token was sampled by `version`.
     """
+    policy, reference, critic = trainers.policy, trainers.reference, trainers.critic
     metrics = rollout_metrics(spec, rollouts)
     kept, filter_metrics = filter_rollouts(spec, rollouts)
     metrics.update(filter_metrics)

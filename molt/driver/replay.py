@@ -27,7 +27,7 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     from molt.driver.metrics import load_rollouts
     from molt.plan.models import model_path
     from molt.plan.placement import init_ray
-    from molt.trainer.ranks import load_trainers, start_trainers, stop_trainers
+    from molt.trainer.ranks import Trainers
 
     spec = RunSpec.model_validate(yaml.safe_load((run_dir / "spec.yaml").read_text()))
     dump = run_dir / "rollouts" / f"step_{step:06d}.jsonl"
@@ -41,16 +41,16 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     pad_id = AutoTokenizer.from_pretrained(model_path(spec), trust_remote_code=trust).pad_token_id
     if not ray.is_initialized():
         init_ray(spec)
-    trainers = start_trainers(spec)
+    trainers = Trainers.start(spec)
     try:
-        extra = load_trainers(trainers, checkpoint) if checkpoint is not None else {}
+        extra = trainers.load(checkpoint) if checkpoint is not None else {}
         # as the loop ran this step: the adaptive KL weight the checkpoint holds (the spec's without
         # one), and the critic alone while the step was within train.critic_warmup_steps
         warmup = step - 1 < spec.train.critic_warmup_steps
-        return asyncio.run(learn(spec, rollouts, *trainers, pad_id, extra.get("version", 0),
+        return asyncio.run(learn(spec, rollouts, trainers, pad_id, extra.get("version", 0),
                                  kl_coef=extra.get("kl_coef"), train_policy=not warmup))
     finally:
-        stop_trainers(trainers)
+        trainers.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ returned.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -172,22 +173,30 @@ class TrainerRanks:
         remove_placement_group(self._pg)
 
 
-def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:
-    """(policy, reference, critic) trainer groups; the last two only when the spec has them."""
-    return (TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference else None,
-            TrainerRanks(spec, "critic") if spec.model.critic else None)
+@dataclass
+class Trainers:
+    """The run's trainer groups by role: the policy, and the reference and the critic when the spec has
+    them (None otherwise; a test may leave out the policy too, as a critic warm-up step does)."""
 
+    policy: TrainerRanks | None = None
+    reference: TrainerRanks | None = None
+    critic: TrainerRanks | None = None
 
-def stop_trainers(trainers: tuple) -> None:
-    for group in trainers:
-        if group:
+    @classmethod
+    def start(cls, spec: RunSpec) -> Trainers:
+        return cls(TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference
+                   else None, TrainerRanks(spec, "critic") if spec.model.critic else None)
+
+    def groups(self) -> list[TrainerRanks]:
+        return [group for group in (self.policy, self.reference, self.critic) if group]
+
+    def stop(self) -> None:
+        for group in self.groups():
             group.shutdown()
 
-
-def load_trainers(trainers: tuple, checkpoint: Path) -> dict[str, Any]:
-    """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
-    policy, _, critic = trainers
-    extra = policy.load(str(checkpoint / "policy"))
-    if critic:
-        critic.load(str(checkpoint / "critic"))
-    return extra
+    def load(self, checkpoint: Path) -> dict[str, Any]:
+        """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
+        extra = self.policy.load(str(checkpoint / "policy"))
+        if self.critic:
+            self.critic.load(str(checkpoint / "critic"))
+        return extra
