@@ -57,10 +57,16 @@ def graph() -> dict[str, set[str]]:
     return {module_name(path): imports(path, modules) for path in paths}
 
 
+# The top level holds the contract between the wings (and the package itself), and the commands.
+CONTRACT = ("molt", "molt.trajectory", "molt.refit", "molt.quiet")
+
+
 def folder(module: str) -> str:
-    """The job a module belongs to: its folder under molt/, or `molt` for the top level."""
+    """The job a module belongs to: its folder under molt/; at the top level, `contract` or `commands`."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else "molt"
+    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+        return parts[1]
+    return "contract" if module in CONTRACT else "commands"
 
 
 def wing_crossings(edges: dict[str, set[str]]) -> list[str]:
@@ -72,7 +78,7 @@ def wing_crossings(edges: dict[str, set[str]]) -> list[str]:
 def into_orchestration(edges: dict[str, set[str]]) -> list[str]:
     """Imports into the driver from below it (the wings, the plan, the spec, the inputs)."""
     return sorted(f"{src} -> {dst}" for src, dsts in edges.items() for dst in dsts
-                  if folder(dst) in ORCHESTRATION and folder(src) not in (*ORCHESTRATION, "molt"))
+                  if folder(dst) in ORCHESTRATION and folder(src) not in (*ORCHESTRATION, "commands"))
 
 
 def floors(edges: dict[str, set[str]]) -> dict[str, int]:
@@ -105,7 +111,7 @@ def main(argv: list[str]) -> None:
         print(f"  {src:10s} -> {dst:10s} {count}")
     levels = floors(edges)
     print(f"{len(edges)} modules, {max(levels.values()) + 1} floors; "
-          f"{sum(folder(m) == 'molt' for m in edges)} at the top level")
+          f"{sum(folder(m) in ('contract', 'commands') for m in edges)} at the top level")
     for level in range(max(levels.values()) + 1):
         print(f"  floor {level}: " + " ".join(sorted(m.removeprefix('molt.') for m in edges
                                                      if levels[m] == level)))
