@@ -43,11 +43,11 @@ async def refit_once(policy, dispatcher, version: int) -> tuple[float, float]:
 def bench_one(size: str, args: argparse.Namespace) -> list:
     import ray
 
-    from molt.fleet import Fleet
+    from molt.driver.fleet import Fleet
+    from molt.inputs.tiny import tiny_model_path
     from molt.rollout.dispatch import Dispatcher
     from molt.rollout.engine import start_engines
     from molt.spec import RunSpec
-    from molt.tiny import tiny_model_path
     from molt.trainer.ranks import TrainerRanks
 
     path = str(tiny_model_path(**SIZES[size]))

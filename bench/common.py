@@ -22,7 +22,7 @@ REPO = BENCH.parent
 RESULTS = BENCH / "RESULTS.md"
 OUT = BENCH / "out"
 
-# molt.tiny options per size. Vocabulary and tokenizer stay the tiny default's, so the task is the same;
+# Tiny-model options per size. Vocabulary and tokenizer stay the tiny default's, so the task is the same;
 # head_dim stays in vLLM's CPU-attention list (32, 64, 80, ...). Parameter counts are printed by peer.py.
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {},

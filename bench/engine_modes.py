@@ -74,7 +74,7 @@ def child(mode: str, requests: int, tokens: int, rounds: int, start: float, size
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
 
     prompts = [TokensPrompt(prompt_token_ids=[1, 5 + i % 200, 9, 13]) for i in range(requests)]
 

@@ -5,8 +5,8 @@ ASSUMPTIONS (checked first; the script stops with exit code 2 and says which one
 - 2 CUDA GPUs visible, bf16-capable (Ampere or newer), >= 24 GB each, `nvidia-smi` on PATH. Two, not one:
   the placement puts the trainer and the engines on disjoint GPUs, and NCCL refuses two ranks of one group on
   one GPU ("Duplicate GPU detected"), so the NCCL refit needs a second GPU.
-- No network and no download: both models are random-init, built offline by molt.tiny (a ~0.5B dense Qwen3 of
-  28 layers, hidden 1024, as Qwen3-0.6B without its vocabulary; a tiny Qwen3-MoE) into $MOLT_CACHE.
+- No network and no download: both models are random-init, built offline by molt.inputs.tiny (a ~0.5B dense
+Qwen3 of 28 layers, hidden 1024, as Qwen3-0.6B without its vocabulary; a tiny Qwen3-MoE) into $MOLT_CACHE.
 - It starts Ray locally, writes under --out (default bench/out/gpu_smoke) and takes about 10-20 minutes.
 
 WHAT IT CHECKS, for the dense model and then the MoE (router replay on):
@@ -202,10 +202,10 @@ def refit_check(name: str, overrides: list[str], args: argparse.Namespace) -> li
     import torch
 
     from molt import refit
-    from molt.config import compose
-    from molt.models import model_path
+    from molt.plan.models import model_path
     from molt.rollout.dispatch import Dispatcher
     from molt.rollout.engine import start_engine
+    from molt.spec.config import compose
 
     spec = compose(overrides)
     path = Path(model_path(spec))

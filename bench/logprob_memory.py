@@ -33,7 +33,7 @@ def build(path: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
 
     config = AutoConfig.from_pretrained(tiny_model_path())
     config.vocab_size, config.max_position_embeddings = VOCAB, 32_768

@@ -1,4 +1,4 @@
-"""The dry run's memory estimate (molt/memory.py) against the measured peak of one trainer rank on CPU.
+"""The dry run's memory estimate (molt/plan/memory.py) against the measured peak of one trainer rank on CPU.
 
 One `TrainerWorker` runs in this process (world size 1, gloo, fp32): `setup` (model and optimizer), then
 one `update` on a GRPO batch of `rows` rows of 8 prompt + `length` sampled tokens in one micro-batch. The
@@ -23,8 +23,8 @@ from breakdown import PROMPT, policy_batch
 from common import write_section
 from molt_run import overrides
 
-from molt.arch import arch_of
-from molt.memory import trainer_estimate
+from molt.plan.arch import arch_of
+from molt.plan.memory import trainer_estimate
 
 MIB = 2 ** 20
 
@@ -35,8 +35,8 @@ def _status_kib(field: str) -> int:
 
 
 def measure(size: str, rows: int, length: int) -> dict[str, float]:
-    from molt.config import compose
-    from molt.models import model_path
+    from molt.plan.models import model_path
+    from molt.spec.config import compose
     from molt.trainer.worker import TrainerWorker
 
     row = PROMPT + length

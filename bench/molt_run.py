@@ -192,8 +192,8 @@ def finish(args: argparse.Namespace, name: str, body: str) -> None:
 
 
 def model_path(size: str) -> str:
-    """The molt.tiny folder of `size` (built on first use): the same folder Molt's own run loads."""
-    from molt.tiny import tiny_model_path
+    """The molt.inputs.tiny folder of `size` (built on first use): the same folder Molt's own run loads."""
+    from molt.inputs.tiny import tiny_model_path
 
     return str(tiny_model_path(**SIZES[size]))
 

@@ -60,8 +60,8 @@ def main() -> None:
     args = p.parse_args()
     import ray
 
+    from molt.inputs.tiny import tiny_model_path
     from molt.spec import RunSpec
-    from molt.tiny import tiny_model_path
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})

@@ -1,6 +1,6 @@
 """Peer comparison: Molt vs TRL's GRPOTrainer on identical work, interleaved in one run.
 
-Same model folder (molt.tiny), task and reward (repeat the letter), prompts per step, samples per
+Same model folder (molt.inputs.tiny), task and reward (repeat the letter), prompts per step, samples per
 prompt, max tokens, learning rate and sampling (temperature 1, no top-k/top-p). For each repeat, size
 and length, Molt (`python -m molt`, its own venv) and TRL (bench/trl_peer.py in bench/.venv-trl) run
 back to back, alternating which goes first, so machine load drifts over both alike. Each framework runs

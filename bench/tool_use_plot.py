@@ -14,7 +14,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from molt.plot import read_metrics, rolling_mean
+from molt.driver.plot import read_metrics, rolling_mean
 
 PANELS = [("training reward", ["reward/mean"], True),
           ("held-out greedy accuracy", ["eval/tool_products_eval/pass@1"], False),

@@ -26,7 +26,7 @@ from common import LETTERS, summarize
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model folder (from molt.tiny)")
+    p.add_argument("--model", required=True, help="model folder (from molt.inputs.tiny)")
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the timings")

@@ -14,8 +14,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from molt.config import check_overrides, spec_yaml, to_spec
 from molt.spec import SpecError
+from molt.spec.config import check_overrides, spec_yaml, to_spec
 
 # Flags handled here; any other Hydra flag (--cfg hydra, --info, --config-name, ...) goes to Hydra as is.
 OWN_FLAGS = {"-m", "--multirun", "--resolve", "--cfg", "-c", "job"}
@@ -26,7 +26,7 @@ def _run(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from molt.jobs import fill_launch_fields
+    from molt.driver.jobs import fill_launch_fields
 
     hc = HydraConfig.get()
     try:
@@ -39,7 +39,7 @@ def _run(cfg: DictConfig) -> None:
         run_dir.chmod(0o700)  # sandboxed tools run as another uid: keep them out of the run's files
     (run_dir / "spec.yaml").write_text(spec_yaml(spec))
 
-    from molt.launch import launch
+    from molt.driver.launch import launch
 
     launch(spec)
 
@@ -53,7 +53,7 @@ def _wants_spec(argv: list[str]) -> bool:
 def main() -> None:
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
-        from molt.help import main as help_main
+        from molt.spec.help import main as help_main
 
         sys.exit(help_main(argv))
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
@@ -65,7 +65,7 @@ def main() -> None:
             sys.exit(f"molt: {err}")
         _run()
         return
-    from molt.jobs import naming_overrides, plan, show
+    from molt.driver.jobs import naming_overrides, plan, show
 
     multirun = "-m" in flags or "--multirun" in flags
     try:

@@ -22,6 +22,12 @@ class AgentError(ValueError):
     stops the run with its traceback."""
 
 
+class EngineDiedError(RuntimeError):
+    """An engine actor is gone (its rollouts are restarted), or no engine is left to run (the run stops).
+    Part of the contract: the dispatcher raises it through any sampler, and an agent's runner tells it
+    from an agent's own failure without knowing the rollout side."""
+
+
 class Sample(TypedDict):
     """One completion, engine -> agent (a plain dict: it crosses Ray). `EngineActor.generate` makes it,
     the dispatcher adds `engine`, the agent layer (`Trace.add_sample`) turns it into a segment's tokens."""
@@ -62,7 +68,7 @@ class Segment:
     # top_k] per turn, in order; a turn's values hold until the next turn's index. The trainer scores
     # every token under the same distribution. Empty: the run's rollout.temperature/top_p/top_k.
     sampling: list[list[float]] = field(default_factory=list)
-    # Vision-language models: the images (data URLs of their exact bytes, molt.vision) that the image
+    # Vision-language models: the images (data URLs of their exact bytes, molt.inputs.vision) that the image
     # placeholders in `token_ids` stand for, in order; `token_ids` holds the placeholders as the engine
     # expanded them (one per merged patch), so the trainer reads the sequence the engine read.
     images: list[str] = field(default_factory=list)

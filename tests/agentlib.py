@@ -61,13 +61,14 @@ def train_one_step(trainer, rollouts: list, sampler, tok) -> dict:
     (`sampler`: a `Recorder(engine, training=True)`, i.e. through TrainingSampler), from the engine's
     weights: the trainer scores every sampled token as the engine did (`check_trainer_scores`), exactly
     the sampled tokens are trained, with a finite loss and gradient norm."""
-    from molt.loop import learn
+    from molt.driver.loop import learn
     from molt.spec import RunSpec
+    from molt.trainer.ranks import Trainers
 
     assert sampler.training, "train only on rollouts sampled through the TrainingSampler, as a run does"
     check_trainer_scores(trainer, rollouts, tok, sampler.calls)
     spec = RunSpec.model_validate({"train": {"micro_batch_size": 8}})
-    metrics = asyncio.run(learn(spec, rollouts, trainer, None, None, tok.pad_token_id, 0))
+    metrics = asyncio.run(learn(spec, rollouts, Trainers(trainer), tok.pad_token_id, 0))
     assert "train/skipped" not in metrics and metrics["rollout/failed"] == 0
     assert metrics["tokens/trained"] == sum(sum(s.loss_mask) for r in rollouts for s in r.segments)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])

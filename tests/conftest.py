@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """The default tiny dense model (built offline on first use, then cached)."""
-    from molt.tiny import tiny_model_path as build
+    from molt.inputs.tiny import tiny_model_path as build
 
     return str(build())
 
@@ -214,7 +214,7 @@ def vlm_spec():
     """The RunSpec of the tiny vision-language model (conf/model/tiny_vl.yaml) that `vlm_engine` serves."""
     import yaml
 
-    from molt.data import REPO_ROOT
+    from molt.inputs.data import REPO_ROOT
     from molt.spec import RunSpec
 
     model = yaml.safe_load((REPO_ROOT / "conf" / "model" / "tiny_vl.yaml").read_text())
@@ -227,7 +227,7 @@ def vlm_spec():
 @pytest.fixture(scope="session")
 def vlm_path(vlm_spec) -> str:
     """The tiny Qwen2.5-VL (random init, small vision tower), built offline on first use."""
-    from molt.tiny import tiny_model_path as build
+    from molt.inputs.tiny import tiny_model_path as build
 
     return str(build(**vlm_spec.model.tiny))
 

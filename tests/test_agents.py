@@ -93,7 +93,7 @@ def assert_exact(rollout, calls: list[dict]) -> list[list[dict]]:
 
 def turn_glue(tok, sampled: list[int], role: str, content: str) -> list[int]:
     """The template's tokens between a sampled turn and the next generation, written out by hand for
-    molt.tiny's ChatML template (its `{%-` tags drop the newlines between turns)."""
+    molt.inputs.tiny's ChatML template (its `{%-` tags drop the newlines between turns)."""
     close = "" if sampled and sampled[-1] == tok.eos_token_id else END
     return encode(tok, f"{close}{IM}{role}\n{content}{END}{IM}assistant")
 
@@ -158,7 +158,7 @@ def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine, module, k
     The same task through the ChatAgent path (tool_chat.py: the OpenAI SDK against the loopback server)
     gives the same prompts, glue and counts: the two paths are token for token the same rollout."""
     from molt.agents.tool_tasks import CALCULATOR
-    from molt.select import rollout_metrics
+    from molt.driver.select import rollout_metrics
 
     spec = tool_spec(module=str(EXAMPLES / module), kind=kind, options={"tool_timeout_s": 30.0})
     runner = load_agent_runner(spec.agent)
@@ -345,7 +345,7 @@ def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_sco
 
 
 def test_loader_finds_every_configured_agent():
-    from molt.config import compose
+    from molt.spec.config import compose
 
     for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "agent").glob("*.yaml")):
         agent = compose([f"agent={path.stem}"]).agent   # an option sets only what differs from the spec

@@ -14,7 +14,7 @@ from agentlib import train_one_step
 from test_agents import Recorder, assert_exact, run_all
 
 from molt.agents import load_agent_runner
-from molt.config import compose
+from molt.spec.config import compose
 
 ITEM = {"messages": [{"role": "user", "content": "What is 3 squared?"}], "label": "9"}
 # Each configured agent, and the extra its framework needs (None: the core install).
@@ -66,8 +66,8 @@ def test_the_flagship_tool_recipe_runs_on_the_tiny_model(tmp_path, ray_session, 
 
     from molt.agents.tool_tasks import CALCULATOR, PYTHON
     from molt.agents.tools import make_parser, parse_reply, tool_request
-    from molt.loop import train
-    from molt.metrics import load_rollouts
+    from molt.driver.loop import train
+    from molt.driver.metrics import load_rollouts
 
     r_tools = [CALCULATOR, PYTHON]   # the rows' tools (molt.agents.tool_tasks' flagship mix)
 

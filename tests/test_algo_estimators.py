@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from molt.algo import ESTIMATORS, KL_ESTIMATORS, apply_filters, compute_advantages
+from molt.algo import ESTIMATORS, KL_ESTIMATORS, EstimatorInputs, apply_filters, compute_advantages
 from molt.algo.filters import FILTERS
-from molt.config import compose
 from molt.spec import AlgoSpec, SpecError
+from molt.spec.config import compose
 
 compose(["algo=opo"])   # registers the worked example's estimator (its algo.plugins) for the tests below
 
@@ -183,7 +183,7 @@ def per_rollout(adv, seg_rollout, num):
 @given(grouped_batch(), st.sampled_from(["grpo", "dr_grpo", "rloo", "opo"]))
 def test_group_baselines_sum_to_zero(batch, name):
     rewards, groups, seg, mask = batch
-    out = ESTIMATORS[name](rewards, groups, seg, mask, algo(estimator=name))
+    out = ESTIMATORS[name](EstimatorInputs(rewards, groups, seg, mask, algo(estimator=name)))
     adv = per_rollout(out.advantages, seg, len(rewards))
     for g in groups.unique():
         members = groups == g
@@ -200,12 +200,40 @@ def test_group_baselines_sum_to_zero(batch, name):
 @given(grouped_batch())
 def test_rloo_is_leave_one_out(batch):
     rewards, groups, seg, mask = batch
-    adv = per_rollout(ESTIMATORS["rloo"](rewards, groups, seg, mask, algo()).advantages, seg, len(rewards))
+    out = ESTIMATORS["rloo"](EstimatorInputs(rewards, groups, seg, mask, algo()))
+    adv = per_rollout(out.advantages, seg, len(rewards))
     r, g = rewards.tolist(), groups.tolist()
     for i in range(len(r)):
         others = [r[j] for j in range(len(r)) if g[j] == g[i] and j != i]
         expected = r[i] - sum(others) / len(others) if others else 0.0
         assert adv[i].item() == pytest.approx(expected, abs=1e-9)
+
+
+def test_a_plugin_estimator_with_the_earlier_signature_still_runs():
+    """Estimators took eight tensors and the spec before `EstimatorInputs`; a plugin written that way is
+    adapted by register_estimator, gets every input (turn_returns only when given) and its metrics."""
+    from molt.algo import GROUP_BASELINE, register_estimator
+
+    seen = {}
+
+    @register_estimator("earlier_signature", group_baseline=True)
+    def earlier(rewards, group_ids, segment_rollout, loss_mask, algo, values=None, logp=None, ref_logp=None):
+        seen.update(values=values, logp=logp, ref_logp=ref_logp)
+        adv = ESTIMATORS["rloo"](EstimatorInputs(rewards, group_ids, segment_rollout, loss_mask, algo))
+        return adv._replace(metrics={"earlier": torch.tensor(1.0)})
+
+    try:
+        rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
+        seg, mask = torch.arange(4), torch.ones(4, 3)
+        logp = torch.full((4, 3), -1.0)
+        out = compute_advantages(rewards, groups, seg, mask, algo(estimator="earlier_signature"), logp=logp,
+                                 ref_logp=logp)
+        rloo = compute_advantages(rewards, groups, seg, mask, algo(estimator="rloo"))
+        assert torch.equal(out.advantages, rloo.advantages) and out.metrics["earlier"] == 1.0
+        assert seen["values"] is None and seen["logp"] is logp and seen["ref_logp"] is logp
+    finally:
+        ESTIMATORS.pop("earlier_signature")
+        GROUP_BASELINE.discard("earlier_signature")
 
 
 def test_filters_by_hand():
@@ -266,7 +294,7 @@ TURN_EXPECTED = {   # per segment row: the value on each sampled token, in order
 
 @pytest.mark.parametrize("name", sorted(TURN_EXPECTED))
 def test_turn_credit_by_hand_on_two_turn_trajectories(name):
-    from molt.select import turn_credit
+    from molt.driver.select import turn_credit
     from molt.spec import RunSpec
     from molt.trainer.batch import make_batch
 
@@ -290,7 +318,7 @@ def test_turn_credit_by_hand_on_two_turn_trajectories(name):
 
 
 def test_turn_credit_with_only_a_final_reward_and_no_discount_is_rollout_credit():
-    from molt.select import turn_credit
+    from molt.driver.select import turn_credit
     from molt.spec import RunSpec
     from molt.trainer.batch import make_batch
 
@@ -310,8 +338,8 @@ def test_turn_credit_with_only_a_final_reward_and_no_discount_is_rollout_credit(
 
 
 def test_turn_credit_is_refused_where_it_cannot_act():
-    from molt.plugins import load_plugins
     from molt.spec import RunSpec
+    from molt.spec.plugins import load_plugins
 
     with pytest.raises(SpecError, match="turn_discount=0.9 discounts turns only with algo.turn_credit=turn"):
         compose(["algo.turn_discount=0.9"])

@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from molt.algo import ESTIMATORS, compute_advantages, loss_normalizer, policy_loss
-from molt.config import compose
+from molt.algo import ESTIMATORS, EstimatorInputs, compute_advantages, loss_normalizer, policy_loss
 from molt.spec import RunSpec
+from molt.spec.config import compose
 
 
 def test_a_plugin_is_imported_before_its_name_is_checked():
@@ -23,7 +23,7 @@ def test_a_plugin_is_imported_before_its_name_is_checked():
     # algo.plugins; naming the plugin file makes the same name pass.
     code = textwrap.dedent("""
         from molt.algo import ESTIMATORS
-        from molt.config import compose
+        from molt.spec.config import compose
         from molt.spec import SpecError
         assert "opo" not in ESTIMATORS
         try:
@@ -65,7 +65,7 @@ def test_opo_end_to_end_through_config_and_registry():
     rewards = torch.tensor([1.0, 0.0, 4.0], dtype=torch.float64)
     groups, seg = torch.tensor([0, 0, 1]), torch.tensor([0, 0, 1, 2])
     mask = torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 1], [1, 1, 0]], dtype=torch.float64)
-    out = ESTIMATORS[spec.algo.estimator](rewards, groups, seg, mask, spec.algo)
+    out = ESTIMATORS[spec.algo.estimator](EstimatorInputs(rewards, groups, seg, mask, spec.algo))
     expected = torch.tensor([0.25, 0.25, -0.75, 0.0], dtype=torch.float64)[:, None] * mask
     assert torch.allclose(out.advantages, expected)
     assert out.metrics["opo_baseline_mean"].item() == pytest.approx((0.75 + 0.75 + 4.0) / 3)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from molt.algo import adaptive_kl_coef, shape_rewards, with_kl_coef
+from molt.driver.select import filter_rollouts, take_batch
 from molt.rollout.pool import RolloutPool
-from molt.select import filter_rollouts, take_batch
 from molt.spec import AlgoSpec, KLSpec, RunSpec
 from molt.trajectory import Rollout, Segment
 
@@ -40,7 +40,7 @@ def test_overlong_penalty_clip_and_normalize_by_hand():
 def test_the_overlong_band_lies_below_what_max_total_tokens_leaves():
     """max_tokens 64, but a 30-token prompt under max_total_tokens 80 leaves 50: the band is (40, 50], so
     45 sampled tokens cost half the penalty (with the budget 64 the band would start at 51.2)."""
-    from molt.select import shaped_rewards
+    from molt.driver.select import shaped_rewards
 
     spec = RunSpec.model_validate({"rollout": {"max_tokens": 64}, "model": {"max_model_len": 128},
                                    "agent": {"max_total_tokens": 80}, "algo": {"reward": {
@@ -55,6 +55,13 @@ def test_the_overlong_band_lies_below_what_max_total_tokens_leaves():
     assert rewards.tolist() == pytest.approx([1.0, 0.5, 0.0])
     assert metrics["reward/overlong_frac"] == pytest.approx(2 / 3)
 
+    # two turns of 32 tokens and room to spare: the band sits below the rollout's budget 2 x 32 = 64
+    spec = RunSpec.model_validate({"rollout": {"max_tokens": 32}, "model": {"max_model_len": 128},
+                                   "agent": {"max_total_tokens": 128, "max_turns": 2}, "algo": {"reward": {
+                                       "overlong_buffer_frac": 0.2, "overlong_penalty": 1.0}}})
+    assert spec.response_budget == 64
+    assert shaped_rewards(spec, rollouts)[0].tolist() == [1.0, 1.0, 1.0]   # 30, 45, 50 < 51.2
+
 
 def test_adaptive_kl_controller_by_hand():
     spec = KLSpec(coef=0.1, target=0.02, horizon=1000)
@@ -65,7 +72,7 @@ def test_adaptive_kl_controller_by_hand():
     assert adaptive_kl_coef(0.1, 5.0, 100, KLSpec(coef=0.1)) == 0.1   # no target: fixed
     assert with_kl_coef(algo(kl={"coef": 0.1}), 0.3).kl.coef == 0.3
     # the loop's step: the reward's KL when folded in, else the loss's; a step without one keeps coef
-    from molt.loop import next_kl_coef
+    from molt.driver.loop import next_kl_coef
 
     run = RunSpec.model_validate({"model": {"reference": "policy"},
                                   "algo": {"kl": {"coef": 0.1, "target": 0.02, "horizon": 1000}}})

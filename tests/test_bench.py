@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 
-from molt.data import REPO_ROOT
+from molt.inputs.data import REPO_ROOT
 
 
 def test_the_agentic_bench_runs_every_path(tok) -> None:
     """bench/agentic.py subclasses the Env runner and runs a ChatAgent over the loopback server (with its
     own SDK client and with ctx.http_client): 2 rollouts of 2 turns on each path complete and record a
     latency per turn (its run of 2026-12-02 found it broken by a runner signature change a stop earlier)."""
-    from molt.config import compose
+    from molt.spec.config import compose
 
     loaded = importlib.util.spec_from_file_location("agentic", REPO_ROOT / "bench" / "agentic.py")
     bench = importlib.util.module_from_spec(loaded)
@@ -59,9 +59,9 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
     the depth being a flag) at the stated size, and on a machine without 2 GPUs it stops with exit code 2
     naming the assumption before it starts anything."""
-    from molt.config import compose
-    from molt.models import model_path
-    from molt.placement import plan
+    from molt.plan.models import model_path
+    from molt.plan.placement import plan
+    from molt.spec.config import compose
 
     loaded = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "bench" / "gpu_smoke.py")
     smoke = importlib.util.module_from_spec(loaded)

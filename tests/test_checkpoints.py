@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from molt.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
-from molt.export import checkpoint_dir
+from molt.driver.checkpoints import carry_best, find_checkpoint, new_best, save_checkpoint
+from molt.driver.export import checkpoint_dir
 from molt.spec import RunSpec
-from molt.trainer import checkpoint
+from molt.trainer import rank_state
 
 
 def test_rotation_keeps_the_newest_n_and_the_best(tmp_path):
@@ -104,9 +104,9 @@ def test_resume_keeps_the_optimizer_state_and_takes_the_new_specs_values(tmp_pat
             optimizer.zero_grad()
             scheduler.step()
         saved = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
-        checkpoint.save(str(tmp_path / "ckpt"), model, optimizer, scheduler, {"step": 2})
+        rank_state.save(str(tmp_path / "ckpt"), model, optimizer, scheduler, {"step": 2})
         model2, optimizer2, scheduler2 = build(1e-5, (0.8, 0.95), 0.1)
-        assert checkpoint.load(str(tmp_path / "ckpt"), model2, optimizer2, scheduler2)["step"] == 2
+        assert rank_state.load(str(tmp_path / "ckpt"), model2, optimizer2, scheduler2)["step"] == 2
     finally:
         dist.destroy_process_group()
     group = optimizer2.param_groups[0]

@@ -11,8 +11,8 @@ import torch
 import yaml
 
 import molt.__main__ as cli
-from molt.config import compose
 from molt.spec import RunSpec, SpecError
+from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
@@ -325,7 +325,7 @@ GENERATED = {"qwen30b_tools": ["data.train_path=examples/data/tool_flagship_trai
 def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
     from datalib import with_local_hub
 
-    from molt.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
+    from molt.driver.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
 
     spec = compose([f"+experiment={name}", *GENERATED.get(name, [])])
     lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
@@ -339,7 +339,7 @@ def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
 
 
 def test_large_expert_parallel_on_cuda_needs_deep_ep(tmp_path, monkeypatch):
-    from molt.launch import check_expert_dispatch
+    from molt.driver.launch import check_expert_dispatch
 
     dsv3 = compose(["+experiment=dsv3_ep256"])
     with pytest.raises(ValueError, match=r"parallel.ep_size=256 needs DeepEP .* or use parallel.ep_size<=8"):
@@ -352,7 +352,7 @@ def test_large_expert_parallel_on_cuda_needs_deep_ep(tmp_path, monkeypatch):
 
 
 def test_an_agent_option_sets_its_data_and_the_plan_names_it():
-    from molt.launch import describe_plan
+    from molt.driver.launch import describe_plan
 
     spec = compose(["agent=tools"])
     assert (spec.data.train_path, spec.data.eval) == ("examples/data/tool_flagship_train.jsonl",
@@ -366,7 +366,7 @@ def test_an_agent_option_sets_its_data_and_the_plan_names_it():
 
 
 def test_the_plan_says_fsdp2_only_where_it_shards():
-    from molt.launch import describe_plan
+    from molt.driver.launch import describe_plan
 
     plan = describe_plan(compose([]))
     assert "1 rank(s) [dp=1 tp=1 cp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
@@ -374,7 +374,7 @@ def test_the_plan_says_fsdp2_only_where_it_shards():
 
 
 def test_dry_run_checks_data_and_agent_module():
-    from molt.launch import check_inputs
+    from molt.driver.launch import check_inputs
 
     with pytest.raises(FileNotFoundError, match="dataset file not found: 'nope.jsonl'"):
         check_inputs(compose(["data.train_path=nope.jsonl"]))
@@ -475,7 +475,7 @@ def test_an_invalid_sweep_job_fails_before_any_job_starts(tmp_path, monkeypatch,
     (["rollout.mode=async", "algo=tis", "parallel.cpu_threads=3"], {"engine": 3, "policy": 3}),
 ])
 def test_cpu_threads_follow_the_spec(overrides, threads, monkeypatch):
-    from molt.placement import cpu_threads
+    from molt.plan.placement import cpu_threads
     from molt.rollout.engine_args import actor_options
     from molt.trainer.worker import TrainerWorker
 
@@ -554,6 +554,6 @@ def test_the_driver_imports_the_loop_without_the_model_stacks():
     transformers, FSDP or vLLM (seconds each): the trainer's actor class and the tokenizer come after
     the engines are asked for, and only the engine and trainer processes need the rest."""
     heavy = ("nemo_automodel", "transformers", "torch.distributed.fsdp", "vllm")
-    code = f"import sys, molt.loop; print(sorted(m for m in sys.modules if m.startswith({heavy})))"
+    code = f"import sys, molt.driver.loop; print(sorted(m for m in sys.modules if m.startswith({heavy})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

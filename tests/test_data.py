@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from molt.data import REPO_ROOT, PromptDataset, PromptIterator, load_eval_sets, resolve_path
+from molt.inputs.data import REPO_ROOT, PromptDataset, PromptIterator, load_eval_sets, resolve_path
 from molt.spec import DataSpec
 
 DATA = DataSpec()

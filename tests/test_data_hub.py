@@ -1,5 +1,6 @@
-"""Hugging Face datasets as data.train_path / data.eval (molt/data_hub.py), read by `datasets.load_dataset`
-from local copies in the hub's layout (tests/datalib.py), and the math-verify reward the math recipes use."""
+"""Hugging Face datasets as data.train_path / data.eval (molt/inputs/data_hub.py), read by
+`datasets.load_dataset` from local copies in the hub's layout (tests/datalib.py), and the math-verify
+reward the math recipes use."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 from datalib import RECIPE_DATASETS, png, with_local_hub, write_hub_layout
 
-from molt.config import compose
-from molt.data import PromptDataset, load_eval_sets
-from molt.plugins import import_user_module
+from molt.inputs.data import PromptDataset, load_eval_sets
 from molt.spec import DataSpec, HubDataset, SpecError
+from molt.spec.config import compose
+from molt.spec.plugins import import_user_module
 
 DATA = DataSpec()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -84,7 +85,7 @@ def test_a_messages_column_reads_like_a_parquet_file(tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen3_4b_math", "qwen_vl_geo3k"])
 def test_the_recipes_hub_datasets_load_with_their_columns(name, tmp_path):
-    from molt.launch import check_inputs
+    from molt.driver.launch import check_inputs
 
     spec = compose([f"+experiment={name}"])
     sources = [spec.data.train_path, *spec.data.eval]

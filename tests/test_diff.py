@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from molt.config import compose
-from molt.diff import key_diff, load_side, main, unified_diff
+from molt.spec.config import compose
+from molt.spec.diff import key_diff, load_side, main, unified_diff
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"

@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_loop import SMALL, read_metrics
 
-from molt.config import compose
 from molt.spec import SpecError
+from molt.spec.config import compose
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,8 +33,8 @@ def test_student_reverse_kl_to_a_larger_teacher_falls(tmp_path, ray_session) -> 
     """The whole loop (engine, student, teacher) for 16 steps: the sampled-token estimate of
     KL(student || teacher) (adv/teacher_gap, on the student's own samples; ~1.8 nats at the start) falls
     by 40% or more (measured: 1.84 -> 0.7 in 12 steps)."""
-    from molt.loop import train
-    from molt.tiny import tiny_model_path
+    from molt.driver.loop import train
+    from molt.inputs.tiny import tiny_model_path
 
     spec = compose(["+experiment=distill_tiny"])
     student = tiny_model_path(**spec.model.tiny)
@@ -53,7 +53,7 @@ def test_student_reverse_kl_to_a_larger_teacher_falls(tmp_path, ray_session) -> 
 
 def test_teacher_needs_the_students_tokenizer() -> None:
     """A teacher with another vocabulary is refused when its trainer builds it (the check runs there)."""
-    from molt.models import check_same_tokenizer
+    from molt.plan.models import check_same_tokenizer
 
     with pytest.raises(SpecError, match="reference_tiny"):
         compose(["++model.reference_tiny={hidden_size: 256}"])

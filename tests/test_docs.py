@@ -87,11 +87,11 @@ def test_embedded_files_are_the_files():
 
 
 def parameters(**opts: int) -> int:
-    """Parameters of the molt.tiny model with these options (tied embeddings counted once)."""
+    """Parameters of the molt.inputs.tiny model with these options (tied embeddings counted once)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from molt.tiny import DEFAULTS, build_model_config
+    from molt.inputs.tiny import DEFAULTS, build_model_config
 
     full = {**DEFAULTS, **opts}
     with torch.device("meta"):
@@ -102,7 +102,7 @@ def parameters(**opts: int) -> int:
 def test_quoted_model_sizes_are_the_models():
     import importlib.util
 
-    from molt.config import compose
+    from molt.spec.config import compose
 
     loaded = importlib.util.spec_from_file_location("bench_common", REPO / "bench" / "common.py")
     common = importlib.util.module_from_spec(loaded)
@@ -147,7 +147,7 @@ def printed(command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     import shlex
 
     import molt.__main__ as cli
-    from molt.diff import main as diff_main
+    from molt.spec.diff import main as diff_main
 
     def started() -> None:
         raise _Started

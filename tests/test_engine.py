@@ -73,7 +73,7 @@ def direct_vllm(paths: list[str], spec: dict, prompts: list[list[int]], sampling
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory):
     """(initial folder, perturbed state dict, perturbed folder) of a tiny model with its own lm_head."""
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
 
     path = str(tiny_model_path(tie_word_embeddings=0))
     sd, folder = perturbed_checkpoint(path, tmp_path_factory.mktemp("untied"))
@@ -338,21 +338,19 @@ def test_bfloat16_engine_takes_a_bfloat16_refit(own_engines, new_weights, tiny_m
 
 
 def test_eval_sampling_uses_eval_params(direct, engine, engine_spec):
-    from molt.rollout.sampling import eval_sampling, train_sampling
-
     spec = engine_spec.rollout.model_copy(update={"eval": engine_spec.rollout.eval.model_copy(
         update={"temperature": 0.0, "max_tokens": 5, "n": 3})})
-    sampling = eval_sampling(spec)
-    assert "n" not in sampling and train_sampling(spec)["temperature"] == 1.0
+    sampling = spec.eval.request()
+    assert "n" not in sampling and spec.request()["temperature"] == 1.0
     out = ray.get(engine.generate.remote(PROMPTS[1], sampling))
     assert out["token_ids"] == ray.get(direct)[0][1][1][0][:5]      # greedy, 5 tokens
 
 
 def test_engine_runs_in_its_actor_with_the_planned_threads(engine, engine_spec):
     """vLLM's engine core and its worker run in the engine actor's own process (no child process: one
-    vLLM import per engine), with the threads `molt.placement.cpu_threads` plans (the rule itself and the
-    trainer's side: tests/test_config.py)."""
-    from molt.placement import cpu_threads
+    vLLM import per engine), with the threads `molt.plan.placement.cpu_threads` plans (the rule itself
+    and the trainer's side: tests/test_config.py)."""
+    from molt.plan.placement import cpu_threads
 
     def layout(actor) -> tuple:
         import psutil

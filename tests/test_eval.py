@@ -12,7 +12,7 @@ import torch
 from test_agents import EXAMPLES, Recorder, chat_ids
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, load_agent_runner
-from molt.eval import evaluate, pass_at_k, set_metrics
+from molt.driver.eval import evaluate, pass_at_k, set_metrics
 from molt.spec import RunSpec
 
 

@@ -1,4 +1,4 @@
-"""Block-FP8 refits (molt/fp8.py): the quantizer against scales worked out by hand, which tensors a
+"""Block-FP8 refits (molt/trainer/fp8.py): the quantizer against scales worked out by hand, which tensors a
 checkpoint quantizes, refusals, and FP8 tensors with their scales across the refit wire."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_refit import _stream
 
-from molt.fp8 import FP8, checkpoint_fp8, quantize_blocks, quantize_chunk
+from molt.trainer.fp8 import FP8, checkpoint_fp8, quantize_blocks, quantize_chunk
 
 
 def test_each_block_gets_the_scale_of_its_largest_magnitude() -> None:

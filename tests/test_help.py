@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from molt.help import main, sections
 from molt.spec import RunSpec
+from molt.spec.help import main, sections
 
 REPO = Path(__file__).resolve().parents[1]
 

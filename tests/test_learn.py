@@ -14,9 +14,10 @@ import statistics
 import pytest
 import torch
 
-from molt.config import compose
-from molt.loop import learn
+from molt.driver.loop import learn
+from molt.spec.config import compose
 from molt.trainer import TrainerRanks
+from molt.trainer.ranks import Trainers
 from molt.trajectory import NO_VERSION, Rollout, Segment
 
 pytestmark = pytest.mark.timeout(300)
@@ -96,7 +97,7 @@ def test_learn_trains_exactly_the_estimators_advantages(trainer, make, dropped, 
     spec = compose([*SMALL, "algo=grpo"])
     policy = Recording(trainer)
     batch_in = make()
-    metrics = asyncio.run(learn(spec, batch_in, policy, None, None, 0, 0))
+    metrics = asyncio.run(learn(spec, batch_in, Trainers(policy), 0, 0))
     [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
     kept = [r for r in batch_in if r.group_id != dropped]
     assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == rows
@@ -117,7 +118,7 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainer,
     spec = compose([*SMALL, "algo=gae", "model.critic=true", "algo.lam=0.9"])
     policy, critic = Recording(trainer), Recording(critic)
     batch_in = rollouts()
-    asyncio.run(learn(spec, batch_in, policy, None, critic, 0, 0))
+    asyncio.run(learn(spec, batch_in, Trainers(policy, critic=critic), 0, 0))
     [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
     [(_, values)] = critic.calls["values"]
     [((critic_batch,), _)] = critic.calls["update"]

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from molt.checkpoints import find_checkpoint
-from molt.config import compose
-from molt.data import PromptDataset, PromptIterator
-from molt.metrics import load_rollouts
-from molt.plot import read_metrics as metrics_by_step
+from molt.driver.checkpoints import find_checkpoint
+from molt.driver.metrics import load_rollouts
+from molt.driver.plot import read_metrics as metrics_by_step
+from molt.inputs.data import PromptDataset, PromptIterator
+from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
@@ -96,7 +96,7 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
         check_trained_tokens(run_a, tiny_model_path)
 
         # Replaying the dumped first batch on the initial weights reproduces the logged step exactly.
-        from molt.replay import replay
+        from molt.driver.replay import replay
 
         replayed = replay(run_a, 1)
         for key in ("train/loss", "train/grad_norm", "mismatch/mean_abs", "tokens/trained"):
@@ -188,7 +188,7 @@ def check_same_steps(run_a: Path, run_b: Path, first: int) -> None:
 
 
 def test_async_chat_agent_run(tmp_path, ray_session):
-    from molt.loop import train
+    from molt.driver.loop import train
 
     spec = compose([*SMALL, "agent=chat_minimal", "rollout.mode=async", "rollout.groups_in_flight=12",
                     "rollout.max_staleness=1", "train.steps=3", "train.save_every=0", "train.eval_every=3",
@@ -222,7 +222,8 @@ def test_a_loss_token_without_an_engine_version_is_refused():
     """Invariant 1 in the loop itself: no trainer is reached when a trained token lacks its engine stamp."""
     import asyncio
 
-    from molt.loop import learn
+    from molt.driver.loop import learn
+    from molt.trainer.ranks import Trainers
     from molt.trajectory import NO_VERSION, Rollout, Segment
 
     def rollout(i: int, version: int) -> Rollout:
@@ -231,7 +232,7 @@ def test_a_loss_token_without_an_engine_version_is_refused():
         return Rollout(rollout_id=f"r{i}", group_id="g", segments=[seg], reward=float(i))
 
     with pytest.raises(RuntimeError, match=r"rollout r1 segment 0 token 2 .*refusing to train"):
-        asyncio.run(learn(compose(SMALL), [rollout(0, 0), rollout(1, NO_VERSION)], None, None, None, 0, 0))
+        asyncio.run(learn(compose(SMALL), [rollout(0, 0), rollout(1, NO_VERSION)], Trainers(), 0, 0))
 
 
 @pytest.fixture(autouse=True)

@@ -98,9 +98,9 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
     is sent with adapter 3 and the trainer steps and refits adapter 4 while it runs: the request keeps
     adapter 3 (its tokens say version 3) and decodes what the merged export of version 3 computes."""
     from molt.agents import load_agent_runner
-    from molt.fleet import Fleet
-    from molt.loop import begin, rl_step
-    from molt.metrics import RunLogger
+    from molt.driver.fleet import Fleet
+    from molt.driver.loop import begin, rl_step
+    from molt.driver.metrics import RunLogger
     from molt.rollout.engine import start_engines
     from molt.rollout.sampling import TrainingSampler
     from molt.trainer.batch import make_batch
@@ -220,9 +220,9 @@ def test_bad_targets_are_refused_by_name(tiny_model_path, override, fragment) ->
 def test_moe_and_vision_models_are_refused_before_an_engine_starts(vlm_path) -> None:
     """By start_engines (evaluation, a judge) and by the checks `python -m molt` (and a dry run) makes
     before Ray starts: the loop starts its engines one at a time, without start_engines."""
-    from molt.launch import dry_run
+    from molt.driver.launch import dry_run
+    from molt.inputs.tiny import tiny_model_path
     from molt.rollout.engine import start_engines
-    from molt.tiny import tiny_model_path
 
     moe = str(tiny_model_path(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
     for path, kind in ((moe, "a MoE model"), (vlm_path, "a vision-language model")):

@@ -1,4 +1,4 @@
-"""The memory plan (molt/memory.py): the formula by hand on a small config, the parameter counts of the
+"""The memory plan (molt/plan/memory.py): the formula by hand on a small config, the parameter counts of the
 shipped hub models against their published sizes, the refusal of plans that cannot fit (with the knob that
 would make them fit), and the estimate against the measured peak of a CPU trainer rank."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from molt.arch import Arch, arch_from_config, arch_of, param_count
-from molt.config import compose
-from molt.memory import CUDA_RESERVE_GIB, GIB, engine_estimate, trainer_estimate
+from molt.plan.arch import Arch, arch_from_config, arch_of, param_count
+from molt.plan.memory import CUDA_RESERVE_GIB, GIB, engine_estimate, trainer_estimate
 from molt.spec import RunSpec, SpecError
+from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 # h 16, 2 layers, 2 query heads and 1 key/value head of 8, MLP 32, vocabulary 100, untied
@@ -83,8 +83,8 @@ def test_the_hub_models_numbers_give_their_published_sizes(model, published):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe", "tiny_vl"])
 def test_a_folders_config_and_the_tiny_options_agree(model):
-    # the tiny model's options (what a dry run reads) describe the folder molt.tiny writes
-    from molt.models import model_path
+    # the tiny model's options (what a dry run reads) describe the folder molt.inputs.tiny writes
+    from molt.plan.models import model_path
 
     spec = compose([f"model={model}"])
     config = json.loads((Path(model_path(spec)) / "config.json").read_text())
@@ -116,7 +116,7 @@ def test_engines_that_cannot_hold_their_weights_are_refused():
 
 @pytest.mark.parametrize("name", ["qwen3_4b_math", "qwen30b_tools", "dsv3_ep256", "qwen_vl_geo3k"])
 def test_every_gpu_experiment_fits_its_hardware(name):
-    from molt.memory import estimates
+    from molt.plan.memory import estimates
 
     spec = compose([f"+experiment={name}"])
     ests, unknown = estimates(spec)

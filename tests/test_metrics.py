@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from molt.metrics import RunLogger, load_rollouts, wandb_mode
+from molt.driver.metrics import RunLogger, load_rollouts, wandb_mode
 from molt.spec import RunSpec
 from molt.trajectory import NO_VERSION, Rollout, Segment
 
@@ -113,7 +113,8 @@ def test_rollout_dump_round_trip(tmp_path: Path) -> None:
     assert load_rollouts(path) == rollouts[1:]
 
     # in one process too: step 8, the first after a checkpoint at 7, failed after its dump; the trainer
-    # restart redoes it (molt/loop.py: restart_trainers, then redo_steps), and only the redo's batch stays
+    # restart redoes it (molt/driver/loop.py: restart_trainers, then redo_steps), and only the redo's batch
+    # stays
     with closing(RunLogger(make_spec(tmp_path, progress=False))) as logger:
         failed = logger.dump_rollouts(8, rollouts[:1])
         logger.redo_steps()

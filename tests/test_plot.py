@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from molt.plot import main, plot_run, read_metrics, warmup_clip
+from molt.driver.plot import main, plot_run, read_metrics, warmup_clip
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -161,7 +161,7 @@ def test_sync_batches_hold_only_current_policy_tokens_across_a_refill(engine, ti
     batch was sampled by the current policy (policy/lag_max 0, as docs/loop.md says)."""
     from safetensors.torch import load_file
 
-    from molt.select import take_batch
+    from molt.driver.select import take_batch
     from molt.spec import RunSpec
 
     weights = load_file(f"{tiny_model_path}/model.safetensors")

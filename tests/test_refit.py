@@ -127,7 +127,7 @@ def test_trainer_stream_carries_every_tensor_of_the_model(tiny_model_path):
     from trainerlib import one_rank
     from transformers import AutoConfig
 
-    from molt.rollout.worker import check_complete, checkpoint_names
+    from molt.rollout.worker_extension import check_complete, checkpoint_names
     from molt.spec import RunSpec
 
     chunk_mb = 0.05

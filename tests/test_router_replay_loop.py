@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from molt.config import compose
-from molt.metrics import load_rollouts
+from molt.driver.metrics import load_rollouts
+from molt.spec.config import compose
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,8 +36,8 @@ def reference_routes(model: torch.nn.Module, token_ids: list[int]) -> list[list[
 def test_async_partial_run_replays_the_engine_routes(tmp_path, ray_session, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from molt.loop import train
-    from molt.models import model_path
+    from molt.driver.loop import train
+    from molt.plan.models import model_path
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     spec = compose(["model=tiny_moe", "rollout.mode=async", "rollout.partial_rollout=true",

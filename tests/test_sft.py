@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from molt.agents.render import encode, render
-from molt.sft.data import load_conversations, sft_batch, tokenize_conversation, tokenize_rows
+from molt.inputs.sft_data import load_conversations, sft_batch, tokenize_conversation, tokenize_rows
 from molt.spec import DataSpec, RunSpec
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
@@ -151,9 +151,9 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
 
 
 def test_sft_spec_plan_inputs_and_refusals() -> None:
-    from molt.config import compose
-    from molt.launch import check_inputs, describe_plan
+    from molt.driver.launch import check_inputs, describe_plan
     from molt.spec import SpecError
+    from molt.spec.config import compose
 
     spec = compose(["+experiment=rg_sft"])
     plan = describe_plan(spec)
@@ -180,7 +180,7 @@ def test_trust_remote_code_reaches_the_sft_tokenizer(tmp_path: Path, tiny_model_
     and the SFT run goes on to its next check (run.resume), still before any trainer starts."""
     import shutil
 
-    from molt.sft.loop import train
+    from molt.driver.sft_loop import train
 
     model = tmp_path / "remote"
     model.mkdir()

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from molt.config import compose
-from molt.data import REPO_ROOT
+from molt.inputs.data import REPO_ROOT
+from molt.spec.config import compose
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 QUIET = ["logging.progress=false", "logging.plots=false", "logging.wandb.mode=disabled"]
@@ -47,7 +47,7 @@ def check_export(checkpoint: Path, tmp_path: Path) -> None:
     """`molt.export` writes exactly the loop's export, and that holds exactly the checkpoint's weights."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from molt.export import main as export_main
+    from molt.driver.export import main as export_main
 
     in_loop = tensors(checkpoint / "hf")
     shutil.rmtree(checkpoint / "hf")
@@ -77,8 +77,8 @@ def test_sft_export_rl_eval_chain(tmp_path, ray_session, capsys) -> None:
     check_export(root / "step_000005", tmp_path)
 
     # RL from the export: vLLM and the trainer both load it and agree on it
-    from molt.eval import main as eval_main
-    from molt.loop import train
+    from molt.driver.eval import main as eval_main
+    from molt.driver.loop import train
 
     small = tmp_path / "small_eval.jsonl"
     rg_eval = REPO_ROOT / "examples" / "data" / "rg_arith_eval.jsonl"

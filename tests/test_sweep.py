@@ -15,12 +15,12 @@ import torch
 import yaml
 from matplotlib.image import imread
 
-from molt.config import spec_yaml
-from molt.diff import main as diff_main
-from molt.eval import set_metrics
+from molt.driver.eval import set_metrics
+from molt.driver.sweep import job_row, summarize
+from molt.driver.sweep import main as sweep_main
 from molt.spec import RunSpec
-from molt.sweep import job_row, summarize
-from molt.sweep import main as sweep_main
+from molt.spec.config import spec_yaml
+from molt.spec.diff import main as diff_main
 
 slow = pytest.mark.slow   # a test of the real two-job sweep: two CLI runs (over a minute)
 

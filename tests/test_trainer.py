@@ -446,7 +446,8 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
     its step and the policy is never called (None here would raise), the step is marked."""
     import asyncio
 
-    from molt.loop import learn
+    from molt.driver.loop import learn
+    from molt.trainer.ranks import Trainers
     from molt.trajectory import Rollout
 
     spec, critic = critic
@@ -454,7 +455,7 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
     rollouts = [Rollout(s.rollout_id, s.group_id, [s], reward=float(i % 2)) for i, s in enumerate(segs)]
     b = make_batch(segs)
     before = critic.values(b)
-    metrics = asyncio.run(learn(spec, rollouts, None, None, critic, 0, 0, train_policy=False))
+    metrics = asyncio.run(learn(spec, rollouts, Trainers(critic=critic), 0, 0, train_policy=False))
     after = critic.values(b)
     assert metrics["train/critic_warmup"] == 1.0 and "critic/value_loss" in metrics
     assert "train/loss" not in metrics and "mismatch/mean_abs" not in metrics   # no policy step
@@ -507,14 +508,14 @@ def test_a_rank_switches_threads_at_each_block_forward_and_backward(tiny_model_p
     try:
         worker = TrainerWorker(spec, "policy", 0, tiny_model_path)   # no process group: no setup()
         worker.model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-        worker._switch_threads_per_block()
+        worker.threads.follow_blocks(worker.model)
         block0 = worker.model.model.layers[0]
-        block0.register_forward_hook(lambda *_: setattr(worker, "engines_idle", True))
-        worker.block_threads = [worker._threads()]
+        block0.register_forward_hook(lambda *_: worker.set_engines_idle(True))
+        worker.threads.start_micro_batch()
         worker.model(input_ids=torch.tensor([[1, 5, 9, 13]])).logits.sum().backward()
-        share, cores = worker.threads[False], worker.threads[True]
+        share, cores = worker.threads.counts[False], worker.threads.counts[True]
         assert share < cores
         # micro-batch start, forward of block 0, of block 1, backward of block 1, of block 0
-        assert worker.block_threads == [share, share, cores, cores, cores]
+        assert worker.threads.seen == [share, share, cores, cores, cores]
     finally:
         torch.set_num_threads(before)

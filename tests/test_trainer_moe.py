@@ -48,7 +48,7 @@ def random_batch() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def policy(ray_session):
     """A tiny MoE policy on 2 ranks, trained 2 steps (without replay: the batch has no routes)."""
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
 
     group = TrainerRanks(moe_spec(str(tiny_model_path(**MOE)), ws=2))
     for _ in range(2):
@@ -67,8 +67,8 @@ def exported(policy, tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe_engine(ray_session):
     """An engine actor on the initial tiny-MoE weights, capturing routes as it generates."""
+    from molt.inputs.tiny import tiny_model_path
     from molt.rollout.engine import start_engines
-    from molt.tiny import tiny_model_path
 
     [engine] = start_engines(moe_spec(str(tiny_model_path(**MOE))), str(tiny_model_path(**MOE)))
     yield engine
@@ -80,8 +80,8 @@ def moe_engine(ray_session):
 def across_refit(policy, moe_engine):
     """Long requests started on version 0 (the initial weights); the 2-rank policy refits the engine to
     version 1 through the run's own refit path while they are in flight. Returns their outputs."""
-    from molt.fleet import Fleet
-    from molt.tiny import tiny_model_path
+    from molt.driver.fleet import Fleet
+    from molt.inputs.tiny import tiny_model_path
 
     long = {"temperature": 1.0, "max_tokens": 120, "ignore_eos": True}
     refs = [moe_engine.generate.remote(p, {**long, "seed": i}) for i, p in enumerate(PROMPTS)]
@@ -202,7 +202,7 @@ def test_automodel_moe_classes_need_cuda() -> None:
     from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
     from transformers import AutoConfig
 
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
 
     config = AutoConfig.from_pretrained(tiny_model_path(**MOE))
     config.tie_word_embeddings = False  # AutoModel's class rejects tied heads before it gets to CUDA
@@ -214,7 +214,7 @@ def test_the_reference_routes_itself_and_ignores_the_freeze_switches() -> None:
     """model.router_replay and freeze_router act on the policy: a reference of its own (a teacher) routes
     with its own router however the batch's routes read, and a dense teacher builds (it used to fail its
     set-up with "the model has no MoE router")."""
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
 
     path, batch = str(tiny_model_path(**MOE)), random_batch()
     g = torch.Generator().manual_seed(1)
@@ -240,7 +240,7 @@ def test_replay_holds_in_the_recomputation_of_activation_checkpointing(checkpoin
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from transformers import AutoModelForCausalLM
 
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
     from molt.trainer.router_replay import install_replay
     from molt.trainer.worker import TrainerWorker
 
@@ -282,7 +282,7 @@ def test_grouped_experts_refit_one_expert_range_at_a_time(monkeypatch) -> None:
     fused experts (4 x 128 x 128, 256 KB in fp32) are gathered, cast and converted one expert at a time,
     and the stream equals the one gathered whole (names, dtypes, values): the checkpoint's per-expert
     tensors numbered from each range's first expert."""
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
     from molt.trainer import weights
 
     cpu, chunk_bytes = torch.device("cpu"), 40 << 10
@@ -386,7 +386,7 @@ def test_the_gpu_loader_trains_without_a_load_balancing_loss() -> None:
     Molt's RL loss; the loader is told 0, and AutoModel's own config loading applies it."""
     from nemo_automodel._transformers.model_init import get_hf_config
 
-    from molt.tiny import tiny_model_path
+    from molt.inputs.tiny import tiny_model_path
     from molt.trainer.model import automodel_kwargs
 
     path = str(tiny_model_path(**MOE))

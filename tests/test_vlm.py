@@ -9,8 +9,8 @@ import pytest
 import torch
 from trainerlib import full_weights, one_rank
 
+from molt.inputs.vision import collapse, data_url, normalize, pixel_inputs, processor
 from molt.trajectory import Segment
-from molt.vision import collapse, data_url, normalize, pixel_inputs, processor
 
 
 def png(size: tuple[int, int], seed: int) -> bytes:
@@ -26,7 +26,7 @@ def png(size: tuple[int, int], seed: int) -> bytes:
 
 
 def test_tiny_vlm_folder_loads_offline(vlm_path) -> None:
-    """molt.tiny's VLM folder: transformers' auto classes load model and processor (Pillow images, no
+    """molt.inputs.tiny's VLM folder: transformers' auto classes load model and processor (Pillow images, no
     torchvision), and the chat template renders an image part as one vision placeholder."""
     from transformers import AutoModelForImageTextToText
 
@@ -46,7 +46,7 @@ def test_images_in_rows_become_data_urls(tmp_path) -> None:
     load as data URLs of the same bytes, and a missing file fails naming the row."""
     import json
 
-    from molt.data import PromptDataset
+    from molt.inputs.data import PromptDataset
     from molt.spec import DataSpec
 
     raw = png((40, 30), 1)
@@ -247,10 +247,10 @@ def test_three_step_vlm_run_trains_and_its_dump_replays(tmp_path, ray_session) -
     replaying step 1's dump on the initial weights reproduces its loss and gradient norm."""
     import json
 
-    from molt.config import compose, spec_yaml
-    from molt.loop import train
-    from molt.metrics import load_rollouts
-    from molt.replay import replay
+    from molt.driver.loop import train
+    from molt.driver.metrics import load_rollouts
+    from molt.driver.replay import replay
+    from molt.spec.config import compose, spec_yaml
 
     # A random-init model answers no diagram, so every advantage is 0; the entropy bonus gives the steps
     # a gradient, so the weights move and every refit is checked by the next step's mismatch.

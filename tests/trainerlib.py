@@ -20,7 +20,7 @@ def one_rank(spec: RunSpec, role: str = "policy", path: str | None = None) -> It
     """The one `TrainerWorker` of a world-size-1 trainer, set up in this process: the code a TrainerRanks
     rank runs (`forward` is its logprobs or values), without a Ray actor's start (≈10 CPU-s of imports).
     The rank sets torch.distributed's variables, torch's threads and seed; they are restored on exit."""
-    from molt.models import model_path
+    from molt.plan.models import model_path
     from molt.trainer.worker import TrainerWorker
 
     assert spec.parallel.world_size == 1, "one_rank is world size 1; use TrainerRanks for more"

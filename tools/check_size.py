@@ -20,10 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
-    "molt/spec_sections.py": "several sections of the spec in one file: to be split by section (model, "
-                             "parallel, rollout, agent, data) when the spec moves into molt/spec/",
-    "molt/trainer/worker.py": "the rank's collective methods on one model; its CPU thread switching "
-                              "(_threads, _switch_threads_per_block) is a second idea, the next to move out",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "

@@ -8,27 +8,18 @@ gradient variance for a sequence-sum loss. It is this file plus conf/algo/opo.ya
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import Tensor
 
-from molt.algo.estimators import Advantages, register_estimator, rollout_rewards
-from molt.algo.groups import group_sum, rollout_sum, to_tokens
-
-if TYPE_CHECKING:
-    from molt.spec import AlgoSpec
+from molt.algo.estimators import Advantages, EstimatorInputs, register_estimator
+from molt.algo.groups import group_sum, rollout_sum
 
 
 @register_estimator("opo", group_baseline=True)
-def opo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-        values: Tensor | None = None, logp: Tensor | None = None,
-        ref_logp: Tensor | None = None) -> Advantages:
+def opo(x: EstimatorInputs) -> Advantages:
     """A_i = r_i - sum_g(len_j * r_j) / sum_g(len_j); len_j = sampled tokens of rollout j (all segments);
     r includes the rollout's KL penalty when algo.kl.in_reward."""
-    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
-    lengths = rollout_sum(loss_mask.to(r.dtype), segment_rollout, loss_mask, r.numel())
-    baseline = group_sum(lengths * r, group_ids) / group_sum(lengths, group_ids).clamp(min=1)
-    adv = r - baseline
-    return Advantages(to_tokens(adv, segment_rollout, loss_mask), None,
+    r = x.kl_rewards()
+    lengths = rollout_sum(x.loss_mask.to(r.dtype), x.segment_rollout, x.loss_mask, r.numel())
+    baseline = group_sum(lengths * r, x.group_ids) / group_sum(lengths, x.group_ids).clamp(min=1)
+    return Advantages(x.to_tokens(r - baseline), None,
                       {"opo_baseline_mean": baseline.mean() if baseline.numel() else torch.zeros(())})

@@ -112,7 +112,7 @@ class ChatAgentRunner(Runner):
 
 
 def _openai_images(messages: list[dict]) -> list[dict]:
-    """A row's image parts ({"type": "image", "image": <data URL>}, molt.data) as the OpenAI wire's."""
+    """A row's image parts ({"type": "image", "image": <data URL>}, molt.inputs.data) as the OpenAI wire's."""
     def part(p: Any) -> Any:
         is_image = isinstance(p, dict) and p.get("type") == "image"
         return {"type": "image_url", "image_url": {"url": p["image"]}} if is_image else p

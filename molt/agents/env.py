@@ -23,15 +23,15 @@ from molt.agents.render import continuation, encode, render, text_of
 from molt.agents.runner import Runner, agent_code
 from molt.agents.tools import ERROR_PREFIX, make_parser, offered_tools, parse_reply, tool_request
 from molt.agents.trace import Trace, as_finite
+from molt.inputs.vision import normalize
 from molt.trajectory import AgentError, Rollout, Sampler
-from molt.vision import normalize
 
 
 @dataclass
 class Result:
     reward: float
-    # next input: text (a user turn), a whole message dict (its content may hold image parts, molt.vision),
-    # or a list of messages (the tool messages `Env.call_tools` returns)
+    # next input: text (a user turn), a whole message dict (its content may hold image parts,
+    # molt.inputs.vision), or a list of messages (the tool messages `Env.call_tools` returns)
     observation: str | dict | list[dict] | None = None
     terminated: bool = True
     truncated: bool = False

@@ -13,7 +13,7 @@ of "yes" against "no", sigmoid((log p(yes) - log p(no)) / agent.judge.temperatur
 judge that would have written garbage still gives a number in (0, 1), it is continuous (groups of equal
 0/1 verdicts would carry no advantage), and it costs two prefill passes and no decoding.
 
-The judge's engines have GPUs of their own on CUDA (molt/placement.py plans them like the policy's). A judge
+The judge's engines have GPUs of their own on CUDA (plan/placement.py plans them as the policy's). A judge
 served elsewhere is `agent.judge.url`, an OpenAI-compatible server (vLLM's): the same words are scored as
 the echoed prompt logprobs of a completion request of token ids, rendered with `agent.judge.path`'s
 tokenizer. Either way a verdict request gets `agent.judge.timeout_s`, is retried `agent.judge.retries`
@@ -29,9 +29,9 @@ import uuid
 from typing import Any
 
 from molt.agents.render import encode, render
-from molt.rollout.dispatch import Dispatcher, EngineDiedError
+from molt.rollout.dispatch import Dispatcher
 from molt.spec import JudgeSpec, LoRASpec, RunSpec
-from molt.trajectory import AgentError
+from molt.trajectory import AgentError, EngineDiedError
 
 YES, NO = "yes", "no"
 
@@ -55,8 +55,8 @@ class Judge:
         plan gives them, or connect to agent.judge.url."""
         from transformers import AutoTokenizer
 
-        from molt.models import model_path
-        from molt.placement import plan
+        from molt.plan.models import model_path
+        from molt.plan.placement import plan
         from molt.rollout.engine import start_engines
 
         judge = spec.agent.judge

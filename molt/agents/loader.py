@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from molt.agents.runner import Runner
-from molt.plugins import import_user_module
 from molt.spec import AgentSpec
+from molt.spec.plugins import import_user_module
 
 
 def load_agent_runner(agent: AgentSpec) -> Any:

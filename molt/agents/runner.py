@@ -18,10 +18,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from molt.agents.trace import Trace, failed_rollout
-from molt.rollout.dispatch import EngineDiedError
-from molt.rollout.sampling import train_sampling
 from molt.spec import RunSpec
-from molt.trajectory import AgentError, Rollout, Sampler
+from molt.trajectory import AgentError, EngineDiedError, Rollout, Sampler
 
 
 @contextmanager
@@ -51,7 +49,7 @@ class Runner:
 
             self.judge = Judge.start(spec)
         # The run's sampling defaults; a turn may override them (Result.sampling_params, request fields).
-        self.sampling = train_sampling(spec.rollout)
+        self.sampling = spec.rollout.request()
 
     async def run(self, item: dict, rollout_id: str, group_id: str, sampler: Sampler,
                   sampling: dict | None = None) -> Rollout:
@@ -87,7 +85,7 @@ class Runner:
 
     def messages_of(self, item: dict) -> list[dict]:
         data = self.spec.data
-        if item.get(data.messages_key):   # messages win over a prompt string, as in molt.data
+        if item.get(data.messages_key):   # messages win over a prompt string, as in molt.inputs.data
             return [dict(m) for m in item[data.messages_key]]
         if item.get(data.prompt_key) is not None:
             return [{"role": "user", "content": str(item[data.prompt_key])}]

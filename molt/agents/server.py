@@ -40,9 +40,9 @@ from molt.agents.render import text_of
 from molt.agents.session import ChatSession
 from molt.agents.tools import FORCEABLE_PARSERS, forced_call_regex, make_parser, parse_reply
 from molt.agents.trace import Trace
+from molt.inputs.vision import normalize
 from molt.spec import AgentSpec
 from molt.trajectory import Sampler
-from molt.vision import normalize
 
 MAX_BODY_BYTES = 4 << 20
 READ_TIMEOUT_S = 30.0   # for a request's head (request line + headers) and, separately, its body
@@ -273,7 +273,7 @@ class LoopbackServer:
 
         A turn that fails or is cancelled leaves the session as it was before the request."""
         # OpenAI's `developer` role is the system prompt under another name; templates know `system`.
-        # Text parts are joined into a string; a message with images keeps its parts (molt.vision).
+        # Text parts are joined into a string; a message with images keeps its parts (molt.inputs.vision).
         messages = [{**m, "content": m["content"] if _has_image(m) else text_of(m.get("content")),
                      "role": "system" if m.get("role") == "developer" else m.get("role")}
                     for m in self._normalize(chat)]

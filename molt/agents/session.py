@@ -20,8 +20,8 @@ from typing import Any
 from molt.agents.render import continuation, encode, render, text_of
 from molt.agents.tools import ERROR_PREFIX
 from molt.agents.trace import Trace
+from molt.inputs.vision import normalize
 from molt.trajectory import Sampler
-from molt.vision import normalize
 
 
 @dataclass

@@ -21,6 +21,7 @@ from molt.algo.estimators import (
     GROUP_BASELINE,
     TURN_CREDIT,
     Advantages,
+    EstimatorInputs,
     compute_advantages,
     kl_penalty,
     register_estimator,
@@ -36,7 +37,7 @@ from molt.algo.surrogates import POLICY_LOSSES
 
 __all__ = [
     "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
-    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "TURN_CREDIT", "Advantages",
+    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "TURN_CREDIT", "Advantages", "EstimatorInputs",
     "adaptive_kl_coef", "apply_filters", "compute_advantages", "gap_metrics", "gap_sums", "group_mean",
     "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",

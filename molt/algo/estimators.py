@@ -1,8 +1,8 @@
 """Advantage estimators, selected by `algo.estimator`.
 
-Every estimator has the same signature, so the loop calls `ESTIMATORS[algo.estimator](...)` (or
+Every estimator takes one `EstimatorInputs`, so the loop calls `ESTIMATORS[algo.estimator](inputs)` (or
 `compute_advantages`, which adds shape checks and common metrics) without branching; an estimator
-ignores the optional inputs it does not need. Inputs, for R rollouts and S segments of T tokens:
+ignores the optional inputs it does not need. Its fields, for R rollouts and S segments of T tokens:
 
     rewards          [R]     float, one reward per rollout
     group_ids        [R]     int, rollouts with the same id answered the same prompt
@@ -16,11 +16,17 @@ ignores the optional inputs it does not need. Inputs, for R rollouts and S segme
                              return from its first turn (its baseline is taken over those)
 
 Output: `Advantages(advantages [S, T], returns [S, T] or None, metrics {name: 0-dim tensor})`.
+A plugin estimator written against the earlier signature, `fn(rewards, group_ids, segment_rollout,
+loss_mask, algo, values=None, logp=None, ref_logp=None[, turn_returns])`, is still accepted:
+`register_estimator` adapts it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -42,7 +48,31 @@ class Advantages(NamedTuple):
     metrics: dict[str, Tensor]
 
 
-Estimator = Callable[..., Advantages]
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """What an estimator reads (shapes in the module docstring); the optional fields are None when the
+    run has no critic, no reference, or no turn credit."""
+    rewards: Tensor
+    group_ids: Tensor
+    segment_rollout: Tensor
+    loss_mask: Tensor
+    algo: AlgoSpec
+    values: Tensor | None = None
+    logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    turn_returns: Tensor | None = None
+
+    def to_tokens(self, x: Tensor) -> Tensor:
+        """[R] per-rollout values as [S, T] on each rollout's sampled tokens."""
+        return to_tokens(x, self.segment_rollout, self.loss_mask)
+
+    def kl_rewards(self) -> Tensor:
+        """[R] rewards with the KL penalty of each rollout's tokens folded in (when algo.kl.in_reward)."""
+        return rollout_rewards(self.rewards, self.segment_rollout, self.loss_mask, self.algo, self.logp,
+                               self.ref_logp)
+
+
+Estimator = Callable[[EstimatorInputs], Advantages]
 ESTIMATORS: dict[str, Estimator] = {}
 GROUP_BASELINE: set[str] = set()    # estimators whose baseline is the prompt's other samples
 TURN_CREDIT: set[str] = set()       # estimators that take `turn_returns` (algo.turn_credit=turn)
@@ -55,16 +85,25 @@ def register_estimator(name: str, group_baseline: bool = False,
     `group_baseline=True` says its advantage compares the samples of one prompt, so the spec refuses it
     with one sample per prompt (every advantage would be 0); `turn_credit=True` that it takes the keyword
     `turn_returns` (algo.turn_credit=turn; the spec refuses that setting with any other estimator)."""
-    def add(fn: Estimator) -> Estimator:
+    def add(fn: Callable[..., Advantages]) -> Callable[..., Advantages]:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = fn
+        ESTIMATORS[name] = fn if len(inspect.signature(fn).parameters) == 1 else _from_tensors(fn)
         if group_baseline:
             GROUP_BASELINE.add(name)
         if turn_credit:
             TURN_CREDIT.add(name)
         return fn
     return add
+
+
+def _from_tensors(fn: Callable[..., Advantages]) -> Estimator:
+    """An estimator written against the earlier signature (tensors as positional arguments)."""
+    def call(x: EstimatorInputs) -> Advantages:
+        turns = {} if x.turn_returns is None else {"turn_returns": x.turn_returns}
+        return fn(x.rewards, x.group_ids, x.segment_rollout, x.loss_mask, x.algo, x.values, x.logp,
+                  x.ref_logp, **turns)
+    return call
 
 
 def _returns(r: Tensor, segment_rollout: Tensor, loss_mask: Tensor, turn_returns: Tensor | None) -> Tensor:
@@ -98,106 +137,91 @@ def _group_size(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 @register_estimator("reinforce_pp")
-def reinforce_pp(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
-                 algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
-                 ref_logp: Tensor | None = None) -> Advantages:
+def reinforce_pp(x: EstimatorInputs) -> Advantages:
     """REINFORCE++: A_t = whiten(G_t) over all sampled tokens of the batch, G_t = sum_{k>=t} gamma^(k-t) r_k
     with r_k = -kl.coef * KL_k (when kl.in_reward) plus the rollout reward on its last sampled token."""
-    penalty = kl_penalty(loss_mask, algo, logp, ref_logp)
-    _, returns = token_gae(penalty, None, rewards, segment_rollout, loss_mask, algo.gamma, 1.0)
-    return Advantages(masked_whiten(returns, loss_mask), None, {})
+    penalty = kl_penalty(x.loss_mask, x.algo, x.logp, x.ref_logp)
+    _, returns = token_gae(penalty, None, x.rewards, x.segment_rollout, x.loss_mask, x.algo.gamma, 1.0)
+    return Advantages(masked_whiten(returns, x.loss_mask), None, {})
 
 
 @register_estimator("reinforce_baseline", group_baseline=True)
-def reinforce_baseline(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
-                       algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
-                       ref_logp: Tensor | None = None) -> Advantages:
+def reinforce_baseline(x: EstimatorInputs) -> Advantages:
     """REINFORCE++-baseline: as reinforce_pp, with the rollout reward replaced by r - mean_group(r)."""
-    return reinforce_pp(rewards - group_mean(rewards, group_ids), group_ids, segment_rollout, loss_mask, algo,
-                        values, logp, ref_logp)
+    return reinforce_pp(dataclasses.replace(x, rewards=x.rewards - group_mean(x.rewards, x.group_ids)))
 
 
 @register_estimator("grpo", group_baseline=True, turn_credit=True)
-def grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-         values: Tensor | None = None, logp: Tensor | None = None, ref_logp: Tensor | None = None,
-         turn_returns: Tensor | None = None) -> Advantages:
+def grpo(x: EstimatorInputs) -> Advantages:
     """GRPO: A = (r - mean_g) / (std_g + 1e-6), std unbiased; a group of one gets A = 0. With turn credit a
     token's A = (G_turn - mean_g) / (std_g + 1e-6), mean and std over the group's whole-rollout returns."""
-    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
-    n = _group_size(r, group_ids)
-    mean = group_mean(r, group_ids)
+    r = x.kl_rewards()
+    n = _group_size(r, x.group_ids)
+    mean = group_mean(r, x.group_ids)
     centered = r - mean
-    std = (group_sum(centered**2, group_ids) / (n - 1).clamp(min=1)).sqrt()
+    std = (group_sum(centered**2, x.group_ids) / (n - 1).clamp(min=1)).sqrt()
     zero_std = (std == 0) | (n == 1)
     metrics = {"zero_std_frac": zero_std.float().mean()}
-    if turn_returns is None:
+    if x.turn_returns is None:
         adv = torch.where(n > 1, centered / (std + EPS), torch.zeros_like(r))
-        return Advantages(to_tokens(adv, segment_rollout, loss_mask), None, metrics)
-    per_token = lambda x: to_tokens(x, segment_rollout, loss_mask)  # noqa: E731
-    adv = (_returns(r, segment_rollout, loss_mask, turn_returns) - per_token(mean)) / (per_token(std) + EPS)
-    return Advantages(torch.where(per_token((n > 1).to(r.dtype)) > 0, adv, torch.zeros_like(adv)), None,
+        return Advantages(x.to_tokens(adv), None, metrics)
+    adv = (_returns(r, x.segment_rollout, x.loss_mask, x.turn_returns) - x.to_tokens(mean)) / \
+        (x.to_tokens(std) + EPS)
+    return Advantages(torch.where(x.to_tokens((n > 1).to(r.dtype)) > 0, adv, torch.zeros_like(adv)), None,
                       metrics)
 
 
 @register_estimator("dr_grpo", group_baseline=True, turn_credit=True)
-def dr_grpo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-            values: Tensor | None = None, logp: Tensor | None = None, ref_logp: Tensor | None = None,
-            turn_returns: Tensor | None = None) -> Advantages:
+def dr_grpo(x: EstimatorInputs) -> Advantages:
     """Dr.GRPO: A = r - mean_g (no std; pair with loss.norm=seq for the constant length normalizer); with
     turn credit a token's A = G_turn - mean_g, and a group of one (no baseline but itself) gets 0."""
-    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
-    if turn_returns is None:
-        return Advantages(to_tokens(r - group_mean(r, group_ids), segment_rollout, loss_mask), None, {})
-    per_token = lambda x: to_tokens(x, segment_rollout, loss_mask)  # noqa: E731
-    adv = _returns(r, segment_rollout, loss_mask, turn_returns) - per_token(group_mean(r, group_ids))
-    alone = per_token((_group_size(r, group_ids) == 1).to(r.dtype)) > 0
+    r = x.kl_rewards()
+    if x.turn_returns is None:
+        return Advantages(x.to_tokens(r - group_mean(r, x.group_ids)), None, {})
+    mean = x.to_tokens(group_mean(r, x.group_ids))
+    adv = _returns(r, x.segment_rollout, x.loss_mask, x.turn_returns) - mean
+    alone = x.to_tokens((_group_size(r, x.group_ids) == 1).to(r.dtype)) > 0
     return Advantages(torch.where(alone, torch.zeros_like(adv), adv), None, {})
 
 
 @register_estimator("rloo", group_baseline=True, turn_credit=True)
-def rloo(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-         values: Tensor | None = None, logp: Tensor | None = None, ref_logp: Tensor | None = None,
-         turn_returns: Tensor | None = None) -> Advantages:
+def rloo(x: EstimatorInputs) -> Advantages:
     """RLOO: A_i = r_i - mean_{j != i in group} r_j = n / (n - 1) * (r_i - mean_g); a group of one gets 0.
     With turn credit a token's A = G_turn - mean_{j != i} r_j (the other rollouts' whole returns)."""
-    r = rollout_rewards(rewards, segment_rollout, loss_mask, algo, logp, ref_logp)
-    n = _group_size(r, group_ids)
-    if turn_returns is None:
-        adv = (r - group_mean(r, group_ids)) * n / (n - 1).clamp(min=1)
+    r = x.kl_rewards()
+    n = _group_size(r, x.group_ids)
+    if x.turn_returns is None:
+        adv = (r - group_mean(r, x.group_ids)) * n / (n - 1).clamp(min=1)
         adv = torch.where(n > 1, adv, torch.zeros_like(adv))
-        return Advantages(to_tokens(adv, segment_rollout, loss_mask), None, {})
-    others = torch.where(n > 1, (group_sum(r, group_ids) - r) / (n - 1).clamp(min=1), r)   # one: A = 0
-    adv = _returns(r, segment_rollout, loss_mask, turn_returns) - \
-        to_tokens(others, segment_rollout, loss_mask)
-    single = to_tokens((n == 1).to(r.dtype), segment_rollout, loss_mask) > 0
+        return Advantages(x.to_tokens(adv), None, {})
+    others = torch.where(n > 1, (group_sum(r, x.group_ids) - r) / (n - 1).clamp(min=1), r)   # one: A = 0
+    adv = _returns(r, x.segment_rollout, x.loss_mask, x.turn_returns) - x.to_tokens(others)
+    single = x.to_tokens((n == 1).to(r.dtype)) > 0
     return Advantages(torch.where(single, torch.zeros_like(adv), adv), None, {})
 
 
 @register_estimator("gae")
-def gae(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor, algo: AlgoSpec,
-        values: Tensor | None = None, logp: Tensor | None = None,
-        ref_logp: Tensor | None = None) -> Advantages:
+def gae(x: EstimatorInputs) -> Advantages:
     """PPO-GAE(gamma, lam) over each rollout's sampled tokens with the critic's values; advantages are
     whitened over the batch, returns (A_t + V_t before whitening) are the value targets."""
-    if values is None:
+    if x.values is None:
         raise ValueError("algo.estimator=gae needs values from a critic")
-    penalty = kl_penalty(loss_mask, algo, logp, ref_logp)
-    adv, returns = token_gae(penalty, values, rewards, segment_rollout, loss_mask, algo.gamma, algo.lam)
-    return Advantages(masked_whiten(adv, loss_mask), returns,
-                      {"returns_mean": masked_mean(returns, loss_mask),
-                       "values_mean": masked_mean(values.to(returns.dtype), loss_mask)})
+    penalty = kl_penalty(x.loss_mask, x.algo, x.logp, x.ref_logp)
+    adv, returns = token_gae(penalty, x.values, x.rewards, x.segment_rollout, x.loss_mask, x.algo.gamma,
+                             x.algo.lam)
+    return Advantages(masked_whiten(adv, x.loss_mask), returns,
+                      {"returns_mean": masked_mean(returns, x.loss_mask),
+                       "values_mean": masked_mean(x.values.to(returns.dtype), x.loss_mask)})
 
 
 @register_estimator("on_policy_distill")
-def on_policy_distill(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
-                      algo: AlgoSpec, values: Tensor | None = None, logp: Tensor | None = None,
-                      ref_logp: Tensor | None = None) -> Advantages:
+def on_policy_distill(x: EstimatorInputs) -> Advantages:
     """On-policy distillation: A_t = -distill_coef * (logp_t - ref_logp_t), the teacher as reference
     (per-token reverse KL as a dense reward); rewards are ignored."""
-    if logp is None or ref_logp is None:
+    if x.logp is None or x.ref_logp is None:
         raise ValueError("algo.estimator=on_policy_distill needs logp and ref_logp (the teacher)")
-    gap = torch.where(loss_mask > 0, logp - ref_logp, torch.zeros_like(logp))
-    return Advantages(-algo.distill_coef * gap, None, {"teacher_gap": masked_mean(gap, loss_mask)})
+    gap = torch.where(x.loss_mask > 0, x.logp - x.ref_logp, torch.zeros_like(x.logp))
+    return Advantages(-x.algo.distill_coef * gap, None, {"teacher_gap": masked_mean(gap, x.loss_mask)})
 
 
 def compute_advantages(rewards: Tensor, group_ids: Tensor, segment_rollout: Tensor, loss_mask: Tensor,
@@ -223,9 +247,8 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, segment_rollout: Tens
             raise ValueError(f"{name} {tuple(x.shape)} must match loss_mask {tuple(loss_mask.shape)}")
     if turn_returns is not None and algo.estimator not in TURN_CREDIT:
         raise ValueError(f"algo.estimator={algo.estimator} takes no turn_returns (algo.turn_credit=turn)")
-    turns = {} if turn_returns is None else {"turn_returns": turn_returns}   # plugins need not know the key
-    out = ESTIMATORS[algo.estimator](rewards, group_ids, segment_rollout, loss_mask, algo, values, logp,
-                                     ref_logp, **turns)
+    out = ESTIMATORS[algo.estimator](EstimatorInputs(rewards, group_ids, segment_rollout, loss_mask, algo,
+                                                     values, logp, ref_logp, turn_returns))
     adv, mask = out.advantages, loss_mask > 0
     mean = masked_mean(adv, mask)
     metrics = {

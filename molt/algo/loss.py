@@ -16,7 +16,7 @@ from torch import Tensor
 
 from molt.algo.correction import importance_weights
 from molt.algo.kl import KL_ESTIMATORS
-from molt.algo.masked import masked_mean, masked_sum
+from molt.algo.masked import masked_fraction, masked_mean, masked_sum
 from molt.algo.surrogates import POLICY_LOSSES
 
 if TYPE_CHECKING:
@@ -70,10 +70,6 @@ def token_scale(per_token: Tensor, loss_mask: Tensor, algo: AlgoSpec) -> Tensor:
     """`per_token` [B, T] times the aggregation's per-token factor (seq-mean-token-mean: 1/row length)."""
     scale = LOSS_NORMS[algo.loss.norm].token_scale
     return per_token if scale is None else per_token * scale(loss_mask).to(per_token.dtype)
-
-
-def _frac(x: Tensor, mask: Tensor) -> Tensor:
-    return masked_mean(x.float(), mask)
 
 
 def policy_loss(logp: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
@@ -145,7 +141,7 @@ def value_loss(values: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
     with torch.no_grad():
         metrics = {
             "value_loss": masked_mean(per_token, mask),
-            "value_clip_frac": _frac((values - returns) ** 2 < (v_clip - returns) ** 2, mask),
+            "value_clip_frac": masked_fraction((values - returns) ** 2 < (v_clip - returns) ** 2, mask),
             "value_mean": masked_mean(values, mask),
             "value_error": masked_mean((values - returns).abs(), mask),
         }

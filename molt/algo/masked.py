@@ -20,6 +20,11 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return masked_sum(x, mask) / (mask > 0).sum().clamp(min=1)
 
 
+def masked_fraction(x: Tensor, mask: Tensor) -> Tensor:
+    """The fraction of unmasked positions where the condition `x` holds (clip fractions and the like)."""
+    return masked_mean(x.float(), mask)
+
+
 def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     """Max of `x` over `mask` > 0; 0 when nothing is unmasked."""
     if not (mask > 0).any():

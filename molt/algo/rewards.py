@@ -2,9 +2,10 @@
 
 Each takes rewards [R], response lengths [R] (sampled tokens of the whole rollout), the AlgoSpec and the
 response budget per rollout (rollout.max_tokens * agent.max_turns, or less where agent.max_total_tokens
-leaves less after the prompt: molt.select.shaped_rewards) and returns new rewards [R]. `shape_rewards` runs
-the enabled ones in the order of REWARD_TRANSFORMS: overlong penalty, clip, normalize. The filters
-judge the raw task rewards, so shaping never changes which groups dynamic sampling keeps.
+leaves less after the prompt: molt.driver.select.shaped_rewards) and returns new rewards [R].
+`shape_rewards` runs the enabled ones in the order of REWARD_TRANSFORMS: overlong penalty, clip,
+normalize. The filters judge the raw task rewards, so shaping never changes which groups dynamic
+sampling keeps.
 """
 
 from __future__ import annotations

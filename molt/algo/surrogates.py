@@ -14,17 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from molt.algo.masked import masked_mean
+from molt.algo.masked import masked_fraction, masked_mean
 
 if TYPE_CHECKING:
     from molt.spec import LossSpec
 
 # GSPO's log sequence ratio is capped before exp, as verl does, so one long off-policy row cannot overflow.
 GSPO_MAX_LOG_RATIO = 10.0
-
-
-def _frac(x: Tensor, mask: Tensor) -> Tensor:
-    return masked_mean(x.float(), mask)
 
 
 def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
@@ -45,9 +41,9 @@ def ppo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
         pg = torch.where(dual, bound, pg)
     with torch.no_grad():
         metrics = {"ratio_mean": masked_mean(ratio, mask),
-                   "clip_frac_low": _frac((ratio < 1 - spec.eps_low) & (adv < 0), mask),
-                   "clip_frac_high": _frac((ratio > 1 + spec.eps_high) & (adv > 0), mask),
-                   "dual_clip_frac": _frac(dual, mask)}
+                   "clip_frac_low": masked_fraction((ratio < 1 - spec.eps_low) & (adv < 0), mask),
+                   "clip_frac_high": masked_fraction((ratio > 1 + spec.eps_high) & (adv > 0), mask),
+                   "dual_clip_frac": masked_fraction(dual, mask)}
     return pg, metrics
 
 
@@ -71,8 +67,8 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     pg = torch.maximum(-adv * ratio, -adv * clipped)
     with torch.no_grad():
         metrics = {"ratio_mean": masked_mean(ratio, mask),
-                   "clip_frac_low": _frac((ratio < 1 - spec.eps_low) & (adv < 0), mask),
-                   "clip_frac_high": _frac((ratio > 1 + spec.eps_high) & (adv > 0), mask)}
+                   "clip_frac_low": masked_fraction((ratio < 1 - spec.eps_low) & (adv < 0), mask),
+                   "clip_frac_high": masked_fraction((ratio > 1 + spec.eps_high) & (adv > 0), mask)}
     return pg, metrics
 
 
@@ -91,8 +87,8 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     pg = -weight * adv * logp
     with torch.no_grad():
         metrics = {"ratio_mean": masked_mean(ratio, mask),
-                   "clip_frac_low": _frac(ratio < 1 - spec.eps_low, mask),
-                   "clip_frac_high": _frac(ratio > 1 + spec.eps_high, mask)}
+                   "clip_frac_low": masked_fraction(ratio < 1 - spec.eps_low, mask),
+                   "clip_frac_high": masked_fraction(ratio > 1 + spec.eps_high, mask)}
     return pg, metrics
 
 

@@ -20,11 +20,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from molt.trajectory import Sample
+from molt.trajectory import EngineDiedError, Sample
 
-
-class EngineDiedError(RuntimeError):
-    """An engine actor is gone (its rollouts are restarted), or no engine is left to run (the run stops)."""
+__all__ = ["Dispatcher", "EngineDiedError"]   # EngineDiedError: molt/trajectory.py, importable here too
 
 
 class Dispatcher:

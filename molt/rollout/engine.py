@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import ray
 
+from molt.inputs.vision import collapse, decode
 from molt.rollout.engine_args import actor_options, check_lora, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.rollout.sampling import sampling_params
 from molt.spec import ModelSpec, RolloutSpec
 from molt.trajectory import AgentError, Sample
-from molt.vision import collapse, decode
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -362,9 +362,9 @@ class EngineActor:
 
 
 def start_engine(spec: Any, model_path: str, index: int, slot: Any = None) -> Any:
-    """Engine actor `index` on its plan node (molt/placement.py), or on `slot`'s (a judge engine, planned
+    """Engine actor `index` on its plan node (molt/plan/placement.py), or on `slot`'s (a judge engine, planned
     from the run's spec); call `ready` on it before use."""
-    from molt.placement import cluster_nodes, cpu_threads, node_selector, plan
+    from molt.plan.placement import cluster_nodes, cpu_threads, node_selector, plan
 
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
     slot = slot or next(s for s in plan(spec) if s.role == "engine" and s.index == index)

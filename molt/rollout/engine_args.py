@@ -3,7 +3,7 @@
 Every performance flag a user may want is either an `EngineSpec` field mapped here or goes through
 `rollout.engine.extra_args`, which is passed to `EngineArgs` unchanged and wins over the mapped
 values, so a new vLLM flag never needs a code change (the spec refuses there the arguments it derives
-from other keys: `molt.spec_sections.OWNED_ENGINE_ARGS`).
+from other keys: `molt.spec.rollout.OWNED_ENGINE_ARGS`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any, get_args
 
+from molt.inputs.vision import is_vision_model
+from molt.plan.placement import ENGINE_CPUS
 from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
-from molt.vision import is_vision_model
 
-WORKER_EXTENSION = "molt.rollout.worker.MoltWorkerExtension"
+WORKER_EXTENSION = "molt.rollout.worker_extension.MoltWorkerExtension"
 MOE_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")   # expert counts in HF configs
 
 
@@ -87,15 +88,15 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
     cores.
 
     On CPU the engine runs its worker inside the actor's process (≈2× faster on few cores than a
-    separate worker process) with `threads` OpenMP threads (`molt.placement.cpu_threads`), not pinned,
+    separate worker process) with `threads` OpenMP threads (`molt.plan.placement.cpu_threads`), not pinned,
     so several engines can share cores.
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
     # vLLM's engine core in the actor's process, which drives it (molt/rollout/engine.py).
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cuda":
-        return {"num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000,
-                "runtime_env": {"env_vars": in_process}}
+        return {"num_cpus": ENGINE_CPUS[device], "num_gpus": engine.tp_size * engine.dp_size,
+                "max_concurrency": 10_000, "runtime_env": {"env_vars": in_process}}
     env = {**in_process, "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
     if engine.enforce_eager:
@@ -103,7 +104,7 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
         # never reads) on its first request: 3.5-4 s of every engine's start on an idle 2-core host, for no
         # change in any logprob. Compiled mode keeps torch.compile.
         env["TORCH_COMPILE_DISABLE"] = "1"
-    return {"num_cpus": 0.01, "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
+    return {"num_cpus": ENGINE_CPUS[device], "runtime_env": {"env_vars": env}, "max_concurrency": 10_000}
 
 
 def lora_kwargs(rank: int, max_staleness: int) -> dict[str, Any]:

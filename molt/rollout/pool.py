@@ -8,7 +8,7 @@ engines sample the next groups while the trainer steps on this batch.
 `next_batch(k)` hands out `k` complete groups, freshest first (by oldest, then newest token version, then
 start order), and at least one of them holds tokens of the current policy: that is where the trainer measures
 its gap to the engine (invariant 3) every step, unless the loop holds a post-refit probe for that
-(`need_current=False`, molt.rollout.probe). Staleness: a waiting group whose oldest sampled token is
+(`need_current=False`, molt.driver.probe). Staleness: a waiting group whose oldest sampled token is
 older than `version - max_staleness` is never handed out; at the next `set_version` or `next_batch` its
 prompt item is re-queued (sampled again from the current policy) and counted in
 `stats()["stale_requeued"]`. A group that `lost(rollout_ids)` says an engine died under is restarted
@@ -165,7 +165,7 @@ class RolloutPool:
     async def next_batch(self, k: int, need_current: bool = True) -> list[list[Rollout]]:
         """`k` complete groups within the staleness bound, freshest first, at least one holding tokens of
         the current policy (when any can still come) unless `need_current` is False (the loop holds a probe
-        of the current policy, molt.rollout.probe); fewer only when the items run out. Returned in start
+        of the current policy, molt.driver.probe); fewer only when the items run out. Returned in start
         order, so a sync run's batch does not depend on which group finished first."""
         if k > self.depth:
             raise ValueError(f"a batch of {k} groups needs rollout.groups_in_flight >= {k} (is {self.depth})")

@@ -1,5 +1,5 @@
-"""Sampling parameters for `EngineActor.generate`: spec defaults, what training accepts, request seeds, and
-vLLM's `SamplingParams` for a request."""
+"""Sampling parameters for `EngineActor.generate`: what training accepts, request seeds, and vLLM's
+`SamplingParams` for a request (the spec's defaults are `RolloutSpec.request()`)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,6 @@ from typing import Any
 
 from molt.spec import GREEDY_BELOW
 from molt.trajectory import AgentError, Sample
-
-
-def train_sampling(rollout: Any) -> dict[str, Any]:
-    """`rollout.temperature/top_p/top_k/max_tokens` (a `RolloutSpec`)."""
-    return {"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
-            "max_tokens": rollout.max_tokens}
-
-
-def eval_sampling(rollout: Any) -> dict[str, Any]:
-    """`rollout.eval`: its own temperature, top_p, top_k and max_tokens (`n` is rollouts per prompt)."""
-    e = rollout.eval
-    return {"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_tokens": e.max_tokens}
 
 
 def check_trainable(sampling: dict[str, Any]) -> None:
@@ -69,21 +57,21 @@ class TrainingSampler:
 # stop strings) is passed on: each would change the distribution the tokens are drawn from in a way the
 # trainer's logprob recomputation (temperature, top-p, top-k) does not reproduce, or needs the detokenized
 # text; a request with one fails (AgentError) rather than be sampled without it.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
+REQUEST_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos",
                  "structured_outputs", "prompt_logprobs")
 
 
 def sampling_params(sampling: dict[str, Any], max_tokens: int):
     """vLLM `SamplingParams` asking for the sampled token's logprob and only the final output. A key outside
-    `SAMPLING_KEYS`, or a value vLLM refuses, is an `AgentError`: it fails the request's rollout."""
+    `REQUEST_KEYS`, or a value vLLM refuses, is an `AgentError`: it fails the request's rollout."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+    unknown = sorted(set(sampling) - set(REQUEST_KEYS))
     if unknown:
         raise AgentError(f"sampling parameters {unknown} are not supported: the trainer could not score the "
-                         f"tokens they change (or they need text); use {', '.join(SAMPLING_KEYS)} "
+                         f"tokens they change (or they need text); use {', '.join(REQUEST_KEYS)} "
                          "(stop_token_ids in place of stop strings)")
     # Constrained decoding ({"regex": ...}): how the agents' chat server honours a forced tool call.
     constrained = sampling.get("structured_outputs")

@@ -1,5 +1,5 @@
 """`python -m molt.sft [+experiment=NAME] [key=value ...]`: `python -m molt` with train.objective=sft
-(the same spec, run directory, checkpoints and exports; molt/sft/loop.py instead of the RL loop)."""
+(the same spec, run directory, checkpoints and exports; molt/driver/sft_loop.py instead of the RL loop)."""
 
 import sys
 

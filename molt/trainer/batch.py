@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
+from molt.inputs.vision import pixel_inputs
 from molt.spec import GREEDY_BELOW
 from molt.trajectory import NO_VERSION, Segment
-from molt.vision import pixel_inputs
 
 # Per-token sampling parameters a segment records; tokens the engine did not sample get these neutral
 # values (their logprobs are never used), so the trainer only truncates where a sampled token needs it.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+RECORDED_SAMPLING = ("temperature", "top_p", "top_k")
 NEUTRAL_SAMPLING = (1.0, 1.0, 0.0)
 
 
@@ -63,7 +63,7 @@ def make_batch(segments: list[Segment], pad_id: int = 0,
     if any(s.sampling for s in segments):
         if not all(s.sampling for s in segments):
             raise ValueError("make_batch: some segments record their sampling parameters and some do not")
-        batch.update(zip(SAMPLING_KEYS, torch.stack([_sampling_rows(s, length) for s in segments], 1),
+        batch.update(zip(RECORDED_SAMPLING, torch.stack([_sampling_rows(s, length) for s in segments], 1),
                          strict=True))
     return batch
 
@@ -84,7 +84,7 @@ def add_images(batch: dict[str, torch.Tensor], segments: list[Segment], proc: An
     """Add each row's images as `pixel_values` [B, patches, dim] and `image_grid_thw` [B, images, 3]
     (zero-padded: a zero grid is no image), and take image placeholders out of the loss.
 
-    `proc` is the model's processor (molt.vision.processor). A row's placeholder count must be what its
+    `proc` is the model's processor (molt.inputs.vision.processor). A row's placeholder count must be what its
     images expand to, or the trainer would not read what the engine read.
     """
     image_token, merge = proc.image_token_id, proc.image_processor.merge_size ** 2

@@ -19,11 +19,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from molt.inputs.vision import is_vision_model
 from molt.spec import RunSpec
 from molt.trainer.lora import apply_lora, check_adapted, peft_config
 from molt.trainer.packing import VARLEN
 from molt.trainer.router_replay import freeze_router, install_replay
-from molt.vision import is_vision_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
@@ -70,8 +70,8 @@ def distributed_setup(spec: RunSpec) -> Any:
 
 
 def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
-    """The sharded model of `role` (policy | reference | critic), loaded from `path` (molt.models, resolved
-    by the driver), on `distributed_setup(spec)`'s mesh, ready for forward on this rank."""
+    """The sharded model of `role` (policy | reference | critic), loaded from `path` (resolved by
+    the driver: molt.plan.models), on `distributed_setup(spec)`'s mesh, ready for forward on this rank."""
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
     cuda = spec.parallel.device == "cuda"

@@ -1,7 +1,7 @@
 """Driver-side handle over the Ray actors of one trainer role (policy, reference or critic).
 
 The group places one `TrainerWorker` per rank (one GPU each on CUDA) on the node the placement plan gives
-it (molt/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
+it (molt/plan/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
 the same collective call on every rank: rows of a batch are padded to a multiple of dp_size and split
 into equal contiguous shards (tp/cp ranks of one data shard get the same rows), and rank 0's answer is
 returned.
@@ -9,6 +9,7 @@ returned.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from molt.models import check_same_tokenizer, model_path
-from molt.placement import cluster_nodes, node_selector, plan
+from molt.plan.models import check_same_tokenizer, model_path
+from molt.plan.placement import cluster_nodes, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
 
@@ -73,7 +74,7 @@ class TrainerRanks:
                 "cluster is large enough, but other work holds those resources now (`ray status` shows "
                 "what is free)") from None
         # Imported here: the worker's module pulls in transformers and FSDP (≈4.5 s), which the driver
-        # then imports after it has asked for the engines, not before (start-up, molt/loop.py).
+        # then imports after it has asked for the engines, not before (start-up, molt/driver/loop.py).
         from molt.trainer.worker import TrainerWorker
 
         # "control": `set_engines_idle` is delivered while a step runs in the default group
@@ -131,7 +132,7 @@ class TrainerRanks:
 
     def set_engines_idle(self, idle: bool) -> None:
         """Async mode: the engines sample nothing (`idle`) or resume; the ranks change their CPU threads at
-        the next block of the model they compute (`molt.placement.cpu_threads`). Not awaited: it must not
+        the next block of the model they compute (`molt.plan.placement.cpu_threads`). Not awaited: it must not
         wait for a step."""
         for w in self.workers:
             w.set_engines_idle.remote(idle)
@@ -172,22 +173,30 @@ class TrainerRanks:
         remove_placement_group(self._pg)
 
 
-def start_trainers(spec: RunSpec) -> tuple[TrainerRanks, TrainerRanks | None, TrainerRanks | None]:
-    """(policy, reference, critic) trainer groups; the last two only when the spec has them."""
-    return (TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference else None,
-            TrainerRanks(spec, "critic") if spec.model.critic else None)
+@dataclass
+class Trainers:
+    """The run's trainer groups by role: the policy, and the reference and the critic when the spec has
+    them (None otherwise; a test may leave out the policy too, as a critic warm-up step does)."""
 
+    policy: TrainerRanks | None = None
+    reference: TrainerRanks | None = None
+    critic: TrainerRanks | None = None
 
-def stop_trainers(trainers: tuple) -> None:
-    for group in trainers:
-        if group:
+    @classmethod
+    def start(cls, spec: RunSpec) -> Trainers:
+        return cls(TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference
+                   else None, TrainerRanks(spec, "critic") if spec.model.critic else None)
+
+    def groups(self) -> list[TrainerRanks]:
+        return [group for group in (self.policy, self.reference, self.critic) if group]
+
+    def stop(self) -> None:
+        for group in self.groups():
             group.shutdown()
 
-
-def load_trainers(trainers: tuple, checkpoint: Path) -> dict[str, Any]:
-    """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
-    policy, _, critic = trainers
-    extra = policy.load(str(checkpoint / "policy"))
-    if critic:
-        critic.load(str(checkpoint / "critic"))
-    return extra
+    def load(self, checkpoint: Path) -> dict[str, Any]:
+        """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
+        extra = self.policy.load(str(checkpoint / "policy"))
+        if self.critic:
+            self.critic.load(str(checkpoint / "critic"))
+        return extra

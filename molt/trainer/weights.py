@@ -27,8 +27,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from molt.fp8 import quantize_chunk
 from molt.spec import RunSpec
+from molt.trainer.fp8 import quantize_chunk
 from molt.trainer.lora import PEFT_PREFIX, is_adapter
 from molt.trainer.model import DTYPES
 
@@ -188,8 +188,8 @@ def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: to
               out: torch.device, fp8: tuple[set[str], tuple[int, int]] | None = None
               ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield dicts of full tensors on `out` of about `chunk_bytes` each (rank 0; see `_chunks`), LoRA
-    adapters merged into their layers; with `fp8` (`molt.fp8.checkpoint_fp8` of a block-FP8 checkpoint)
-    the tensors it names quantized as the checkpoint holds them, with their scales."""
+    adapters merged into their layers; with `fp8` (`molt.trainer.fp8.checkpoint_fp8` of a block-FP8
+    checkpoint) the tensors it names quantized as the checkpoint holds them, with their scales."""
     for chunk in _chunks(_merged(model, device, dtype), chunk_bytes, device, out, model):
         yield quantize_chunk(chunk, fp8)
 

@@ -29,12 +29,11 @@ from molt.algo import (
     value_loss,
     with_kl_coef,
 )
-from molt.fp8 import checkpoint_fp8
-from molt.placement import cpu_threads
-from molt.plugins import load_plugins
 from molt.spec import AlgoSpec, RunSpec
-from molt.trainer import checkpoint, weights
+from molt.spec.plugins import load_plugins
+from molt.trainer import rank_state, weights
 from molt.trainer.batch import image_inputs, inert_rows
+from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.model import (
     DTYPES,
     autocast_dtype,
@@ -51,6 +50,7 @@ from molt.trainer.offload import HostStateAdamW
 from molt.trainer.packing import pack, token_budget_groups, unpack
 from molt.trainer.router_replay import set_routes
 from molt.trainer.schedule import lr_factor
+from molt.trainer.threads import RankThreads
 
 # With several updates per batch these are also logged for the last update alone (`<name>_last`).
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
@@ -60,7 +60,7 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (
 class TrainerWorker:
     def __init__(self, spec: RunSpec, role: str, rank: int, path: str) -> None:
         self.spec = spec   # this rank's own copy (Ray pickles it): the SFT switch below stays here
-        self.path = path   # the role's weights, resolved by the driver (molt.models)
+        self.path = path   # the role's weights, resolved by the driver (molt.plan.models)
         load_plugins(self.spec)   # this process's loss registry must hold the spec's names too
         self.role, self.rank = role, rank
         self.cuda = self.spec.parallel.device == "cuda"
@@ -70,45 +70,13 @@ class TrainerWorker:
         self.sft = self.spec.train.objective == "sft"
         if self.sft:   # SFT scores the model's own distribution: the rollout's sampling does not apply
             self.spec.rollout.temperature, self.spec.rollout.top_p, self.spec.rollout.top_k = 1.0, 1.0, -1
-        # CPU threads while the engines generate (False) and while they are idle (True, async mode:
-        # the loop's pool says which, through `set_engines_idle`); applied by `_threads`.
-        self.threads = {idle: cpu_threads(self.spec, role, rank, engines_idle=idle) for idle in (False, True)}
-        self.engines_idle, self.block_threads = False, []
-        self._threads()
+        self.threads = RankThreads(self.spec, role, rank)   # CPU: follows set_engines_idle
         self.step = 0
         self.refit_group: dist.ProcessGroup | None = None   # rank 0: the group to the engine workers
 
     @ray.method(concurrency_group="control")   # runs while `update` holds the default group
     def set_engines_idle(self, idle: bool) -> None:
-        self.engines_idle = idle
-
-    def _threads(self) -> int:
-        """Set torch's threads for the engines' current state. Called by the computing thread (torch's
-        setting is per thread once it computed) between operations: before each micro-batch, and at each
-        block of the model in the forward and the backward (`_switch_threads_per_block`)."""
-        n = self.threads[self.engines_idle]
-        if not self.cuda and n != torch.get_num_threads():
-            torch.set_num_threads(n)
-        self.block_threads.append(torch.get_num_threads())
-        return self.block_threads[-1]
-
-    def _switch_threads_per_block(self) -> None:
-        """Async on CPU: a step is one micro-batch or a few, so the engines' cores are taken (or given
-        back) at each block of the model: its forward, and the gradient of its input in the backward."""
-        if self.cuda or self.threads[True] == self.threads[False]:
-            return
-
-        def backward(grad: torch.Tensor) -> None:
-            self._threads()
-
-        def forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            self._threads()
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-                hidden.register_hook(backward)
-        for blocks in [m for m in self.model.modules() if isinstance(m, torch.nn.ModuleList)]:
-            for block in blocks:
-                block.register_forward_pre_hook(forward, with_kwargs=True)
+        self.threads.engines_idle = idle
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address: this node's IP and a free port."""
@@ -128,10 +96,11 @@ class TrainerWorker:
         torch.manual_seed(self.spec.run.seed)
         setup = distributed_setup(self.spec)
         self.mesh = setup.mesh_context.device_mesh
-        # the refit's format (block FP8: molt/fp8.py), read first: one it cannot reproduce stops the run here
+        # the refit's format (block FP8: molt/trainer/fp8.py), read first: one it cannot reproduce stops the
+        # run here
         self.fp8 = None if self.role != "policy" or self.spec.model.lora.rank else checkpoint_fp8(self.path)
         self.model = build_model(self.spec, self.role, self.path, setup)
-        self._switch_threads_per_block()
+        self.threads.follow_blocks(self.model)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
@@ -235,7 +204,7 @@ class TrainerWorker:
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
         start = 0
         for mb in self._micro_batches(shard):
-            self.block_threads = [self._threads()]   # (kept per micro-batch only)
+            self.threads.start_micro_batch()
             rows, length = mb["input_ids"].shape
             scores = self._forward(mb)[0].cpu()
             if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
@@ -289,7 +258,7 @@ class TrainerWorker:
         """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `sums`.
         Returns the gradient norm, or None when no rank's `part` holds a sampled token (no step)."""
         mbs = self._micro_batches(part)
-        budget = self.spec.rollout.max_tokens * self.spec.agent.max_turns  # the response budget of seq norm
+        budget = self.spec.response_budget   # seq-mean-token-sum-norm's fixed divisor
         normalizer = LOSS_NORMS["token"].normalizer if self.sft else lambda m, b: loss_normalizer(m, algo, b)
         norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
         if norm == 0:
@@ -300,7 +269,7 @@ class TrainerWorker:
         for mb in mbs:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
-            self.block_threads = [self._threads()]
+            self.threads.start_micro_batch()
             if self.role == "critic":
                 values, _ = self._forward(mb)
                 loss, metrics = value_loss(values, mb, algo, norm)
@@ -326,7 +295,7 @@ class TrainerWorker:
             add("loss", loss.detach())
             add("weight", n_tok)
             add("tokens", n_tok if first_pass else 0)
-            add("w/threads", sum(self.block_threads) / len(self.block_threads) * n_tok)
+            add("w/threads", self.threads.mean() * n_tok)
             for key, value in metrics.items():
                 add(f"w/{key}", float(value) * n_tok)  # token-weighted means across micro-batches/ranks
                 if last and key in LAST_UPDATE_METRICS:
@@ -396,14 +365,14 @@ class TrainerWorker:
                           self.spec.model.trust_remote_code)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
-        checkpoint.save(path, self.model, self.optimizer, self.scheduler,
+        rank_state.save(path, self.model, self.optimizer, self.scheduler,
                         {"step": self.step, "role": self.role, "extra": extra})
 
     def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
         """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer)."""
         if weights_only:
-            return checkpoint.load(path, self.model, None, None)["extra"]
-        meta = checkpoint.load(path, self.model, self.optimizer, self.scheduler)
+            return rank_state.load(path, self.model, None, None)["extra"]
+        meta = rank_state.load(path, self.model, self.optimizer, self.scheduler)
         self.step = meta["step"]
         return meta["extra"]
 

@@ -1,5 +1,5 @@
-"""Bad input to a real `molt.loop.train`: each mistake is one clear message, raised before any engine or
-trainer actor starts (the Ray cluster's actor table is the same before and after). Config errors are
+"""Bad input to a real `molt.driver.loop.train`: each mistake is one clear message, raised before any
+engine or trainer actor starts (the Ray cluster's actor table is the same before and after). Config errors are
 caught by composition itself, before `train` is ever called."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import ray
 from faultlib import small_spec
 
-from molt.config import compose
-from molt.loop import train
+from molt.driver.loop import train
 from molt.spec import SpecError
+from molt.spec.config import compose
 
 GOOD_ROW = '{"prompt": "a", "label": "a"}\n'
 
@@ -68,7 +68,7 @@ AgentRunner = NoKey(Noop)
 
 def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_path):
     """The engines are asked for before the agent's set-up, so that they load while the rest starts
-    (`molt.loop.start_run`): a failure then must stop them, not leave them in the caller's cluster."""
+    (`molt.driver.loop.start_run`): a failure then must stop them, not leave them in the caller's cluster."""
     (tmp_path / "setup_fails.py").write_text(SETUP_FAILS)
     spec = small_spec({"module": str(tmp_path / "setup_fails.py")}, run={"dir": str(tmp_path / "run")})
     before = live_actor_classes()
@@ -83,7 +83,7 @@ def test_an_engine_start_time_out_stops_the_ranks_and_closes_the_log(ray_session
     from ray.exceptions import GetTimeoutError
 
     from molt.agents.runner import Runner
-    from molt.metrics import RunLogger
+    from molt.driver.metrics import RunLogger
 
     closed = []
     for cls in (Runner, RunLogger):

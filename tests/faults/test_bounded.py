@@ -14,9 +14,9 @@ from pathlib import Path
 from faultlib import FAULTY, small_spec
 
 from molt.agents import load_agent_runner
-from molt.data import PromptDataset
-from molt.eval import evaluate
-from molt.metrics import RunLogger, load_rollouts
+from molt.driver.eval import evaluate
+from molt.driver.metrics import RunLogger, load_rollouts
+from molt.inputs.data import PromptDataset
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.pool import RolloutPool
 from molt.trajectory import Rollout, Segment
@@ -31,7 +31,7 @@ def test_the_router_forgets_every_rollout_when_it_ends(tok, engine, tmp_path):
     runner.setup(tok, spec)
     dispatcher = Dispatcher([engine])
 
-    async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:   # as molt.loop's
+    async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:   # as molt.driver.loop's
         row = {"prompt": item["prompt"], "label": "a", "fault": FAULTS[index]}
         return await runner.run(row, f"{group_id}-{index}", group_id, dispatcher)
 

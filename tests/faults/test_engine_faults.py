@@ -18,10 +18,11 @@ import ray
 from faultlib import small_spec, train_once
 
 from molt.agents import load_agent_runner
-from molt.fleet import Fleet
-from molt.rollout.dispatch import Dispatcher, EngineDiedError
+from molt.driver.fleet import Fleet
+from molt.rollout.dispatch import Dispatcher
 from molt.rollout.engine import start_engine, start_engines
 from molt.rollout.pool import RolloutPool
+from molt.trajectory import EngineDiedError
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 0}
 # A rollout waits while its engine restarts (tens of seconds, more on a loaded machine): the default

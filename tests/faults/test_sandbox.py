@@ -25,8 +25,8 @@ from molt.agents import StepEnvRunner, load_agent_runner
 from molt.agents import sandbox as sandbox_module
 from molt.agents.sandbox import SandboxUnavailable, run_python
 from molt.agents.tool_tasks import PYTHON
+from molt.driver.select import drop_failed, rollout_metrics
 from molt.rollout.dispatch import Dispatcher
-from molt.select import drop_failed, rollout_metrics
 from molt.spec import AgentSpec
 
 TOOL_ENV = str(REPO / "examples" / "agents" / "tool_env.py")

@@ -18,8 +18,8 @@ import torch
 from faultlib import small_spec, train_once
 from trainerlib import full_weights, one_rank
 
-from molt.checkpoints import find_checkpoint, save_checkpoint
-from molt.data import PromptDataset, PromptIterator
+from molt.driver.checkpoints import find_checkpoint, save_checkpoint
+from molt.inputs.data import PromptDataset, PromptIterator
 from molt.rollout.pool import RolloutPool
 from molt.trainer.batch import make_batch
 from molt.trainer.ranks import TrainerRanks, gather
@@ -108,7 +108,7 @@ def trainer_pids() -> list[int]:
 def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp_path, capfd):
     """2 ranks; one is SIGKILLed after step 3 (the last checkpoint is step 2): the run rebuilds the trainer
     from step 2 in new actors and finishes all 6 steps, each counted once, at the data position of 6 steps."""
-    from molt.loop import train
+    from molt.driver.loop import train
 
     spec = small_spec(run={"dir": str(tmp_path)}, parallel={"world_size": 2, "dp_size": 2},
                       train={"steps": 6, "save_every": 2, "prompts_per_step": 2, "max_trainer_restarts": 1},

@@ -1,0 +1,119 @@
+"""Evaluation on the eval sets of `data.eval` with `rollout.eval` sampling, in the loop and on its own.
+
+Each prompt gets `rollout.eval.n` samples through the run's agent, whose sampling defaults are
+`rollout.eval`'s in place of training's (a turn may still override them; agent.max_total_tokens caps
+each turn's max_tokens as in training). Per set NAME (a file's stem):
+`eval/NAME/mean@n` is the mean reward over all samples, and `eval/NAME/pass@k` (k = 1, 2, 4, ... and n)
+the unbiased estimate of the chance that k samples hold a correct one (reward >= 1), from the c correct
+of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0.
+
+    python -m molt.eval [+experiment=NAME] [key=value ...] model.path=PATH
+
+evaluates a Hugging Face folder, or a checkpoint folder (RUN/checkpoints/step_N, exported to its hf/
+first), on the composed spec's eval sets and prints the metrics as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from typing import Any
+
+import torch
+
+from molt.spec import RunSpec, pass_ks
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def set_metrics(name: str, rewards: torch.Tensor, pass_reward: float) -> dict[str, float]:
+    """mean@n and pass@k (k = powers of two up to n, and n) of one set's rewards [prompts, n]; a sample
+    with a reward >= `pass_reward` is correct."""
+    n = rewards.shape[1]
+    correct = (rewards >= pass_reward).sum(dim=1).tolist()
+    out = {f"eval/{name}/mean@{n}": float(rewards.mean())}
+    for k in pass_ks(n):   # the spec checks train.best_metric against these
+        out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
+    return out
+
+
+async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[str, Any],
+                   step: int) -> dict[str, float]:
+    """Every set's metrics; all prompts of all sets are in flight at once."""
+    e = spec.rollout.eval
+    # rollout.eval is the agent's default sampling here, where training's would be (what State /
+    # ChatContext.sampling_params report and the chat server starts from), so per-turn overrides and the
+    # agent.max_total_tokens cap still apply; training rollouts in flight on `runner` keep theirs.
+    sampling = spec.rollout.eval.request()
+    jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
+    results = await asyncio.gather(*[
+        runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher, sampling)
+        for name, i, item in jobs for k in range(e.n)])
+    rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
+    metrics, start = {}, 0
+    for name, items in eval_sets.items():
+        metrics.update(set_metrics(name, rewards[start:start + len(items)], e.pass_reward))
+        start += len(items)
+    return metrics
+
+
+def evaluate_model(spec: RunSpec) -> dict[str, float]:
+    """Start engines on model.path (a checkpoint folder is exported first) and evaluate every set."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from molt.agents import load_agent_runner
+    from molt.driver.export import as_hf_folder
+    from molt.inputs.data import load_eval_sets
+    from molt.plan.models import model_path
+    from molt.plan.placement import init_ray
+    from molt.rollout.dispatch import Dispatcher
+    from molt.rollout.engine import start_engines
+
+    if spec.model.path is not None:
+        spec.model.path = as_hf_folder(spec.model.path)
+    path = model_path(spec)
+    eval_sets = load_eval_sets(spec.data)
+    if not eval_sets:
+        raise ValueError("data.eval is empty: nothing to evaluate")
+    runner = load_agent_runner(spec.agent)
+    runner.setup(AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code), spec)
+    own_ray = not ray.is_initialized()   # a caller's Ray (a notebook, a test session) is left running
+    if own_ray:
+        init_ray(spec)
+    try:
+        engines = start_engines(spec, path)
+        try:
+            return asyncio.run(evaluate(spec, runner, Dispatcher(engines), eval_sets, 0))
+        finally:
+            runner.close()
+            for engine in engines:
+                ray.get(engine.shutdown.remote())
+                ray.kill(engine)
+    finally:
+        if own_ray:
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from molt.spec import SpecError
+    from molt.spec.config import compose
+
+    overrides = sys.argv[1:] if argv is None else argv
+    try:
+        spec = compose(overrides)
+        metrics = evaluate_model(spec)
+    except (SpecError, OSError, ImportError, KeyError, ValueError) as err:
+        sys.exit(f"molt.eval: {err}")
+    print(json.dumps(metrics, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The `agent` section of the run spec: the agent module, its budgets and failures, and the judge."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from molt.spec.rollout import EngineSpec
+from molt.spec.strict import Strict
+
+
+class JudgeSpec(Strict):
+    path: str | None = Field(
+        None, description="judge model: a Hugging Face folder, or 'policy' (the starting policy); null: "
+        "none. With url: the folder of the judge's tokenizer")
+    url: str | None = Field(
+        None, description="an OpenAI-compatible server that serves the judge (vLLM's, e.g. "
+        "http://host:8000/v1) instead of engines of the run's own; its first model answers")
+    temperature: float = Field(
+        1.0, gt=0, description="verdict sharpness: sigmoid((logp(yes) - logp(no)) / temperature)")
+    timeout_s: float = Field(30.0, gt=0, description="seconds one verdict request may take before it is "
+                             "retried")
+    retries: int = Field(2, ge=0, description="retries of a verdict request that timed out or failed, then "
+                         "the rollout fails")
+    max_concurrency: int = Field(64, ge=1, description="verdict requests in flight at once (more wait)")
+    engine: EngineSpec = Field(default_factory=lambda: EngineSpec(kv_cache_gib=0.25, max_restarts=0),
+                               description="the judge's own engine(s), placed like the policy's (molt/"
+                               "placement.py); a dead one is not restarted")
+
+    @model_validator(mode="after")
+    def _no_restarts(self) -> JudgeSpec:
+        # Only the policy's engines have a fleet that restarts them (molt/driver/fleet.py); the judge's
+        # dispatcher goes on with the live ones and fails the verdicts once none is left.
+        if self.url and not self.path:
+            raise ValueError(f"agent.judge.url={self.url} needs agent.judge.path: the folder of the judge's "
+                             "tokenizer (or 'policy'), which renders the verdict prompt")
+        if self.engine.max_restarts:
+            raise ValueError(f"agent.judge.engine.max_restarts={self.engine.max_restarts}: judge engines are "
+                             "not restarted (a dead one leaves the others to score, none left fails the "
+                             "rollouts); set it to 0 or add judge engines (agent.judge.engine.num_engines)")
+        return self
+
+class AgentSpec(Strict):
+    module: str = Field("examples/agents/repeat.py",
+                        description="dotted module or .py file that exports AgentRunner")
+    kind: Literal["env", "chat"] = Field(
+        "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
+    tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat "
+                             "server and Env)")
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, description="tool schemas (OpenAI function format) an Env shows the model on "
+        "every rollout, before the dataset row's own `tools`")
+    judge: JudgeSpec = Field(default_factory=JudgeSpec, description="LLM-as-judge rewards (agents.judge)")
+    max_turns: int = Field(1, ge=1, description="most LLM calls per rollout")
+    max_total_tokens: int = Field(256, ge=2, description="most tokens per rollout: prompt, turns and "
+                                  "observations")
+    timeout_s: float = Field(60.0, gt=0, description="seconds before a rollout fails as timed out")
+    on_failure: Literal["drop_group", "keep_group"] = Field(
+        "drop_group", description="a failed rollout drops its whole group, or only itself")
+    max_failure_rate: float = Field(0.5, ge=0, le=1, description="stop the run when more of a batch than "
+                                    "this fails")
+
+    @field_validator("tools")
+    @classmethod
+    def _function_schemas(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from molt.agents.tools import check_tools
+
+        check_tools(value, "agent.tools")
+        return value

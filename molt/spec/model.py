@@ -1,0 +1,67 @@
+"""The `model` section of the run spec: which weights the policy (and its reference) start from, and
+LoRA."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from molt.spec.strict import Strict
+
+
+class LoRASpec(Strict):
+    rank: int = Field(
+        0, ge=0, le=512, description="LoRA adapter rank: > 0 trains adapters on the frozen policy and refits "
+                                     "only them into the engines; 0 = full fine-tuning")
+    alpha: float = Field(16.0, gt=0, description="adapter scale numerator: a layer adds alpha / rank * B @ A")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the adapter's input in training (the engine has none)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["*_proj"], min_length=1,
+        description="linear layers that get adapters: module-name patterns ('*' wildcards; '*_proj' = the "
+                    "attention and MLP projections of Qwen / Llama models)")
+
+class ModelSpec(Strict):
+    path: str | None = Field(None, description="Hugging Face folder or hub id; null builds the tiny model")
+    tiny: dict[str, int] = Field(
+        default_factory=lambda: dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                     vocab_size=320),
+        description="molt.inputs.tiny options (sizes, experts, seed; the rest: molt.inputs.tiny's defaults)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="compute dtype of engines and trainer (master weights stay float32; CPU: "
+        "the trainer under CPU autocast); float16 is refused: the trainer has no loss scaling")
+    max_model_len: int = Field(256, description="context length in tokens: the prompt plus every turn")
+    reference: str | None = Field(
+        None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "
+        "a frozen copy of the start; 'tiny' = built offline from reference_tiny")
+    reference_tiny: dict[str, int] = Field(
+        default_factory=dict, description="tiny-model options of the reference when reference=tiny (e.g. a "
+        "larger teacher to distill from)")
+    critic: bool = Field(False, description="train a value model beside the policy (gae needs one; "
+                         "only gae uses it)")
+    router_replay: bool = Field(False, description="MoE: replay the engine's routed experts in training")
+    freeze_router: bool = Field(False, description="MoE: do not train the router weights")
+    freeze_vision: bool = Field(False, description="VLM: train the language model only, not the vision tower")
+    trust_remote_code: bool = Field(False, description="run the model repository's own Python code")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="variables of the chat template wherever Molt renders it (agent "
+        "prompts and turns, chat sessions, SFT rows); e.g. Qwen3's {enable_thinking: false}")
+    lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters instead of full fine-tuning")
+    arch: dict[str, int] = Field(
+        default_factory=dict, description="architecture numbers of a hub model for the memory estimate "
+        "(molt/plan/arch.py Arch: hidden_size, num_layers, ...; from its config.json); a local folder's "
+        "config.json and the tiny model's options are read instead")
+
+    @field_validator("arch")
+    @classmethod
+    def _arch_keys(cls, value: dict[str, int]) -> dict[str, int]:
+        from molt.plan.arch import ARCH_KEYS
+
+        unknown = sorted(set(value) - set(ARCH_KEYS))
+        if unknown:
+            raise ValueError(f"model.arch.{unknown[0]}: unknown; the keys are {', '.join(ARCH_KEYS)}")
+        missing = [f for f in ARCH_KEYS[:7] if value and f not in value]
+        if missing:
+            raise ValueError(f"model.arch needs {', '.join(missing)} (from the model's config.json)")
+        return value

@@ -1,0 +1,74 @@
+"""The `parallel` section of the run spec: where trainer ranks and engines run, the trainer's layout,
+and the layouts the trainer cannot run (refused with the reason)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from molt.spec.strict import Strict
+
+
+def _power_of_two(name: str, value: int) -> None:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two")
+
+class ParallelSpec(Strict):
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="where trainer ranks and engines run: cpu (gloo) or cuda (NCCL)")
+    nodes: int = Field(1, ge=1, description="Ray nodes the run uses (molt/plan/placement.py)")
+    gpus_per_node: int = Field(8, ge=1, description="cuda: GPUs on each node; the plan must fit nodes x this")
+    trainer_nodes: int | None = Field(
+        None, description="K: nodes 0..K-1 train, the others generate; null: all roles share every node")
+    world_size: int = Field(1, ge=1, description="trainer ranks; equals dp_size*tp_size*cp_size")
+    dp_size: int = Field(1, ge=1, description="data-parallel ranks (FSDP2 shards over them)")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (a power of two)")
+    cp_size: int = Field(1, ge=1, description="context-parallel ranks (a power of two; > 1 is refused)")
+    ep_size: int = Field(1, ge=1, description="MoE expert-parallel ranks; divides dp_size*cp_size (power "
+                         "of 2)")
+    offload: Literal["none", "optimizer", "full"] = Field(
+        "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
+    activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    gpu_memory_gib: float = Field(
+        80.0, gt=0, description="cuda: memory of one GPU; the plan is refused when a role's estimate "
+        "(molt/plan/memory.py, shown by run.dry_run=true) exceeds it")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
+        "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
+        "take them all while no rollout generates); 1 where other jobs keep the cores busy")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ParallelSpec:
+        for name in ("tp_size", "cp_size", "ep_size"):
+            _power_of_two(name, getattr(self, name))
+        product = self.dp_size * self.tp_size * self.cp_size
+        if product != self.world_size:
+            raise ValueError(f"dp_size*tp_size*cp_size = {self.dp_size}*{self.tp_size}*{self.cp_size} = "
+                             f"{product} must equal world_size={self.world_size}")
+        if (self.dp_size * self.cp_size) % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide dp_size*cp_size="
+                             f"{self.dp_size * self.cp_size} (experts shard over data-parallel ranks)")
+        _check_parallel(self)
+        return self
+
+def _check_parallel(par: ParallelSpec) -> None:
+    """Refuse the layouts the trainer cannot run, with the reason (docs/parallelism.md)."""
+    if par.cp_size > 1:
+        raise ValueError("cp_size > 1 is not supported: the trainer does not shard sequences, and torch's "
+                         "context parallel has no CPU path to test it on (aten._scaled_dot_product_flash_"
+                         "attention_for_cpu has no sharding strategy)")
+    if par.ep_size > 1 and par.device == "cpu":
+        raise ValueError("ep_size > 1 needs parallel.device=cuda: AutoModel shards experts only in its own "
+                         "MoE model classes, which call torch.cuda.current_device() when built; the CPU "
+                         "trainer loads the Hugging Face classes, on which AutoModel's expert parallel "
+                         "raises")
+    if par.offload == "full" and par.world_size == 1:
+        raise ValueError("offload=full needs world_size > 1: with one rank AutoModel does not wrap the model "
+                         "in FSDP2, whose CPUOffloadPolicy is what moves parameters to the host; use "
+                         "offload=optimizer")
+    if par.nodes < 1 or par.gpus_per_node < 1:
+        raise ValueError(f"nodes={par.nodes} and gpus_per_node={par.gpus_per_node} must be >= 1")
+    if par.trainer_nodes is not None and not 1 <= par.trainer_nodes < par.nodes:
+        raise ValueError(f"trainer_nodes={par.trainer_nodes} must leave the engines at least one of the "
+                         f"{par.nodes} node(s) (1 <= trainer_nodes < nodes), or be null to share all nodes")
