@@ -77,3 +77,36 @@ def test_a_rank_with_small_chunks_trains_like_whole_chunks(tiny_model_path) -> N
     assert m5["entropy"] == pytest.approx(m_all["entropy"], abs=1e-6)
     # AdamW's first step is lr * g / (|g| + eps): rounding in near-zero gradients shows at ~1e-6 in weights
     assert max_diff(w5, w_all) <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_with_different_chunk_counts_match_whole_logits(ray_session, tiny_model_path) -> None:
+    """Two FSDP2 ranks (gloo) in chunks of 4 sampled positions, whose micro-batches need different numbers
+    of chunks (and the packed rank an inert micro-batch with none): logprobs, loss and gradient norm of two
+    steps equal one process scoring the whole padded batch with whole logits (`reference_run`) to 1e-6,
+    and nothing hangs. Each call of the sharded head is a collective: a rank that made fewer calls than the
+    other, forward or backward (recomputation), would wait on it forever."""
+    from test_packing import BUDGET
+    from test_trainer import batch_of, make_spec, reference_run
+
+    from molt.trainer import TrainerRanks
+    from molt.trainer.packing import token_budget_groups
+
+    batches = [batch_of(s) for s in (0, 1)]
+    chunks = []   # per rank (rows 0-3, 4-7), the chunks of 4 each packed micro-batch's sampled tokens need
+    for rows in (slice(0, 4), slice(4, 8)):
+        mask, lengths = batches[0]["loss_mask"][rows], batches[0]["attention_mask"][rows].sum(-1).tolist()
+        chunks.append([-(-int(mask[g].sum()) // 4) for g in token_budget_groups(lengths, BUDGET)])
+    assert len(chunks[0]) != len(chunks[1]) and max(max(c) for c in chunks) >= 3, chunks
+    spec = make_spec(tiny_model_path, 2, lr=1e-4, micro_batch_tokens=BUDGET, logprob_chunk_tokens=4)
+    group = TrainerRanks(spec)
+    try:
+        logp = group.logprobs(batches[0])
+        metrics = [group.update(b) for b in batches]
+    finally:
+        group.shutdown()
+    padded, _ = reference_run(tiny_model_path, batches, spec)
+    assert float((logp - padded[0][1])[batches[0]["loss_mask"] > 0].abs().max()) <= 1e-6
+    for m, (loss, _, grad_norm) in zip(metrics, padded, strict=True):
+        assert abs(m["loss"] - loss) <= 1e-6
+        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-6)
