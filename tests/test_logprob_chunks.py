@@ -29,18 +29,23 @@ def test_chunked_equals_whole_logits_values_and_gradients() -> None:
     top_k = torch.where(torch.rand(2, 9, generator=gen) < 0.5, 5, -1)
     weights = torch.randn(2, 2, 9, generator=gen)   # a loss that mixes logprobs and entropies
 
-    def run(chunk: int | None) -> tuple[torch.Tensor, ...]:
+    def run(chunk: int | None, calls: int = 0) -> tuple[torch.Tensor, ...]:
         hidden.grad, head.weight.grad = None, None
         if chunk is None:
             logp, ent = token_logprobs(head(hidden), ids, select, temp, top_p, top_k, entropy=True)
         else:
-            logp, ent = chunked_token_logprobs(hidden, head, ids, select, temp, top_p, top_k, True, chunk)
+            logp, ent = chunked_token_logprobs(hidden, head, ids, select, temp, top_p, top_k, True, chunk,
+                                               calls)
         ((weights[0] * logp).sum() + (weights[1] * ent).sum()).backward()
         return logp.detach(), ent.detach(), hidden.grad.clone(), head.weight.grad.clone()
 
-    whole, chunked = run(None), run(5)
-    for a, b in zip(whole, chunked, strict=True):
-        assert (a - b).abs().max().item() <= 1e-6
+    calls = []   # spare chunks (as if another rank needed 6): the same numbers, 6 head calls each way
+    hook = head.register_forward_hook(lambda *_: calls.append(1))
+    whole, chunked, padded = run(None), run(5), run(5, calls=6)
+    hook.remove()
+    assert len(calls) == 1 + 2 * 3 + 2 * 6   # each chunk: forward, and its recomputation in the backward
+    for a, b, c in zip(whole, chunked, padded, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6 and (b - c).abs().max().item() == 0
     assert whole[0][select == 0].abs().max() == 0 and chunked[0][select == 0].abs().max() == 0
     assert whole[2].abs().max() > 0 and whole[3].abs().max() > 0
     # no grad: the same values without the checkpointing
