@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from molt.memory import AUTO_CHUNK_BYTES, chunk_tokens  # noqa: F401 (the trainer's names)
 from molt.spec import RunSpec
 from molt.trainer.lora import apply_lora, check_adapted, peft_config
 from molt.trainer.packing import VARLEN
@@ -28,9 +29,6 @@ from molt.vision import is_vision_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
-# train.logprob_chunk_tokens=null: positions per chunk such that its fp32 logits stay within this many bytes
-# (≈ 220 positions at Qwen3's 151,936-token vocabulary; one chunk for the tiny models' 320)
-AUTO_CHUNK_BYTES = 128 * 2**20
 
 
 def autocast_dtype(spec: RunSpec) -> torch.dtype | None:
@@ -225,13 +223,6 @@ def head_input(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
     finally:
         if hook is not None:
             hook.remove()
-
-
-def chunk_tokens(spec: RunSpec, vocab: int) -> int:
-    """Positions per chunk of the logprob pass: `train.logprob_chunk_tokens`, or automatically as many as
-    keep one chunk's fp32 logits within AUTO_CHUNK_BYTES (at least 64)."""
-    chosen = spec.train.logprob_chunk_tokens
-    return chosen if chosen is not None else max(64, AUTO_CHUNK_BYTES // (4 * vocab))
 
 
 def shared_chunk_count(select: torch.Tensor, chunk: int) -> int:
