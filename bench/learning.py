@@ -68,11 +68,11 @@ def run_stale(algo: str, staleness: int, steps: int, depth: int | None, seed: in
 def staleness_axis(args: argparse.Namespace) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    cells = [(algo, int(k)) for k in args.staleness.split(",") for algo in ("grpo", "decoupled_ppo")]
+    cells = [(algo, int(k), int(seed)) for seed in args.seeds.split(",") for k in args.staleness.split(",")
+             for algo in ("grpo", "decoupled_ppo")]
     with ThreadPoolExecutor(args.jobs) as pool:   # each run is its own process tree
-        records = list(pool.map(lambda c: run_stale(*c, args.steps, args.groups_in_flight,
-                                                    int(args.seeds.split(",")[0]), args.reuse, args.timeout),
-                                cells))
+        records = list(pool.map(lambda c: run_stale(c[0], c[1], args.steps, args.groups_in_flight, c[2],
+                                                    args.reuse, args.timeout), cells))
     command = "python " + " ".join(["bench/learning.py", *sys.argv[1:]])
     head = ["run", "seed", "reward first 20%", "reward last 20%", f"best {WINDOW}-step mean",
             f"first step with {WINDOW}-step mean >= {TARGET}", "wall (1-min load at start)",
