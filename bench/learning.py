@@ -9,7 +9,9 @@ mean reward of at least 0.8 (of 1.0) within 400 steps; the table says which runs
     python bench/learning.py --staleness 1,4 [--steps 200] [--groups-in-flight 32] [--jobs 2]
 
 `--staleness` is the staleness axis instead: grpo in async mode at each `rollout.max_staleness`, with the
-default correction (none) and with decoupled PPO (`algo=decoupled_ppo`), section `staleness`.
+default correction (none) and with decoupled PPO (`algo=decoupled_ppo`), section `staleness`. The pool
+hands out the oldest groups first (`rollout.handout=oldest`) with prompts_per_step x (1 + K) groups in
+flight, so the trained tokens really are up to K versions old (freshest first, the lag stays ≈ 1).
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ def run(estimator: str, steps: int, seed: int, reuse: bool, timeout: float) -> d
             "wall_s": result["wall_s"], "load": result["load"], "cmd": result["cmd"]}
 
 
-def run_stale(algo: str, staleness: int, steps: int, depth: int, seed: int, reuse: bool,
+def run_stale(algo: str, staleness: int, steps: int, depth: int | None, seed: int, reuse: bool,
               timeout: float) -> dict:
-    """One async run of the default task at `rollout.max_staleness=staleness` with `depth` groups in
-    flight (deep enough that older groups exist to be trained or re-queued)."""
+    """One async run of the default task at `rollout.max_staleness=staleness`, oldest groups first, with
+    `depth` groups in flight (None: the default batch of 8 groups x (1 + staleness), so that the oldest
+    waiting groups are `staleness` versions old when handed out)."""
+    depth = depth or 8 * (1 + staleness)
     args = [f"algo={algo}", "rollout.mode=async", f"rollout.max_staleness={staleness}",
-            f"rollout.groups_in_flight={depth}", f"train.steps={steps}", f"run.seed={seed}",
-            f"run.name=staleness-{algo}-{staleness}", *QUIET]
+            "rollout.handout=oldest", f"rollout.groups_in_flight={depth}", f"train.steps={steps}",
+            f"run.seed={seed}", f"run.name=staleness-{algo}-{staleness}", *QUIET]
     result = run_cached(args, reuse, timeout)
     rows = [r for r in result["rows"] if "reward/mean" in r]
     print(f"[bench] {algo} staleness {staleness}: rc={result['rc']}", flush=True)
@@ -64,11 +68,11 @@ def run_stale(algo: str, staleness: int, steps: int, depth: int, seed: int, reus
 def staleness_axis(args: argparse.Namespace) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    cells = [(algo, int(k)) for k in args.staleness.split(",") for algo in ("grpo", "decoupled_ppo")]
+    cells = [(algo, int(k), int(seed)) for seed in args.seeds.split(",") for k in args.staleness.split(",")
+             for algo in ("grpo", "decoupled_ppo")]
     with ThreadPoolExecutor(args.jobs) as pool:   # each run is its own process tree
-        records = list(pool.map(lambda c: run_stale(*c, args.steps, args.groups_in_flight,
-                                                    int(args.seeds.split(",")[0]), args.reuse, args.timeout),
-                                cells))
+        records = list(pool.map(lambda c: run_stale(c[0], c[1], args.steps, args.groups_in_flight, c[2],
+                                                    args.reuse, args.timeout), cells))
     command = "python " + " ".join(["bench/learning.py", *sys.argv[1:]])
     head = ["run", "seed", "reward first 20%", "reward last 20%", f"best {WINDOW}-step mean",
             f"first step with {WINDOW}-step mean >= {TARGET}", "wall (1-min load at start)",
@@ -78,7 +82,8 @@ def staleness_axis(args: argparse.Namespace) -> None:
     body = "\n".join([
         "## Staleness: async grpo at several rollout.max_staleness, without and with decoupled PPO", "",
         header(), f"- work: the default experiment with `rollout.mode=async rollout.max_staleness=K "
-        f"rollout.groups_in_flight={args.groups_in_flight}`, `algo=grpo` (no correction) or "
+        f"rollout.handout=oldest rollout.groups_in_flight={args.groups_in_flight or '8 x (1 + K)'}`, "
+        "`algo=grpo` (no correction) or "
         f"`algo=decoupled_ppo`, {args.steps} steps, evaluation and logging off", f"- command: `{command}`",
         "", table(head, rows), "", "![staleness curves](staleness.png)"])
     if not args.quick:
@@ -131,8 +136,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="10 steps each; prints the section, writes nothing")
     p.add_argument("--staleness", default=None, help="comma list of rollout.max_staleness: the staleness "
                    "axis (async grpo, with and without decoupled PPO) instead of the estimators")
-    p.add_argument("--groups-in-flight", type=int, default=32,
-                   help="staleness axis: rollout.groups_in_flight")
+    p.add_argument("--groups-in-flight", type=int, default=None,
+                   help="staleness axis: rollout.groups_in_flight (default 8 x (1 + K))")
     p.add_argument("--jobs", type=int, default=1, help="staleness axis: runs at once (each is a whole run)")
     args = p.parse_args()
     if args.quick:

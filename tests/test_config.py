@@ -47,8 +47,9 @@ def test_qwen30b_tools_matches_its_description():
     assert spec.rollout.mode == "async" and not spec.rollout.partial_rollout   # refused with GPU replay
     assert (spec.algo.correction.level, spec.algo.correction.mode) == ("geo", "mask")
     assert (spec.algo.correction.low, spec.algo.correction.high) == (0.99, 1.01)
-    # rows of up to 16K tokens with everything but the working set in host memory: the memory plan fits
-    assert spec.model.router_replay and spec.model.max_model_len == 16384 and spec.parallel.offload == "full"
+    # rows of up to 32K tokens, logprobs in chunks, the AdamW state in host memory: the memory plan fits
+    assert spec.model.router_replay and spec.model.max_model_len == spec.agent.max_total_tokens == 32768
+    assert spec.parallel.offload == "optimizer" and spec.train.logprob_chunk_tokens is None   # auto chunks
 
 
 @pytest.mark.parametrize("override", ["parallel.ep_sise=8", "+parallel.ep_sise=8"])

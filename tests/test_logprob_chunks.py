@@ -29,18 +29,23 @@ def test_chunked_equals_whole_logits_values_and_gradients() -> None:
     top_k = torch.where(torch.rand(2, 9, generator=gen) < 0.5, 5, -1)
     weights = torch.randn(2, 2, 9, generator=gen)   # a loss that mixes logprobs and entropies
 
-    def run(chunk: int | None) -> tuple[torch.Tensor, ...]:
+    def run(chunk: int | None, calls: int = 0) -> tuple[torch.Tensor, ...]:
         hidden.grad, head.weight.grad = None, None
         if chunk is None:
             logp, ent = token_logprobs(head(hidden), ids, select, temp, top_p, top_k, entropy=True)
         else:
-            logp, ent = chunked_token_logprobs(hidden, head, ids, select, temp, top_p, top_k, True, chunk)
+            logp, ent = chunked_token_logprobs(hidden, head, ids, select, temp, top_p, top_k, True, chunk,
+                                               calls)
         ((weights[0] * logp).sum() + (weights[1] * ent).sum()).backward()
         return logp.detach(), ent.detach(), hidden.grad.clone(), head.weight.grad.clone()
 
-    whole, chunked = run(None), run(5)
-    for a, b in zip(whole, chunked, strict=True):
-        assert (a - b).abs().max().item() <= 1e-6
+    calls = []   # spare chunks (as if another rank needed 6): the same numbers, 6 head calls each way
+    hook = head.register_forward_hook(lambda *_: calls.append(1))
+    whole, chunked, padded = run(None), run(5), run(5, calls=6)
+    hook.remove()
+    assert len(calls) == 1 + 2 * 3 + 2 * 6   # each chunk: forward, and its recomputation in the backward
+    for a, b, c in zip(whole, chunked, padded, strict=True):
+        assert (a - b).abs().max().item() <= 1e-6 and (b - c).abs().max().item() == 0
     assert whole[0][select == 0].abs().max() == 0 and chunked[0][select == 0].abs().max() == 0
     assert whole[2].abs().max() > 0 and whole[3].abs().max() > 0
     # no grad: the same values without the checkpointing
@@ -77,3 +82,36 @@ def test_a_rank_with_small_chunks_trains_like_whole_chunks(tiny_model_path) -> N
     assert m5["entropy"] == pytest.approx(m_all["entropy"], abs=1e-6)
     # AdamW's first step is lr * g / (|g| + eps): rounding in near-zero gradients shows at ~1e-6 in weights
     assert max_diff(w5, w_all) <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_with_different_chunk_counts_match_whole_logits(ray_session, tiny_model_path) -> None:
+    """Two FSDP2 ranks (gloo) in chunks of 4 sampled positions, whose micro-batches need different numbers
+    of chunks (and the packed rank an inert micro-batch with none): logprobs, loss and gradient norm of two
+    steps equal one process scoring the whole padded batch with whole logits (`reference_run`) to 1e-6,
+    and nothing hangs. Each call of the sharded head is a collective: a rank that made fewer calls than the
+    other, forward or backward (recomputation), would wait on it forever."""
+    from test_packing import BUDGET
+    from test_trainer import batch_of, make_spec, reference_run
+
+    from molt.trainer import TrainerRanks
+    from molt.trainer.packing import token_budget_groups
+
+    batches = [batch_of(s) for s in (0, 1)]
+    chunks = []   # per rank (rows 0-3, 4-7), the chunks of 4 each packed micro-batch's sampled tokens need
+    for rows in (slice(0, 4), slice(4, 8)):
+        mask, lengths = batches[0]["loss_mask"][rows], batches[0]["attention_mask"][rows].sum(-1).tolist()
+        chunks.append([-(-int(mask[g].sum()) // 4) for g in token_budget_groups(lengths, BUDGET)])
+    assert len(chunks[0]) != len(chunks[1]) and max(max(c) for c in chunks) >= 3, chunks
+    spec = make_spec(tiny_model_path, 2, lr=1e-4, micro_batch_tokens=BUDGET, logprob_chunk_tokens=4)
+    group = TrainerRanks(spec)
+    try:
+        logp = group.logprobs(batches[0])
+        metrics = [group.update(b) for b in batches]
+    finally:
+        group.shutdown()
+    padded, _ = reference_run(tiny_model_path, batches, spec)
+    assert float((logp - padded[0][1])[batches[0]["loss_mask"] > 0].abs().max()) <= 1e-6
+    for m, (loss, _, grad_norm) in zip(metrics, padded, strict=True):
+        assert abs(m["loss"] - loss) <= 1e-6
+        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-6)

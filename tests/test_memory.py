@@ -92,17 +92,23 @@ def test_a_folders_config_and_the_tiny_options_agree(model):
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_knobs_that_would_fit():
-    # issue: qwen3_4b_math had 8 rows of up to 8K tokens per micro-batch without activation checkpointing
+    # issue: qwen3_4b_math had 8 rows of up to 8K tokens per micro-batch without activation checkpointing,
+    # and scored all 64K tokens' logits at once (a chunk that large is the whole-logits pass)
+    whole = "train.logprob_chunk_tokens=65536"
     with pytest.raises(SpecError) as err:
         compose(["+experiment=qwen3_4b_math", "train.micro_batch_size=8",
-                 "parallel.activation_checkpointing=false"])
+                 "parallel.activation_checkpointing=false", whole])
     message = str(err.value)
     assert re.search(r"policy rank: [\d.]+ GiB = .*activations [\d.]+ .*exceeds parallel.gpu_memory_gib=80",
                      message)
     # no single knob is enough here
     assert "none of offload, activation checkpointing, a smaller micro-batch" in message
     with pytest.raises(SpecError, match=r"would fit with: .*train\.micro_batch_size=1 \([\d.]+ GiB\)"):
-        compose(["+experiment=qwen3_4b_math", "train.micro_batch_size=8"])
+        compose(["+experiment=qwen3_4b_math", "train.micro_batch_size=8", whole])
+    # the default chunks (~220 positions' logits at a time) take the 204 GiB logits term to < 1 GiB: it fits
+    spec = compose(["+experiment=qwen3_4b_math", "train.micro_batch_size=8"])
+    policy = trainer_estimate(spec, "policy", arch_of(spec)).parts
+    assert policy["logits"] < 2**30 and sum(policy.values()) < 80 * 2**30
     # a CPU plan is never refused: processes share the host's memory
     compose(["+experiment=qwen3_4b_math", "train.micro_batch_size=8", "parallel.device=cpu"])
 

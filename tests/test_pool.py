@@ -231,3 +231,35 @@ def test_staleness_bound_is_exact(max_staleness):
     at_bound, beyond = asyncio.run(asyncio.wait_for(main(), timeout=20))
     assert at_bound == {0}
     assert beyond == {2 * max_staleness + 1}             # sampled again by the current policy
+
+
+@pytest.mark.parametrize("oldest_first", [False, True])
+def test_handout_order_freshest_or_oldest(oldest_first):
+    """Groups sampled at versions 0, 1, 2 wait at version 2 (max_staleness 2, so none is stale): the default
+    hands out the version-2 group first, `rollout.handout=oldest` the version-0 one, then 1, then 2 (a
+    reversed or ignored order fails; so does a tie-break by latest start)."""
+    pool: RolloutPool | None = None
+
+    async def rollout_fn(item: dict, group_id: str, index: int) -> Rollout:
+        v = item["v"]
+        seg = Segment([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [NO_VERSION, v, v], f"{group_id}-{index}",
+                      group_id, prompt_len=1)
+        return Rollout(f"{group_id}-{index}", group_id, [seg], 1.0)
+
+    async def main() -> list[set[int]]:
+        nonlocal pool
+        rows = [{"v": 1}, {"v": 0}, {"v": 2}, {"v": 0}] + [{"v": 2}] * 8
+        pool = RolloutPool(iter(rows), rollout_fn, samples_per_prompt=2, groups_in_flight=4, max_staleness=2,
+                           oldest_first=oldest_first)
+        pool.set_version(2)
+        while len(pool.done) < 4:
+            await asyncio.sleep(0)
+        first = [await pool.next_batch(1, need_current=False) for _ in range(3)]
+        await pool.close()
+        return [(versions_of(g[0]), g[0][0].group_id) for g in first]
+
+    order = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    if oldest_first:   # g1 and g3 both at version 0: the earlier started first
+        assert order == [({0}, "g1"), ({0}, "g3"), ({1}, "g0")]
+    else:              # (the refill started after the first hand-out has not finished yet)
+        assert order == [({2}, "g2"), ({1}, "g0"), ({0}, "g1")]

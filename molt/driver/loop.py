@@ -179,7 +179,7 @@ async def begin(spec: RunSpec, trainers: Trainers, fleet: Fleet, rollout_fn: Any
                        spec.train.prompts_per_step if sync else spec.rollout.groups_in_flight,
                        spec.rollout.max_staleness, fleet.dispatcher.engines, refill_during_batch=not sync,
                        lost=fleet.dispatcher.take_lost, on_generating=engines_generating if lend else None,
-                       first_group=groups)
+                       first_group=groups, oldest_first=spec.rollout.handout == "oldest")
     pool.set_version(version)
     return Position(step, version, data, pool, saved=step, kl_coef=kl_coef)
 

@@ -36,6 +36,9 @@ CUDA_RESERVE_GIB = 1.5
 # gather with logsumexp's exp temporary; the entropy bonus adds about one more. Measured on CPU (5.0 and
 # 5.25 copies at 4 x 1024 tokens x 32000: docs/parallelism.md#memory).
 LOGIT_COPIES, ENTROPY_COPIES = 5, 1
+# train.logprob_chunk_tokens=null: positions per chunk such that its fp32 logits stay within this many bytes
+# (≈ 220 positions at Qwen3's 151,936-token vocabulary; one chunk for the tiny models' 320)
+AUTO_CHUNK_BYTES = 128 * 2**20
 
 
 # -- activations ------------------------------------------------------------------------------------------
@@ -75,6 +78,23 @@ def logits_bytes(tokens: int, vocab: int, dtype_bytes: int = 4, entropy: bool = 
     copies, and below fp32 the output head's own [tokens, vocab] in the compute dtype before the cast."""
     fp32 = 4 * (LOGIT_COPIES + ENTROPY_COPIES * entropy)
     return tokens * vocab * (fp32 + (dtype_bytes if dtype_bytes < 4 else 0))
+
+
+def chunk_tokens(spec: RunSpec, vocab: int) -> int:
+    """Positions per chunk of the logprob pass: `train.logprob_chunk_tokens`, or automatically as many as
+    keep one chunk's fp32 logits within AUTO_CHUNK_BYTES (at least 64)."""
+    chosen = spec.train.logprob_chunk_tokens
+    return chosen if chosen is not None else max(64, AUTO_CHUNK_BYTES // (4 * vocab))
+
+
+def scored_tokens(spec: RunSpec, role: str, tokens: int, vocab: int) -> int:
+    """Positions whose logits are alive at once: one chunk (`chunk_tokens`) for the policy and reference,
+    which score in chunks (molt/trainer/model.py `chunkable`: not under tensor or context parallel); the
+    whole micro-batch for the critic's value head and those layouts."""
+    par = spec.parallel
+    if role == "critic" or par.tp_size > 1 or par.cp_size > 1:
+        return tokens
+    return min(tokens, chunk_tokens(spec, vocab))
 
 
 def micro_batch_tokens(spec: RunSpec) -> int:
@@ -139,7 +159,7 @@ def trainer_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
         max(layer_activation_elements(a, moe), 4 * a.hidden_size) * tokens * c
     vocab = 1 if role == "critic" else a.vocab_size
     entropy = spec.algo.loss.entropy_coef != 0 and role == "policy"
-    parts["logits"] = logits_bytes(tokens, vocab, c, entropy=entropy)
+    parts["logits"] = logits_bytes(scored_tokens(spec, role, tokens, vocab), vocab, c, entropy=entropy)
     if cuda:
         parts["cuda"] = CUDA_RESERVE_GIB * GIB
     del experts   # EP changes where experts live, not how many a rank holds (they shard world_size ways)

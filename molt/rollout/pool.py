@@ -6,13 +6,14 @@ staleness. Every hand-out frees a slot that the next prompt item fills at once, 
 engines sample the next groups while the trainer steps on this batch.
 
 `next_batch(k)` hands out `k` complete groups, freshest first (by oldest, then newest token version, then
-start order), and at least one of them holds tokens of the current policy: that is where the trainer measures
-its gap to the engine (invariant 3) every step, unless the loop holds a post-refit probe for that
-(`need_current=False`, molt.driver.probe). Staleness: a waiting group whose oldest sampled token is
-older than `version - max_staleness` is never handed out; at the next `set_version` or `next_batch` its
-prompt item is re-queued (sampled again from the current policy) and counted in
-`stats()["stale_requeued"]`. A group that `lost(rollout_ids)` says an engine died under is restarted
-whole, first in line (never handed out half re-sampled), and counted in `stats()["engine_requeued"]`.
+start order; `rollout.handout=oldest`: oldest first), and at least one of them holds tokens of the current
+policy: that is where the trainer measures its gap to the engine (invariant 3) every step, unless the
+loop holds a post-refit probe for that (`need_current=False`, molt.driver.probe). Staleness: a waiting
+group whose oldest sampled token is older than `version - max_staleness` is never handed out; at the
+next `set_version` or `next_batch` its prompt item is re-queued (sampled again from the current policy)
+and counted in `stats()["stale_requeued"]`. A group that `lost(rollout_ids)` says an engine died under is
+restarted whole, first in line (never handed out half re-sampled), and counted in
+`stats()["engine_requeued"]`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class RolloutPool:
     def __init__(self, items: Iterator[dict], rollout_fn: RolloutFn, samples_per_prompt: int,
                  groups_in_flight: int, max_staleness: int, engines: list[Any] = (),
                  refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None,
-                 on_generating: Callable[[bool], None] | None = None, first_group: int = 0) -> None:
+                 on_generating: Callable[[bool], None] | None = None, first_group: int = 0,
+                 oldest_first: bool = False) -> None:
         self.items = iter(items)
         # False = sync mode: groups start only when a batch is asked for, and only those it still lacks,
         # so while the trainer steps nothing generates and every batch is sampled by the current policy.
@@ -53,6 +55,7 @@ class RolloutPool:
         self.n = samples_per_prompt
         self.depth = groups_in_flight
         self.max_staleness = max_staleness
+        self.oldest_first = oldest_first    # rollout.handout=oldest: first in, first out within the bound
         self.engines = engines              # the live list: a restarted engine replaces its slot
         self.lost = lost
         self.version = 0
@@ -147,7 +150,8 @@ class RolloutPool:
         self.finished.set()
 
     def _pick(self, need_current: bool) -> Finished | None:
-        """The freshest waiting group (with current-policy tokens if `need_current`), out of the pool."""
+        """The freshest (`oldest_first`: the oldest) waiting group (with current-policy tokens if
+        `need_current`), out of the pool."""
         candidates = [e for e in self.done if not need_current or e.newest == self.version]
         if not candidates:
             return None
@@ -157,7 +161,10 @@ class RolloutPool:
                 return (self.version, self.version, -e.order)
             return (e.oldest, e.newest, -e.order)
 
-        best = max(candidates, key=freshness)
+        if self.oldest_first:    # first in, first out: oldest tokens, then earliest started
+            best = min(candidates, key=lambda e: (*freshness(e)[:2], e.order))
+        else:
+            best = max(candidates, key=freshness)
         self.done.remove(best)
         self.group_items.pop(best.group[0].group_id, None)
         return best

@@ -84,6 +84,10 @@ class RolloutSpec(Strict):
         "new weights (false: the refit waits until the in-flight requests finish)")
     max_staleness: int = Field(1, ge=0, description="most policy versions between sampling a token and "
                                "training it")
+    handout: Literal["freshest", "oldest"] = Field(
+        "freshest", description="async: which finished groups a batch takes first: the freshest (least lag) "
+        "or the oldest within rollout.max_staleness (first in, first out: tokens really reach that lag when "
+        "rollout.groups_in_flight >= train.prompts_per_step x (1 + max_staleness); a staleness test)")
     prompt_too_long: Literal["truncate", "reject"] = Field(
         "reject", description="a prompt with no room for one token: fail the rollout or keep its tail")
     refit_chunk_mb: float = Field(

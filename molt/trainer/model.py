@@ -15,11 +15,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from molt.inputs.vision import is_vision_model
+from molt.plan.memory import AUTO_CHUNK_BYTES, chunk_tokens  # noqa: F401 (the trainer's names)
 from molt.spec import RunSpec
 from molt.trainer.lora import apply_lora, check_adapted, peft_config
 from molt.trainer.packing import VARLEN
@@ -27,9 +29,6 @@ from molt.trainer.router_replay import freeze_router, install_replay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRUNCATION_ROWS = 256   # positions per top-k / top-p sort: bounds its memory at large vocabularies
-# train.logprob_chunk_tokens=null: positions per chunk such that its fp32 logits stay within this many bytes
-# (≈ 220 positions at Qwen3's 151,936-token vocabulary; one chunk for the tiny models' 320)
-AUTO_CHUNK_BYTES = 128 * 2**20
 
 
 def autocast_dtype(spec: RunSpec) -> torch.dtype | None:
@@ -201,11 +200,9 @@ def _scored(scaled: torch.Tensor, targets: torch.Tensor,
 def chunkable(model: nn.Module, par: Any) -> bool:
     """Whether `chunked_token_logprobs` may call the model's output head itself: not with tensor or context
     parallel (hidden states are DTensors there), nor for a model that changes its logits after the head.
-    Nor on more than one rank for now: each call of a sharded head gathers its weight, and ranks whose
-    micro-batches select different numbers of positions would call it a different number of times (a hang
-    seen with two packed ranks); matching the chunk count across ranks is the fix still to make."""
+    On several ranks every rank makes the same calls of the sharded head (`shared_chunk_count`)."""
     config = model.config.get_text_config()
-    return par.world_size == 1 and par.tp_size == 1 and par.cp_size == 1 and \
+    return par.tp_size == 1 and par.cp_size == 1 and \
         model.get_output_embeddings() is not None and not any(
         getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
 
@@ -228,41 +225,52 @@ def head_input(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
             hook.remove()
 
 
-def chunk_tokens(spec: RunSpec, vocab: int) -> int:
-    """Positions per chunk of the logprob pass: `train.logprob_chunk_tokens`, or automatically as many as
-    keep one chunk's fp32 logits within AUTO_CHUNK_BYTES (at least 64)."""
-    chosen = spec.train.logprob_chunk_tokens
-    return chosen if chosen is not None else max(64, AUTO_CHUNK_BYTES // (4 * vocab))
+def shared_chunk_count(select: torch.Tensor, chunk: int) -> int:
+    """The chunks of `chunk` positions that the busiest rank's `select` [B, T] needs (max over the default
+    process group). Each call of an FSDP-sharded head is a collective (weight gather; in the backward the
+    recomputation's gather and the gradient's reduce-scatter): ranks that called it a different number of
+    times would wait on each other forever."""
+    count = torch.tensor([-(-int((select[:, 1:] > 0).sum()) // chunk)], device=select.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: torch.Tensor,
                            select: torch.Tensor, temperature: float | torch.Tensor,
                            top_p: float | torch.Tensor, top_k: int | torch.Tensor, entropy: bool,
-                           chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           chunk: int, calls: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs(head(hidden).float(), ...)` at the positions `select` [B, T] marks (0 elsewhere),
     without ever holding more than `chunk` positions' logits [chunk, V].
 
     `hidden` [B, T, H] is the output head's input. The head, temperature, truncation, logsumexp and
     entropy run per chunk of selected positions; with grad each chunk is checkpointed, so the backward
     recomputes its logits instead of keeping every chunk's alive (only hidden rows and [chunk] results
-    are saved). Call it under the forward's autocast: the head then computes in the same dtype.
+    are saved). Call it under the forward's autocast: the head then computes in the same dtype. `calls`
+    (`shared_chunk_count`) pads the chunks with spare ones on one position, in the graph with weight 0,
+    so that every rank runs the head as often in the forward and in the backward.
     """
     targets = input_ids[:, 1:]
     where = (select[:, 1:] > 0).nonzero(as_tuple=True)
     picked = [hidden[:, :-1][where], targets[where], _per_token(temperature, targets)[where],
               _per_token(top_p, targets)[where], _per_token(top_k, targets).long()[where]]
     grad = torch.is_grad_enabled() and hidden.requires_grad
+    one = torch.ones(1, device=targets.device)
+    spare = [hidden.reshape(-1, hidden.shape[-1])[:1], targets.new_zeros(1), one, one, -one.long()]
+    real = -(-picked[0].shape[0] // chunk)
     parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for start in range(0, picked[0].shape[0], chunk):
-        args = [x[start:start + chunk] for x in picked]
+    for i in range(max(real, calls)):
+        args = [x[i * chunk:(i + 1) * chunk] for x in picked] if i < real else spare
         run = functools.partial(_chunk_logprobs, head, entropy=entropy)
         parts.append(checkpoint(run, *args, use_reentrant=False) if grad else run(*args))
     logp = hidden.new_zeros(targets.shape, dtype=torch.float32)
     ent = logp.clone() if entropy else None
-    if parts:
-        logp = logp.index_put(where, torch.cat([p[0] for p in parts]))
+    if real:
+        logp = logp.index_put(where, torch.cat([p[0] for p in parts[:real]]))
         if entropy:
-            ent = ent.index_put(where, torch.cat([p[1] for p in parts]))
+            ent = ent.index_put(where, torch.cat([p[1] for p in parts[:real]]))
+    if grad and len(parts) > real:   # the spare chunks' backward must run too: a 0-weighted term
+        logp = logp + 0.0 * torch.stack([p[0].sum() for p in parts[real:]]).sum()
     pad = functools.partial(torch.nn.functional.pad, pad=(1, 0))
     return pad(logp), None if ent is None else pad(ent)
 

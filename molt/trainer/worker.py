@@ -44,6 +44,7 @@ from molt.trainer.model import (
     distributed_setup,
     head_input,
     prefix_values,
+    shared_chunk_count,
     token_logprobs,
 )
 from molt.trainer.offload import HostStateAdamW
@@ -190,8 +191,9 @@ class TrainerWorker:
         if hidden:   # only sampled tokens are scored (the loss and the mismatch need no other)
             select = scored * (mb["loss_mask"] > 0) if "loss_mask" in mb else scored
             with autocast:
+                chunk = chunk_tokens(self.spec, head.weight.shape[0])
                 return chunked_token_logprobs(hidden[0], head, mb["input_ids"], select, *sampling, entropy,
-                                              chunk_tokens(self.spec, head.weight.shape[0]))
+                                              chunk, shared_chunk_count(select, chunk))
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
