@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -35,14 +36,23 @@ def report(name: str, ok: bool, measured: str) -> list[str]:
     return [] if ok else [f"{name}: {measured}"]
 
 
+def sender(spec: Any) -> torch.device:
+    """Where this process sends from (or receives on): GPU 1 on cuda. On cpu (the checks' CPU runs in
+    tests/test_bench.py) the same code runs on the host over gloo."""
+    return torch.device("cuda", 1) if spec.parallel.device == "cuda" else torch.device("cpu")
+
+
 @contextlib.contextmanager
 def cluster(gpus: int) -> Iterator[None]:
     """A private local Ray with `gpus` GPUs: 1 leaves GPU 1 to this process (the sender), 2 gives both to
-    trainer ranks."""
+    trainer ranks (on a machine without GPUs Ray only counts them)."""
     import ray
 
+    if ray.is_initialized():   # the test session's (CPU runs only)
+        yield
+        return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private local cluster, as molt's own
-    ray.init(num_gpus=gpus, include_dashboard=False)
+    ray.init(num_gpus=gpus, num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False)
     try:
         yield
     finally:
@@ -85,14 +95,16 @@ def start(spec: Any, path: Path) -> Any:
     return engine
 
 
-def refit_engine(engine: Any, tensors: dict[str, torch.Tensor], chunk_bytes: int) -> int:
-    """Broadcast `tensors` (checkpoint names) from GPU 1 to `engine` as version 1; returns the bytes sent."""
+def refit_engine(engine: Any, tensors: dict[str, torch.Tensor], chunk_bytes: int,
+                 device: torch.device) -> int:
+    """Broadcast `tensors` (checkpoint names) from `device` to `engine` as version 1; returns the bytes
+    sent."""
     import ray
 
     from molt import refit
     from molt.rollout.dispatch import Dispatcher
 
-    port, dispatcher, device = _port(), Dispatcher([engine]), torch.device("cuda", 1)
+    port, dispatcher = _port(), Dispatcher([engine])
 
     async def connect() -> Any:
         size = await dispatcher.refit_size()
@@ -131,7 +143,7 @@ def engine_refit(name: str, spec: Any, path: Path, new: Path, chunk_mb: float) -
     with cluster(1):
         engine = start(spec, path)
         with payload_sizes() as sizes:
-            refit_engine(engine, {k: v.to(dtype) for k, v in weights.items()}, chunk_bytes)
+            refit_engine(engine, {k: v.to(dtype) for k, v in weights.items()}, chunk_bytes, sender(spec))
         refitted = greedy(engine)
         routes = None
         if spec.model.router_replay:
@@ -165,7 +177,8 @@ def refit_ranges(spec: Any) -> list[str]:
     from molt.models import model_path
     from molt.trainer.ranks import TrainerRanks
 
-    device, chunk_bytes = torch.device("cuda", 1), int(spec.rollout.refit_chunk_mb * 2**20)
+    device, chunk_bytes = sender(spec), int(spec.rollout.refit_chunk_mb * 2**20)
+    cuda = device.type == "cuda"
     got: dict[str, torch.Tensor] = {}
     errors: list[BaseException] = []
     with cluster(2):
@@ -179,14 +192,15 @@ def refit_ranges(spec: Any) -> list[str]:
             except BaseException as err:   # reported below
                 errors.append(err)
 
-        torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         receiver = threading.Thread(target=receive, daemon=True)
         with payload_sizes() as sizes:
             receiver.start()
             ranks.join_refit(host, port, 2)
             ranks.send_weights()
             receiver.join(timeout=600)
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device) if cuda else 0   # (not measured on the host)
         ranks.shutdown()
     dtype = getattr(torch, spec.model.dtype)
     want = {k: v.to(dtype) for k, v in load_weights(Path(model_path(spec))).items()}
@@ -225,10 +239,11 @@ def vlm_no_image_rank(spec: Any, timeout_s: float) -> list[str]:
         seconds = time.perf_counter() - t0
         if not thread.is_alive():
             ranks.shutdown()
-    ok = not thread.is_alive() and not errors and bool(result)
+    norm = result.get("grad_norm", float("nan"))
+    ok = not thread.is_alive() and not errors and math.isfinite(norm) and norm > 0
     what = ("no step within the timeout (a hang)" if thread.is_alive() else
-            f"{errors[0]}" if errors else f"loss {result.get('train/loss', float('nan')):.4f}, grad norm "
-            f"{result.get('train/grad_norm', float('nan')):.3g}")
+            f"{errors[0]}" if errors else f"loss {result.get('loss', float('nan')):.4f}, grad norm "
+            f"{norm:.3g}")
     return report("item5_vlm_rank_without_image", ok, f"{what}; {seconds:.1f} s (timeout {timeout_s:g} s)")
 
 
@@ -251,7 +266,7 @@ def fp32_buffer(spec: Any, path: Path) -> list[str]:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # `_engine_tensors` travels by value
     with cluster(1):
         engine = start(spec, path)
-        refit_engine(engine, tensors, int(spec.rollout.refit_chunk_mb * 2**20))
+        refit_engine(engine, tensors, int(spec.rollout.refit_chunk_mb * 2**20), sender(spec))
         [held] = ray.get(engine.collective_rpc.remote(_engine_tensors, ([bias],)))
         generated = greedy(engine)
     engine_bias = held.get(bias)
@@ -284,17 +299,18 @@ def fp8_refit(spec: Any, dense: Path, out: Path, max_abs: float) -> list[str]:
         engine = start(spec, start_path)
         before = greedy(engine)
         refit_engine(engine, quantize_chunk(weights, checkpoint_fp8(str(start_path))),
-                     int(spec.rollout.refit_chunk_mb * 2**20))
+                     int(spec.rollout.refit_chunk_mb * 2**20), sender(spec))
         refitted = greedy(engine)
         ray.kill(engine)
         fresh = greedy(start(spec, fresh_path))
-    trainer = AutoModelForCausalLM.from_pretrained(new, dtype=torch.bfloat16).to("cuda:1").eval()
+    device = sender(spec)
+    trainer = AutoModelForCausalLM.from_pretrained(new, dtype=torch.bfloat16).to(device).eval()
     worst = 0.0
     for prompt, o in zip(PROMPTS, refitted, strict=True):
         with torch.no_grad():
-            logits = trainer(torch.tensor([prompt + o["token_ids"]], device="cuda:1")).logits[0].float()
+            logits = trainer(torch.tensor([prompt + o["token_ids"]], device=device)).logits[0].float()
         rows = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
-        sampled = rows.gather(1, torch.tensor(o["token_ids"], device="cuda:1")[:, None])[:, 0].cpu()
+        sampled = rows.gather(1, torch.tensor(o["token_ids"], device=device)[:, None])[:, 0].cpu()
         worst = max(worst, float((torch.tensor(o["logprobs"]) - sampled).abs().max()))
     same, to_fresh = gap(refitted, fresh)
     _, moved = gap(before, refitted)
