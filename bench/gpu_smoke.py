@@ -237,7 +237,7 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     failed += refit_ranges(specs["item1"])
     failed += vlm_no_image_rank(specs["item5"], args.hang_timeout)
     failed += fp8_refit(specs["item9"], models["dense"], args.out / "models", args.fp8_max_abs)
-    failed += fp32_buffer(specs["item11"], models["item11"])
+    failed += fp32_buffer(specs["item11"], models["item11"], args.out / "models")
     return failed
 
 
