@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_checks import report  # noqa: E402
@@ -241,11 +242,9 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     return failed
 
 
-def plan_only(args: argparse.Namespace) -> int:
-    """--plan: every run's and check's spec composed (the spec's refusals apply), the models built and the
-    checks' CPU parts run; no GPU, no Ray."""
-    from gpu_checks import plan_checks
-
+def plan_specs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Every run's and item check's spec, composed (the spec's refusals apply), and its model folder,
+    built offline; item10 is the moe_sync run's spec, item9_dense the folder the FP8 model copies."""
     from molt.config import compose
     from molt.models import model_path
 
@@ -255,9 +254,17 @@ def plan_only(args: argparse.Namespace) -> int:
     specs["item10"] = compose(runs(argparse.Namespace(**{**vars(args), "only": "moe"}))["moe_sync"])
     paths = {name: Path(model_path(spec)) for name, spec in specs.items()}
     paths["item9_dense"] = models["dense"]
+    return specs, paths
+
+
+def plan_only(args: argparse.Namespace) -> int:
+    """--plan: `plan_specs` and the checks' CPU parts (gpu_checks.plan_checks); no GPU, no Ray."""
+    from gpu_checks import plan_checks
+
+    specs, paths = plan_specs(args)
     problems = plan_checks(specs, paths)
     for name, spec in specs.items():
-        print(f"PLAN {name}: {spec.parallel.device}, {spec.model.dtype}, {paths.get(name, '')}")
+        print(f"PLAN {name}: {spec.parallel.device}, {spec.model.dtype}, {paths[name]}")
     print("gpu_smoke --plan: " + ("every check's CPU part holds" if not problems else
                                   f"{len(problems)} problem(s):\n  " + "\n  ".join(problems)))
     return 1 if problems else 0

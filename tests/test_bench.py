@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from pathlib import Path
+
+import pytest
 
 from molt.data import REPO_ROOT
 
@@ -98,3 +101,103 @@ def torch_numel(shape: list[int]) -> int:
     for n in shape:
         out *= n
     return out
+
+
+def _gpu_smoke(monkeypatch):
+    """bench/gpu_smoke.py and its check modules, importable as the script imports them."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    loaded = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "bench" / "gpu_smoke.py")
+    smoke = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(smoke)
+    return smoke
+
+
+def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(tmp_path, monkeypatch, capsys) -> None:
+    """`gpu_smoke.py --plan` (what the first GPU run relies on, checked without one): every run's and item
+    check's spec is accepted on cuda, the models build offline (a block-FP8 copy, a DeepSeek-V3 with an
+    fp32 bias, the tiny VLM), and each check's CPU part holds. Each part fails on a broken variant: a
+    chunk no tensor exceeds (item 1), no freeze for the GPU loader (5), a quantizer with another FP8
+    range than the checkpoint's (9), replay with partial rollouts (10), a bias bf16 can hold (11)."""
+    import torch
+    from gpu_checks import plan_checks
+    from safetensors.torch import load_file, save_file
+
+    from molt import fp8
+
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
+    smoke = _gpu_smoke(monkeypatch)
+    argv = ["--layers", "2", "--out", str(tmp_path / "out")]
+    assert smoke.main(["--plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "every check's CPU part holds" in out
+    for name in ("item1", "item5", "item9", "item10", "item11"):
+        assert f"PLAN {name}: cuda, bfloat16" in out
+    specs, paths = smoke.plan_specs(smoke.parse_args(argv))
+    assert specs["item1"].parallel.world_size == specs["item5"].parallel.world_size == 2
+    assert plan_checks(specs, paths) == []
+
+    def broken(name: str, **update) -> list[str]:
+        section, key = next(iter(update)).split("__")
+        spec = specs[name].model_copy(deep=True)
+        setattr(getattr(spec, section), key, update[f"{section}__{key}"])
+        return plan_checks({**specs, name: spec}, paths)
+
+    assert [p[:6] for p in broken("item1", rollout__refit_chunk_mb=100.0)] == ["item1:"]
+    assert [p[:6] for p in broken("item5", model__freeze_vision=False)] == ["item5:"]
+    assert [p[:7] for p in broken("item10", rollout__partial_rollout=True)] == ["item10:"]
+    with monkeypatch.context() as patched:
+        patched.setattr(fp8, "FP8_MAX", 240.0)   # e4m3fnuz's range, not the checkpoint's e4m3fn
+        assert [p[:6] for p in plan_checks(specs, paths)] == ["item9:"]
+    dsv3 = paths["item11"] / "model.safetensors"
+    weights = load_file(str(dsv3))
+    name = next(k for k in weights if k.endswith("e_score_correction_bias"))
+    save_file({**weights, name: torch.ones_like(weights[name])}, str(dsv3))
+    assert [p[:7] for p in plan_checks(specs, paths)] == ["item11:"]
+
+
+@pytest.mark.slow   # four engine starts and two 2-rank trainers: ~6 minutes on 2 busy cores
+@pytest.mark.timeout(1800)
+def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypatch, capsys) -> None:
+    """The item checks' code, run on CPU (gloo, the vLLM CPU engine, fp32) so that a check broken by a
+    change fails here before a GPU runs it: item 1 on both sides (2 trainer ranks' ranged gathers to a
+    receiver; an engine refit in 1 MiB payloads against a fresh engine), item 5 (the VLM step with a
+    rank without an image), item 11 (DeepSeek-V3's fp32 bias read back bit-equal, the refit engine
+    against a fresh one). They fail with payloads above the chunk, and with the bias sent in bf16. Item
+    9 needs vLLM's GPU FP8 kernels (the CPU build has none); its CPU part is in the test above."""
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
+    smoke = _gpu_smoke(monkeypatch)
+    import gpu_checks
+    from gpu_smoke_models import perturbed_copy, tiny_deepseek_v3
+
+    from molt import refit
+    from molt.config import compose
+    from molt.models import model_path
+
+    def on_cpu(overrides: list[str]):
+        cpu = {"parallel.device=cuda": "parallel.device=cpu", "model.dtype=bfloat16": "model.dtype=float32"}
+        return compose([cpu.get(o, o) for o in overrides if "gpu_memory" not in o]
+                       + ["rollout.engine.kv_cache_gib=0.25", "rollout.engine.enforce_eager=true"])
+
+    items = smoke.item_overrides({"item9": "unused", "item11": "unused"})
+    assert gpu_checks.refit_ranges(on_cpu(items["item1"])) == []
+    assert gpu_checks.vlm_no_image_rank(on_cpu(items["item5"]), 300) == []
+    dense = on_cpu([*smoke.model_overrides("dense", 2), *smoke.CUDA])
+    path = Path(model_path(dense))
+    new = perturbed_copy(path, tmp_path / "new", scale=0.05)
+    assert gpu_checks.engine_refit("dense", dense, path, new, smoke.CHUNK_MB) == []
+    dsv3 = tiny_deepseek_v3(tmp_path / "dsv3")
+    assert gpu_checks.fp32_buffer(on_cpu(smoke.item_overrides({"item9": "", "item11": dsv3})["item11"]), dsv3,
+                                  tmp_path) == []
+    capsys.readouterr()
+
+    send = refit.send
+    monkeypatch.setattr(refit, "send", lambda group, chunks, device, size: send(group, chunks, device,
+                                                                              4 * size))   # over the cap
+    assert gpu_checks.engine_refit("dense", dense, path, new, smoke.CHUNK_MB) != []
+    monkeypatch.setattr(refit, "send", send)
+    refit_engine = gpu_checks.refit_engine
+    monkeypatch.setattr(gpu_checks, "refit_engine", lambda engine, tensors, *a: refit_engine(
+        engine, {k: v.bfloat16() if k.endswith("bias") else v for k, v in tensors.items()}, *a))
+    assert gpu_checks.fp32_buffer(on_cpu(smoke.item_overrides({"item9": "", "item11": dsv3})["item11"]), dsv3,
+                                  tmp_path) != []
+    assert capsys.readouterr().out.count("FAIL") == 2
