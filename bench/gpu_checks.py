@@ -96,9 +96,9 @@ def start(spec: Any, path: Path) -> Any:
 
 
 def refit_engine(engine: Any, tensors: dict[str, torch.Tensor], chunk_bytes: int,
-                 device: torch.device) -> int:
-    """Broadcast `tensors` (checkpoint names) from `device` to `engine` as version 1; returns the bytes
-    sent."""
+                 device: torch.device) -> Any:
+    """Broadcast `tensors` (checkpoint names) from `device` to `engine` as version 1 over a refit group
+    formed for it (the engine's workers close the one they were in); returns the group."""
     import ray
 
     from molt import refit
@@ -113,9 +113,9 @@ def refit_engine(engine: Any, tensors: dict[str, torch.Tensor], chunk_bytes: int
 
     group = asyncio.run(connect())
     receiving = engine.update_weights.remote(1)
-    sent = refit.send(group, [{k: v.to(device) for k, v in tensors.items()}], device, chunk_bytes)
+    refit.send(group, [{k: v.to(device) for k, v in tensors.items()}], device, chunk_bytes)
     ray.get(receiving)
-    return sent
+    return group
 
 
 def greedy(engine: Any) -> list[dict]:
@@ -135,15 +135,23 @@ def engine_refit(name: str, spec: Any, path: Path, new: Path, chunk_mb: float) -
     """Item 1 on the engine side (and item 10 for a MoE with router replay): an engine refit over NCCL
     with perturbed weights, in payloads of `chunk_mb` that split its larger tensors, generates (greedy)
     the tokens of an engine started on those weights, logprobs within REFIT_GAP. For a MoE, the routes
-    each generation returns after the refit equal a re-scoring of its tokens under the new weights."""
+    each generation returns after the refit equal a re-scoring of its tokens under the new weights.
+    Item 13: that refit goes over a re-formed group: a first one (the starting weights) is aborted on
+    both sides (here, and by the engine's workers as they join the next) before the second forms."""
     import ray
+
+    from molt import refit
 
     weights, dtype = load_weights(new), getattr(torch, spec.model.dtype)
     chunk_bytes = int(chunk_mb * 2**20)
     with cluster(1):
         engine = start(spec, path)
+        t0 = time.perf_counter()
+        refit.close_group(refit_engine(engine, {k: v.to(dtype) for k, v in load_weights(path).items()},
+                                       chunk_bytes, sender(spec)))
         with payload_sizes() as sizes:
             refit_engine(engine, {k: v.to(dtype) for k, v in weights.items()}, chunk_bytes, sender(spec))
+        both = time.perf_counter() - t0
         refitted = greedy(engine)
         routes = None
         if spec.model.router_replay:
@@ -161,6 +169,9 @@ def engine_refit(name: str, spec: Any, path: Path, new: Path, chunk_mb: float) -
                     f"{split} tensors larger than the {chunk_mb:g} MiB chunk, largest payload "
                     f"{max(sizes) / 2**20:.2f} MiB; vs a fresh engine: same greedy tokens {same}, max "
                     f"logprob gap {worst:.2e} (bound {REFIT_GAP:g})")
+    failed += report(f"item13_reformed_group_{name}", same and worst <= REFIT_GAP,
+                     f"the refit above went over a re-formed group (the first aborted on both sides); "
+                     f"both refits with the re-form took {both:.1f} s")
     if routes is not None:
         failed += report(f"item10_routes_after_refit_{name}", routes >= 0.99,
                          f"{routes:.4f} of the generated tokens' route entries equal a re-scoring under the "

@@ -201,5 +201,6 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CHECK ")]
     verdicts = [line.split("  ")[0] for line in lines]
     assert verdicts == ["CHECK item1_trainer_ranges: PASS", "CHECK item5_vlm_rank_without_image: PASS",
-                        "CHECK item1_engine_refit_dense: PASS", "CHECK item11_fp32_buffer: PASS",
-                        "CHECK item1_engine_refit_dense: FAIL", "CHECK item11_fp32_buffer: FAIL"], lines
+                        "CHECK item1_engine_refit_dense: PASS", "CHECK item13_reformed_group_dense: PASS",
+                        "CHECK item11_fp32_buffer: PASS", "CHECK item1_engine_refit_dense: FAIL",
+                        "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL"], lines
