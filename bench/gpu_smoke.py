@@ -20,7 +20,8 @@ WHAT IT CHECKS; each check prints one `CHECK name: PASS|FAIL  <what it measured>
   prints the dry run's plan and memory estimate, its step times and each role's peak GPU memory.
 - item1_engine_refit_{dense,moe}: an engine refit over NCCL with perturbed weights in 1 MiB payloads (its
   larger tensors split) generates (greedy) the tokens of an engine started on those weights, logprobs
-  within 1e-3. item10_routes_after_refit_moe: the routes returned after that refit equal a re-scoring.
+  within 1e-3. item13_reformed_group_{dense,moe}: that refit went over a re-formed group (the first one
+  aborted on both sides). item10_routes_after_refit_moe: the routes returned after it equal a re-scoring.
 - item1_trainer_ranges: 2 FSDP ranks stream a model whose tensors exceed the chunk (ranged gathers over
   NCCL); every tensor arrives bit-equal, no payload above the chunk, the receiver's peak memory bounded.
 - item5_vlm_rank_without_image: the tiny VLM, model.freeze_vision, 2 ranks, rank 1's micro-batch without
