@@ -56,7 +56,13 @@ def test_the_trainer_floor_bench_times_both_steps(ray_session, monkeypatch) -> N
     assert sorted(seconds) == ["molt", "plain"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
 
 
-def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus(tmp_path, monkeypatch,
+@pytest.fixture(scope="module")
+def smoke_cache(tmp_path_factory) -> Path:
+    """One MOLT_CACHE for the gpu_smoke tests: its 2-layer dense model is built once (≈10 s)."""
+    return tmp_path_factory.mktemp("smoke_cache")
+
+
+def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus(smoke_cache, monkeypatch,
                                                                                  capsys) -> None:
     """bench/gpu_smoke.py cannot run here; its CPU parts can: every run's overrides compose into a spec the
     real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
@@ -79,7 +85,7 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
         assert spec.rollout.mode == mode and spec.rollout.partial_rollout == (kind == "dense")
         assert spec.model.router_replay == name.startswith("moe")
         assert sorted(slot.role for slot in plan(spec)) == ["engine", "policy"]   # on 2 GPUs
-    monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
+    monkeypatch.setenv("MOLT_CACHE", str(smoke_cache))
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -112,7 +118,8 @@ def _gpu_smoke(monkeypatch):
     return smoke
 
 
-def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(tmp_path, monkeypatch, capsys) -> None:
+def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, tmp_path, monkeypatch,
+                                                                    capsys) -> None:
     """`gpu_smoke.py --plan` (what the first GPU run relies on, checked without one): every run's and item
     check's spec is accepted on cuda, the models build offline (a block-FP8 copy, a DeepSeek-V3 with an
     fp32 bias, the tiny VLM), and each check's CPU part holds. Each part fails on a broken variant: a
@@ -124,7 +131,7 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(tmp_path, mon
 
     from molt import fp8
 
-    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MOLT_CACHE", str(smoke_cache))
     smoke = _gpu_smoke(monkeypatch)
     argv = ["--layers", "2", "--out", str(tmp_path / "out")]
     assert smoke.main(["--plan", *argv]) == 0
