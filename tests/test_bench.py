@@ -162,7 +162,7 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, 
     assert [p[:7] for p in plan_checks(specs, paths)] == ["item11:"]
 
 
-@pytest.mark.slow   # four engine starts and two 2-rank trainers: ~6 minutes on 2 busy cores
+@pytest.mark.slow   # four engine starts and two 2-rank trainers: 3.5-10 min on 2 busy cores
 @pytest.mark.timeout(1800)
 def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypatch, capsys) -> None:
     """The item checks' code, run on CPU (gloo, the vLLM CPU engine, fp32) so that a check broken by a
