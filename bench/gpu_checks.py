@@ -95,6 +95,15 @@ def start(spec: Any, path: Path) -> Any:
     return engine
 
 
+def stop(engine: Any) -> None:
+    """Shut vLLM down (on a GPU: free its memory) before the next engine of the check starts, then the
+    actor: a killed actor's process may still hold the memory the next engine's profiling counts."""
+    import ray
+
+    ray.get(engine.shutdown.remote(), timeout=120)
+    ray.kill(engine)
+
+
 def refit_engine(engine: Any, tensors: dict[str, torch.Tensor], chunk_bytes: int,
                  device: torch.device) -> Any:
     """Broadcast `tensors` (checkpoint names) from `device` to `engine` as version 1 over a refit group
@@ -169,7 +178,7 @@ def engine_refit(name: str, spec: Any, path: Path, new: Path, chunk_mb: float) -
             pairs = [(o["routed_experts"][len(p) - 1:], r[len(p) - 1:])
                      for p, o, r in zip(PROMPTS, refitted, rescored, strict=True)]
             routes = sum(int((a == b).sum()) for a, b in pairs) / sum(a.size for a, _ in pairs)
-        ray.kill(engine)
+        stop(engine)
         fresh = greedy(start(spec, new))
     same, worst = gap(refitted, fresh)
     split = sum(t.numel() * t.element_size() > chunk_bytes for t in (v.to(dtype) for v in weights.values()))
@@ -295,7 +304,7 @@ def fp32_buffer(spec: Any, path: Path, out: Path) -> list[str]:
         refit_engine(engine, tensors, int(spec.rollout.refit_chunk_mb * 2**20), sender(spec))
         [held] = ray.get(engine.collective_rpc.remote(_engine_tensors, ([bias],)))
         refitted = greedy(engine)
-        ray.kill(engine)
+        stop(engine)
         fresh = greedy(start(spec, new))
     engine_bias = held.get(bias)
     rounding = float((tensors[bias] - tensors[bias].bfloat16().float()).abs().max())
@@ -315,7 +324,6 @@ def fp8_refit(spec: Any, dense: Path, out: Path, max_abs: float) -> list[str]:
     molt/fp8.py (weights and scales). After it, it generates what an engine started on an FP8 checkpoint
     of the same quantized weights generates (logprobs within REFIT_GAP), and its logprobs stay within
     `max_abs` of a bf16 forward of the unquantized new weights (the trainer's view)."""
-    import ray
     from gpu_smoke_models import perturbed_copy
     from transformers import AutoModelForCausalLM
 
@@ -330,7 +338,7 @@ def fp8_refit(spec: Any, dense: Path, out: Path, max_abs: float) -> list[str]:
         refit_engine(engine, quantize_chunk(weights, checkpoint_fp8(str(start_path))),
                      int(spec.rollout.refit_chunk_mb * 2**20), sender(spec))
         refitted = greedy(engine)
-        ray.kill(engine)
+        stop(engine)
         fresh = greedy(start(spec, fresh_path))
     device = sender(spec)
     trainer = AutoModelForCausalLM.from_pretrained(new, dtype=torch.bfloat16).to(device).eval()
