@@ -169,7 +169,8 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     change fails here before a GPU runs it: item 1 on both sides (2 trainer ranks' ranged gathers to a
     receiver; an engine refit in 1 MiB payloads against a fresh engine), item 5 (the VLM step with a
     rank without an image), item 11 (DeepSeek-V3's fp32 bias read back bit-equal, the refit engine
-    against a fresh one). They fail with payloads above the chunk, and with the bias sent in bf16. Item
+    against a fresh one). They fail with payloads above the chunk, with the bias sent in bf16, and with a
+    receiver that loses a tensor. Item
     9 needs vLLM's GPU FP8 kernels (the CPU build has none); its CPU part is in the test above."""
     monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
     smoke = _gpu_smoke(monkeypatch)
@@ -204,10 +205,15 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     monkeypatch.setattr(gpu_checks, "refit_engine", lambda engine, tensors, *a: refit_engine(
         engine, {k: v.bfloat16() if k.endswith("bias") else v for k, v in tensors.items()}, *a))
     gpu_checks.fp32_buffer(item11, dsv3, tmp_path)
+    receive = refit.receive
+    monkeypatch.setattr(refit, "receive", lambda group, device: (
+        (name, t) for name, t in receive(group, device) if not name.endswith("down_proj.weight")))
+    gpu_checks.refit_ranges(on_cpu(items["item1"]))   # a receiver that loses a tensor
     # the check lines alone (Ray also prints the workers' logs here)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CHECK ")]
     verdicts = [line.split("  ")[0] for line in lines]
     assert verdicts == ["CHECK item1_trainer_ranges: PASS", "CHECK item5_vlm_rank_without_image: PASS",
                         "CHECK item1_engine_refit_dense: PASS", "CHECK item13_reformed_group_dense: PASS",
                         "CHECK item11_fp32_buffer: PASS", "CHECK item1_engine_refit_dense: FAIL",
-                        "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL"], lines
+                        "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL",
+                        "CHECK item1_trainer_ranges: FAIL"], lines
