@@ -5,36 +5,48 @@ ASSUMPTIONS (checked first; the script stops with exit code 2 and says which one
 - 2 CUDA GPUs visible, bf16-capable (Ampere or newer), >= 24 GB each, `nvidia-smi` on PATH. Two, not one:
   the placement puts the trainer and the engines on disjoint GPUs, and NCCL refuses two ranks of one group on
   one GPU ("Duplicate GPU detected"), so the NCCL refit needs a second GPU.
-- No network and no download: both models are random-init, built offline by molt.inputs.tiny (a ~0.5B dense
-Qwen3 of 28 layers, hidden 1024, as Qwen3-0.6B without its vocabulary; a tiny Qwen3-MoE) into $MOLT_CACHE.
-- It starts Ray locally, writes under --out (default bench/out/gpu_smoke) and takes about 10-20 minutes.
+- No network and no download: every model is random-init, built offline (molt.inputs.tiny: a ~0.5B dense
+  Qwen3 of 28 layers, hidden 1024, as Qwen3-0.6B without its vocabulary; a tiny Qwen3-MoE; the tiny
+  Qwen2.5-VL; bench/gpu_smoke_models.py: a block-FP8 copy of a 2-layer dense Qwen3, a 2-layer DeepSeek-V3).
+- It starts Ray locally, writes under --out (default bench/out/gpu_smoke) and takes about 20-30 minutes.
 
-WHAT IT CHECKS, for the dense model and then the MoE (router replay on):
-1. 5 sync steps and 5 async steps with partial rollouts (the MoE runs without them: router replay with
-   partial rollouts is refused on cuda), bf16, the NCCL refit (`python -m molt`, as a user
-   runs it): every step's engine/trainer `mismatch/max_abs` <= --max-abs (default 0.1, a first bound: bf16
-   rounds each logit to ~3 significant digits, and a random-init model's logits are near 0, so a gap of a
-   tenth of a nat means a real disagreement; replace it by the measured value once known).
-2. A refit against a fresh engine: an engine refit over NCCL with perturbed weights generates (greedy) the
-   same tokens, and logprobs within 1e-3, as an engine started on those weights.
-3. Prints each run's step times and the peak GPU memory of each role (nvidia-smi, per process) next to the
-   dry run's plan (where the dry run prints a memory estimate per role, it is printed there too).
+WHAT IT CHECKS; each check prints one `CHECK name: PASS|FAIL  <what it measured>` line:
+- run_dense_sync, run_dense_async, item10_run_moe_sync, item10_run_moe_async: 5 steps each, sync and async
+  (partial rollouts on the dense model; the MoE runs router replay without them: replay with partial
+  rollouts is refused on cuda), bf16, the NCCL refit in 1 MiB payloads (`python -m molt`, as a user runs
+  it): every step's engine/trainer `mismatch/max_abs` <= --max-abs (default 0.1, a first bound: bf16
+  rounds each logit to ~3 significant digits, and a random-init model's logits are near 0, so a gap of a
+  tenth of a nat means a real disagreement; replace it by the measured value once known). Each run also
+  prints the dry run's plan and memory estimate, its step times and each role's peak GPU memory.
+- item1_engine_refit_{dense,moe}: an engine refit over NCCL with perturbed weights in 1 MiB payloads (its
+  larger tensors split) generates (greedy) the tokens of an engine started on those weights, logprobs
+  within 1e-3. item13_reformed_group_{dense,moe}: that refit went over a re-formed group (the first one
+  aborted on both sides). item10_routes_after_refit_moe: the routes returned after it equal a re-scoring.
+- item1_trainer_ranges: 2 FSDP ranks stream a model whose tensors exceed the chunk (ranged gathers over
+  NCCL); every tensor arrives bit-equal, no payload above the chunk, the receiver's peak memory bounded.
+- item5_vlm_rank_without_image: the tiny VLM, model.freeze_vision, 2 ranks, rank 1's micro-batch without
+  an image: the step completes within --hang-timeout.
+- item9_fp8_refit: a block-FP8 engine refit with bf16 weights quantized by molt/trainer/fp8.py equals a
+  fresh FP8 engine on the same weights, and stays within --fp8-max-abs of a bf16 forward of them.
+- item11_fp32_buffer: DeepSeek-V3's fp32 e_score_correction_bias arrives in the engine bit-equal.
+(Item numbers: docs/parallelism.md's GPU-only column.) --plan runs the CPU part of every check (specs
+composed and accepted, models built and checked) without a GPU; tests/test_bench.py runs it.
 Exit code 0 when every check passes, 1 when one fails (the summary says which).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_checks import report  # noqa: E402
 from molt_run import run_molt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,18 +54,23 @@ DENSE = dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head
              intermediate_size=3072, vocab_size=320, max_position_embeddings=4096)
 QUIET = ["logging.wandb.mode=disabled", "logging.plots=false", "logging.progress=false",
          "logging.dump_rollouts=false", "train.eval_every=0"]
-GREEDY = {"temperature": 0.0, "max_tokens": 32}
-PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8], list(range(3, 163))]   # the last spans several KV blocks
+CHUNK_MB = 1   # rollout.refit_chunk_mb of every check: the dense model's projections (2-6 MiB) are split
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_smoke")
     p.add_argument("--steps", type=int, default=5, help="steps per run (sync and async)")
-    p.add_argument("--only", choices=["dense", "moe", "all"], default="all")
+    p.add_argument("--only", choices=["dense", "moe", "items", "all"], default="all",
+                   help="the dense runs, the MoE runs, the item checks, or all")
     p.add_argument("--layers", type=int, default=DENSE["num_layers"], help="dense model depth")
     p.add_argument("--max-abs", type=float, default=0.1, help="bound on every step's mismatch/max_abs")
+    p.add_argument("--fp8-max-abs", type=float, default=0.1,
+                   help="bound on an FP8 engine's logprob gap to a bf16 forward of the weights refit into it")
+    p.add_argument("--hang-timeout", type=float, default=300.0, help="seconds a VLM step may take")
     p.add_argument("--print-specs", action="store_true", help="print each run's overrides and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="no GPU needed: compose every spec, build every model, run the checks' CPU parts")
     return p.parse_args(argv)
 
 
@@ -66,22 +83,51 @@ def model_overrides(kind: str, layers: int) -> list[str]:
     return [f"{'' if key in listed else '+'}model.tiny.{key}={value}" for key, value in sizes.items()]
 
 
+# Every run and check: bf16 on cuda, one node, refit payloads that split the larger tensors.
+CUDA = ["model.dtype=bfloat16", "model.max_model_len=1024", "parallel.device=cuda", "parallel.nodes=1",
+        "rollout.engine.gpu_memory_utilization=0.5", f"rollout.refit_chunk_mb={CHUNK_MB}", *QUIET]
+# The trainer-only checks put 2 ranks on the 2 GPUs; the plan also counts the engine a run would start,
+# which these checks never start, so it is given a third (absent) GPU to be accepted.
+TWO_RANKS = ["parallel.world_size=2", "parallel.dp_size=2", "parallel.gpus_per_node=3"]
+
+
 def runs(args: argparse.Namespace) -> dict[str, list[str]]:
     """Every run's `python -m molt` overrides, by name (kind_mode)."""
     out = {}
-    for kind in (["dense", "moe"] if args.only == "all" else [args.only]):
+    kinds = {"all": ["dense", "moe"], "items": []}.get(args.only, [args.only])
+    for kind in kinds:
         for mode in ("sync", "async"):
             out[f"{kind}_{mode}"] = [
-                *model_overrides(kind, args.layers), "model.dtype=bfloat16", "model.max_model_len=1024",
-                "parallel.device=cuda", "parallel.nodes=1", "parallel.gpus_per_node=2",
-                "rollout.engine.gpu_memory_utilization=0.5", f"rollout.mode={mode}",
+                *model_overrides(kind, args.layers), *CUDA, "parallel.gpus_per_node=2",
+                f"rollout.mode={mode}",
                 # router replay with partial rollouts is refused on cuda (vLLM's GPU route capture)
                 f"rollout.partial_rollout={'false' if kind == 'moe' else 'true'}",
                 "rollout.max_tokens=256", "agent.max_total_tokens=512",
                 "rollout.groups_in_flight=8",
                 f"train.steps={args.steps}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
-                "train.micro_batch_size=8", "train.save_every=0", *QUIET]
+                "train.micro_batch_size=8", "train.save_every=0"]
     return out
+
+
+def item_models(args: argparse.Namespace) -> dict[str, Path]:
+    """The model folders of the item checks, built offline (seconds): the dense one at 2 layers."""
+    from gpu_checks import build_models
+
+    from molt.plan.models import model_path
+    from molt.spec.config import compose
+
+    dense = Path(model_path(compose(model_overrides("dense", 2))))
+    return {"dense": dense, **build_models(args.out / "models", dense)}
+
+
+def item_overrides(models: dict[str, Path]) -> dict[str, list[str]]:
+    """Each item check's spec overrides (the MoE's, item 10, are the moe runs')."""
+    return {
+        "item1": [*model_overrides("dense", 2), *CUDA, *TWO_RANKS],
+        "item5": ["model=tiny_vl", "model.freeze_vision=true", *CUDA, *TWO_RANKS, "train.micro_batch_size=2"],
+        "item9": [f"model.path={models['item9']}", *CUDA, "parallel.gpus_per_node=2"],
+        "item11": [f"model.path={models['item11']}", *CUDA, "parallel.gpus_per_node=2"],
+    }
 
 
 def preflight() -> str | None:
@@ -153,97 +199,76 @@ def dry_run(overrides: list[str]) -> str:
 
 
 def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list[str]:
-    """Run one `python -m molt`; prints its numbers, returns the failed checks."""
-    print(f"\n=== {name}\n--- dry run (the plan; a per-role memory estimate appears here once the dry run "
-          f"prints one)\n{dry_run(overrides)}", flush=True)
+    """Run one `python -m molt`; prints its numbers and its check line, returns the failed checks."""
+    label = f"item10_run_{name}" if name.startswith("moe") else f"run_{name}"
+    print(f"\n=== {name}\n--- dry run (the plan and each role's memory estimate)\n{dry_run(overrides)}",
+          flush=True)
     with GpuMemory() as memory:
         result = run_molt(overrides, args.out / name, timeout=1800)
     if result["rc"]:
-        return [f"{name}: the run failed (rc {result['rc']}); log tail:\n{result['log']}"]
+        return report(label, False, f"the run failed (rc {result['rc']}); log tail:\n{result['log']}")
     steps = [r for r in result["rows"] if "time/step" in r]
     gaps = [r["mismatch/max_abs"] for r in steps if "mismatch/max_abs" in r]
     print(f"--- measured: {len(steps)} steps, step times (s): {[round(r['time/step'], 2) for r in steps]}, "
           f"start-up {result.get('startup_s', float('nan')):.0f} s")
     print("--- peak GPU memory per role (GiB, nvidia-smi): "
           + ", ".join(f"{role} {gib:.1f}" for role, gib in sorted(memory.peak.items())))
-    print(f"--- mismatch/max_abs per step: {[f'{g:.2e}' for g in gaps]} (bound {args.max_abs})")
+    ok = len(steps) == args.steps and bool(gaps) and max(gaps) <= args.max_abs
+    return report(label, ok, f"{len(steps)} of {args.steps} steps; mismatch/max_abs per step "
+                  f"{[f'{g:.2e}' for g in gaps]} (bound {args.max_abs:g})")
+
+
+def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[str]:
+    """The engine refits after each sync run's kind, then the item checks (gpu_checks.py)."""
+    from gpu_checks import engine_refit, fp8_refit, fp32_buffer, refit_ranges, vlm_no_image_rank
+    from gpu_smoke_models import perturbed_copy
+
+    from molt.plan.models import model_path
+    from molt.spec.config import compose
+
     failed = []
-    if len(steps) != args.steps:
-        failed.append(f"{name}: {len(steps)} of {args.steps} steps logged")
-    if not gaps or max(gaps) > args.max_abs:
-        failed.append(f"{name}: mismatch/max_abs {max(gaps) if gaps else 'never logged'} > {args.max_abs}")
+    for name in [n for n in plan if n.endswith("_sync")]:
+        spec = compose(plan[name])
+        path = Path(model_path(spec))
+        new = perturbed_copy(path, args.out / f"{name}_new_weights", scale=0.05)
+        failed += engine_refit(name.removesuffix("_sync"), spec, path, new, CHUNK_MB)
+    if args.only not in ("items", "all"):
+        return failed
+    models = item_models(args)
+    specs = {name: compose(overrides) for name, overrides in item_overrides(models).items()}
+    failed += refit_ranges(specs["item1"])
+    failed += vlm_no_image_rank(specs["item5"], args.hang_timeout)
+    failed += fp8_refit(specs["item9"], models["dense"], args.out / "models", args.fp8_max_abs)
+    failed += fp32_buffer(specs["item11"], models["item11"], args.out / "models")
     return failed
 
 
-def perturbed_copy(path: Path, new: Path) -> dict:
-    """Copy the model folder `path` to `new` with every weight perturbed (seeded); returns the new weights."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.rmtree(new, ignore_errors=True)
-    shutil.copytree(path, new)
-    generator, weights = torch.Generator().manual_seed(1), {}
-    for file in sorted(glob.glob(str(new / "*.safetensors"))):
-        part = {k: v + 0.05 * v.float().std() * torch.randn(v.shape, generator=generator)
-                for k, v in load_file(file).items()}
-        save_file(part, file, metadata={"format": "pt"})
-        weights.update(part)
-    return weights
-
-
-def refit_check(name: str, overrides: list[str], args: argparse.Namespace) -> list[str]:
-    """Refit an engine over NCCL with perturbed weights; compare its greedy output with a fresh engine's."""
-    import asyncio
-    import socket
-
-    import ray
-    import torch
-
-    from molt import refit
+def plan_specs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Every run's and item check's spec, composed (the spec's refusals apply), and its model folder,
+    built offline; item10 is the moe_sync run's spec, item9_dense the folder the FP8 model copies."""
     from molt.plan.models import model_path
-    from molt.rollout.dispatch import Dispatcher
-    from molt.rollout.engine import start_engine
     from molt.spec.config import compose
 
-    spec = compose(overrides)
-    path = Path(model_path(spec))
-    new = args.out / f"{name}_new_weights"
-    weights = perturbed_copy(path, new)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private local cluster, as molt's own
-    ray.init(num_gpus=1, include_dashboard=False)   # the engine gets GPU 0; this process sends from GPU 1
-    try:
-        engine = start_engine(spec, str(path), 0)
-        ray.get(engine.ready.remote())
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dispatcher, device = Dispatcher([engine]), torch.device("cuda", 1)
+    specs = {name: compose(overrides) for name, overrides in runs(args).items()}
+    models = item_models(args)
+    specs.update({name: compose(overrides) for name, overrides in item_overrides(models).items()})
+    specs["item10"] = compose(runs(argparse.Namespace(**{**vars(args), "only": "moe"}))["moe_sync"])
+    paths = {name: Path(model_path(spec)) for name, spec in specs.items()}
+    paths["item9_dense"] = models["dense"]
+    return specs, paths
 
-        async def connect():
-            size = await dispatcher.refit_size()
-            opened = asyncio.to_thread(refit.open_group, "127.0.0.1", port, 0, size, device)
-            return (await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", port)))[0]
 
-        group = asyncio.run(connect())
-        receiving = engine.update_weights.remote(1)
-        dtype = getattr(torch, spec.model.dtype)
-        refit.send(group, [{k: v.to(device, dtype) for k, v in weights.items()}], device)
-        ray.get(receiving)
-        refitted = ray.get([engine.generate.remote(p, GREEDY) for p in PROMPTS])
-        ray.kill(engine)
-        fresh_engine = start_engine(spec, str(new), 0)
-        ray.get(fresh_engine.ready.remote())
-        fresh = ray.get([fresh_engine.generate.remote(p, GREEDY) for p in PROMPTS])
-    finally:
-        ray.shutdown()
-    same = all(a["token_ids"] == b["token_ids"] for a, b in zip(refitted, fresh, strict=True))
-    gap = max(abs(x - y) for a, b in zip(refitted, fresh, strict=True)
-              for x, y in zip(a["logprobs"], b["logprobs"], strict=False))
-    print(f"--- refit vs fresh engine ({name}): same greedy tokens {same}, max logprob gap {gap:.2e}")
-    return [] if same and gap <= 1e-3 else [f"{name}: refit differs from a fresh engine (tokens equal: "
-                                            f"{same}, max logprob gap {gap:.2e} > 1e-3)"]
+def plan_only(args: argparse.Namespace) -> int:
+    """--plan: `plan_specs` and the checks' CPU parts (gpu_checks.plan_checks); no GPU, no Ray."""
+    from gpu_checks import plan_checks
+
+    specs, paths = plan_specs(args)
+    problems = plan_checks(specs, paths)
+    for name, spec in specs.items():
+        print(f"PLAN {name}: {spec.parallel.device}, {spec.model.dtype}, {paths[name]}")
+    print("gpu_smoke --plan: " + ("every check's CPU part holds" if not problems else
+                                  f"{len(problems)} problem(s):\n  " + "\n  ".join(problems)))
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_specs:
         print(json.dumps(plan, indent=1))
         return 0
+    if args.plan:
+        return plan_only(args)
     problem = preflight()
     if problem:
         print(f"gpu_smoke: an assumption does not hold: {problem}", file=sys.stderr)
@@ -260,9 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     failed, start = [], time.perf_counter()
     for name, overrides in plan.items():
         failed += train_run(name, overrides, args)
-        if name.endswith("_sync"):
-            failed += refit_check(name.removesuffix("_sync"), overrides, args)
-    print(f"\ngpu_smoke: {len(plan)} runs in {time.perf_counter() - start:.0f} s; "
+    failed += item_checks(args, plan)
+    print(f"\ngpu_smoke: {len(plan)} runs and the item checks in {time.perf_counter() - start:.0f} s; "
           + ("all checks passed" if not failed else f"{len(failed)} failed:\n  " + "\n  ".join(failed)))
     return 1 if failed else 0
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from pathlib import Path
+
+import pytest
 
 from molt.inputs.data import REPO_ROOT
 
@@ -53,7 +56,13 @@ def test_the_trainer_floor_bench_times_both_steps(ray_session, monkeypatch) -> N
     assert sorted(seconds) == ["molt", "plain"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
 
 
-def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus(tmp_path, monkeypatch,
+@pytest.fixture(scope="module")
+def smoke_cache(tmp_path_factory) -> Path:
+    """One MOLT_CACHE for the gpu_smoke tests: its 2-layer dense model is built once (≈10 s)."""
+    return tmp_path_factory.mktemp("smoke_cache")
+
+
+def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus(smoke_cache, monkeypatch,
                                                                                  capsys) -> None:
     """bench/gpu_smoke.py cannot run here; its CPU parts can: every run's overrides compose into a spec the
     real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
@@ -76,7 +85,7 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
         assert spec.rollout.mode == mode and spec.rollout.partial_rollout == (kind == "dense")
         assert spec.model.router_replay == name.startswith("moe")
         assert sorted(slot.role for slot in plan(spec)) == ["engine", "policy"]   # on 2 GPUs
-    monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
+    monkeypatch.setenv("MOLT_CACHE", str(smoke_cache))
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -98,3 +107,113 @@ def torch_numel(shape: list[int]) -> int:
     for n in shape:
         out *= n
     return out
+
+
+def _gpu_smoke(monkeypatch):
+    """bench/gpu_smoke.py and its check modules, importable as the script imports them."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    loaded = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "bench" / "gpu_smoke.py")
+    smoke = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(smoke)
+    return smoke
+
+
+def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, tmp_path, monkeypatch,
+                                                                    capsys) -> None:
+    """`gpu_smoke.py --plan` (what the first GPU run relies on, checked without one): every run's and item
+    check's spec is accepted on cuda, the models build offline (a block-FP8 copy, a DeepSeek-V3 with an
+    fp32 bias, the tiny VLM), and each check's CPU part holds. Each part fails on a broken variant: a
+    chunk no tensor exceeds (item 1), no freeze for the GPU loader (5), a quantizer with another FP8
+    range than the checkpoint's (9), replay with partial rollouts (10), a bias bf16 can hold (11)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from molt.trainer import fp8
+
+    monkeypatch.setenv("MOLT_CACHE", str(smoke_cache))
+    smoke = _gpu_smoke(monkeypatch)
+    from gpu_checks import plan_checks  # bench/, on the path once _gpu_smoke has run
+    argv = ["--layers", "2", "--out", str(tmp_path / "out")]
+    assert smoke.main(["--plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "every check's CPU part holds" in out
+    for name in ("item1", "item5", "item9", "item10", "item11"):
+        assert f"PLAN {name}: cuda, bfloat16" in out
+    specs, paths = smoke.plan_specs(smoke.parse_args(argv))
+    assert specs["item1"].parallel.world_size == specs["item5"].parallel.world_size == 2
+    assert plan_checks(specs, paths) == []
+
+    def broken(name: str, **update) -> list[str]:
+        section, key = next(iter(update)).split("__")
+        spec = specs[name].model_copy(deep=True)
+        setattr(getattr(spec, section), key, update[f"{section}__{key}"])
+        return plan_checks({**specs, name: spec}, paths)
+
+    assert [p[:6] for p in broken("item1", rollout__refit_chunk_mb=100.0)] == ["item1:"]
+    assert [p[:6] for p in broken("item5", model__freeze_vision=False)] == ["item5:"]
+    assert [p[:7] for p in broken("item10", rollout__partial_rollout=True)] == ["item10:"]
+    with monkeypatch.context() as patched:
+        patched.setattr(fp8, "FP8_MAX", 240.0)   # e4m3fnuz's range, not the checkpoint's e4m3fn
+        assert [p[:6] for p in plan_checks(specs, paths)] == ["item9:"]
+    dsv3 = paths["item11"] / "model.safetensors"
+    weights = load_file(str(dsv3))
+    name = next(k for k in weights if k.endswith("e_score_correction_bias"))
+    save_file({**weights, name: torch.ones_like(weights[name])}, str(dsv3))
+    assert [p[:7] for p in plan_checks(specs, paths)] == ["item11:"]
+
+
+@pytest.mark.slow   # four engine starts and two 2-rank trainers: 3.5-10 min on 2 busy cores
+@pytest.mark.timeout(1800)
+def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypatch, capsys) -> None:
+    """The item checks' code, run on CPU (gloo, the vLLM CPU engine, fp32) so that a check broken by a
+    change fails here before a GPU runs it: item 1 on both sides (2 trainer ranks' ranged gathers to a
+    receiver; an engine refit in 1 MiB payloads against a fresh engine), item 5 (the VLM step with a
+    rank without an image), item 11 (DeepSeek-V3's fp32 bias read back bit-equal, the refit engine
+    against a fresh one). They fail with payloads above the chunk, with the bias sent in bf16, and with a
+    receiver that loses a tensor. Item
+    9 needs vLLM's GPU FP8 kernels (the CPU build has none); its CPU part is in the test above."""
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
+    smoke = _gpu_smoke(monkeypatch)
+    import gpu_checks
+    from gpu_smoke_models import perturbed_copy, tiny_deepseek_v3
+
+    from molt import refit
+    from molt.plan.models import model_path
+    from molt.spec.config import compose
+
+    def on_cpu(overrides: list[str]):
+        cpu = {"parallel.device=cuda": "parallel.device=cpu", "model.dtype=bfloat16": "model.dtype=float32"}
+        return compose([cpu.get(o, o) for o in overrides if "gpu_memory" not in o]
+                       + ["rollout.engine.kv_cache_gib=0.25", "rollout.engine.enforce_eager=true"])
+
+    items = smoke.item_overrides({"item9": "unused", "item11": "unused"})
+    dense = on_cpu([*smoke.model_overrides("dense", 2), *smoke.CUDA])
+    path = Path(model_path(dense))
+    new = perturbed_copy(path, tmp_path / "new", scale=0.05)
+    dsv3 = tiny_deepseek_v3(tmp_path / "dsv3")
+    item11 = on_cpu(smoke.item_overrides({"item9": "", "item11": dsv3})["item11"])
+    gpu_checks.refit_ranges(on_cpu(items["item1"]))
+    gpu_checks.vlm_no_image_rank(on_cpu(items["item5"]), 300)
+    gpu_checks.engine_refit("dense", dense, path, new, smoke.CHUNK_MB)
+    gpu_checks.fp32_buffer(item11, dsv3, tmp_path)
+    send = refit.send
+    monkeypatch.setattr(refit, "send", lambda group, chunks, device, size: send(group, chunks, device,
+                                                                              4 * size))   # over the cap
+    gpu_checks.engine_refit("dense", dense, path, new, smoke.CHUNK_MB)
+    monkeypatch.setattr(refit, "send", send)
+    refit_engine = gpu_checks.refit_engine
+    monkeypatch.setattr(gpu_checks, "refit_engine", lambda engine, tensors, *a: refit_engine(
+        engine, {k: v.bfloat16() if k.endswith("bias") else v for k, v in tensors.items()}, *a))
+    gpu_checks.fp32_buffer(item11, dsv3, tmp_path)
+    receive = refit.receive
+    monkeypatch.setattr(refit, "receive", lambda group, device: (
+        (name, t) for name, t in receive(group, device) if not name.endswith("down_proj.weight")))
+    gpu_checks.refit_ranges(on_cpu(items["item1"]))   # a receiver that loses a tensor
+    # the check lines alone (Ray also prints the workers' logs here)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CHECK ")]
+    verdicts = [line.split("  ")[0] for line in lines]
+    assert verdicts == ["CHECK item1_trainer_ranges: PASS", "CHECK item5_vlm_rank_without_image: PASS",
+                        "CHECK item1_engine_refit_dense: PASS", "CHECK item13_reformed_group_dense: PASS",
+                        "CHECK item11_fp32_buffer: PASS", "CHECK item1_engine_refit_dense: FAIL",
+                        "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL",
+                        "CHECK item1_trainer_ranges: FAIL"], lines

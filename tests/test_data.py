@@ -93,7 +93,7 @@ def test_relative_paths_resolve_cwd_then_repo_root(tmp_path: Path, monkeypatch: 
     assert resolve_path("here.jsonl") == tmp_path / "here.jsonl"
     # pyproject.toml exists only at the repository root, not in the (temporary) current directory
     assert resolve_path("pyproject.toml") == REPO_ROOT / "pyproject.toml"
-    assert (REPO_ROOT / "molt" / "data.py").is_file()
+    assert (REPO_ROOT / "molt" / "inputs" / "data.py").is_file()
 
 
 def test_load_eval_sets_are_named_by_file_stem(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 from molt.inputs.vision import normalize
 from molt.spec import DataSpec, HubDataset, eval_names
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]   # molt/inputs/data.py -> the repository
 
 
 def resolve_path(path: str | Path) -> Path:
