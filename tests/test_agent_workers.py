@@ -1,0 +1,95 @@
+"""Agent workers (`agent.workers`): groups run in Ray actors sample what the driver's loop samples, workers
+are placed by the plan and their cores checked. The killed worker of a real run: faults/test_agent_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_agents import EXAMPLES, make_spec
+
+from molt.agents import load_agent_runner
+from molt.agents.workers import AgentWorkers
+from molt.rollout.dispatch import Dispatcher
+from molt.rollout.sampling import TrainingSampler
+from molt.spec import RunSpec
+
+ROWS = [{"prompt": "Repeat this letter 3 times: a", "label": "a"},
+        {"prompt": "Repeat this letter 3 times: q", "label": "q"}]
+
+
+def in_process(tok, spec: RunSpec, engine) -> list[list]:
+    """The groups as the loop runs them without workers: the runner in this loop, one group at a time."""
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tok, spec)
+    sampler = TrainingSampler(Dispatcher([engine]), spec.run.seed, lambda: 0)
+    n = spec.rollout.samples_per_prompt
+
+    async def groups() -> list[list]:
+        return [await asyncio.gather(*[runner.run(row, f"g{k}-{i}", f"g{k}", sampler) for i in range(n)])
+                for k, row in enumerate(ROWS)]
+    try:
+        return asyncio.run(groups())
+    finally:
+        runner.close()
+
+
+def on_workers(spec: RunSpec, path: str, engine) -> tuple[list[list], list[int]]:
+    workers = AgentWorkers(spec, path, Dispatcher([engine]))
+    try:
+        pids = workers.ready()
+
+        async def groups() -> list[list]:
+            return [await workers.run_group(row, f"g{k}") for k, row in enumerate(ROWS)]
+        return asyncio.run(groups()), pids
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize("agent", [{"module": str(EXAMPLES / "repeat.py")},
+                                   {"module": str(EXAMPLES / "chat_minimal.py"), "kind": "chat",
+                                    "options": {"turns": 2}, "max_turns": 2}], ids=["env", "chat"])
+def test_workers_sample_the_tokens_the_driver_loop_samples(ray_session, tok, tiny_model_path, engine, agent):
+    """Both paths seed each request from the run seed, the version and the rollout id, and run one group
+    at a time on the same engine: the same ids, logprobs, rewards, in two worker processes of their own."""
+    import os
+
+    spec = make_spec({**agent, "workers": 2}, samples_per_prompt=2)
+    mine = in_process(tok, spec, engine)
+    theirs, pids = on_workers(spec, tiny_model_path, engine)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    for a_group, b_group in zip(mine, theirs, strict=True):
+        for a, b in zip(a_group, b_group, strict=True):
+            assert a.ok and b.ok and (a.rollout_id, a.reward) == (b.rollout_id, b.reward)
+            assert [s.token_ids for s in a.segments] == [s.token_ids for s in b.segments]
+            assert [s.logprobs for s in a.segments] == [s.logprobs for s in b.segments]
+            assert [s.loss_mask for s in a.segments] == [s.loss_mask for s in b.segments]
+
+
+def test_workers_are_planned_on_the_generating_nodes_and_shown():
+    from molt.launch import describe_plan
+    from molt.placement import plan
+
+    spec = RunSpec.model_validate({"agent": {"workers": 3}, "parallel": {
+        "device": "cuda", "nodes": 3, "gpus_per_node": 8, "trainer_nodes": 1, "world_size": 8, "dp_size": 8},
+        "rollout": {"engine": {"num_engines": 16}}})
+    assert [s.node for s in plan(spec) if s.role == "agent"] == [1, 1, 2]
+    assert all(s.gpus == 0 for s in plan(spec) if s.role == "agent")
+    text = describe_plan(spec)
+    assert "placement: node 1: engines 0-7, agent workers 0-1 | 8/8 GPUs\n" in text
+    assert "placement: node 2: engines 8-15, agent worker 2 | 8/8 GPUs\n" in text
+    assert "agent workers: 3 x 1 CPU core, no GPU" in text and "agent rank" not in text
+    assert "agent worker" not in describe_plan(RunSpec())
+
+
+def test_workers_that_do_not_fit_a_nodes_cores_are_refused(monkeypatch):
+    import molt.placement as placement
+
+    node = {"NodeManagerAddress": "10.0.0.1", "NodeID": "ab" * 28, "Alive": True,
+            "Resources": {"CPU": 4.0}}
+    monkeypatch.setattr(placement, "cluster_nodes", lambda spec: [node])
+    placement.bind(RunSpec.model_validate({"agent": {"workers": 2}}))   # 1 rank + 2 workers + an engine
+    with pytest.raises(RuntimeError, match=r"node 0 \(10.0.0.1, abababab\): the plan puts 5.01 CPU there, "
+                                           r"the node has 4"):
+        placement.bind(RunSpec.model_validate({"agent": {"workers": 4}}))
