@@ -102,6 +102,7 @@ class AgentWorkers:
         self.workers = [self._start(i) for i in range(spec.agent.workers)]
         self.load = [0] * len(self.workers)   # groups in flight per worker
         self.restarts = 0
+        self.reruns = 0                        # groups run again because their worker died
         self.version = 0
         self.lost: set[str] = set()            # rollout ids whose engine died under them
         dispatcher.followers.append(self._engines_changed)
@@ -150,6 +151,7 @@ class AgentWorkers:
                 raise
             except RayActorError as err:
                 self._replace(i, worker, err)
+                self.reruns += 1
                 avoid = i
                 continue
             finally:
@@ -188,7 +190,7 @@ class AgentWorkers:
         return bool(hit)
 
     def metrics(self) -> dict[str, float]:
-        return {"agent/worker_restarts": float(self.restarts)}
+        return {"agent/worker_restarts": float(self.restarts), "agent/groups_rerun": float(self.reruns)}
 
     def close(self) -> None:
         self.dispatcher.followers.remove(self._engines_changed)
