@@ -286,7 +286,7 @@ class AgentSpec(Strict):
                                     "this fails")
     workers: int = Field(0, ge=0, description="Ray actors that run the training rollouts, each with its own "
                          "event loop, chat server and sandboxes (molt.agents.workers); 0 = in the driver's "
-                         "event loop (the faster choice on 2 cores: docs/agents.md#agent-workers)")
+                         "event loop (docs/agents.md, Agent workers)")
     max_worker_restarts: int = Field(3, ge=0, description="agent workers restarted over the run after a "
                                      "death (their in-flight groups rerun whole); one more stops the run")
 

@@ -64,9 +64,14 @@ class AgentWorker:
         self.version = version
 
     def follow(self, engines: list, live: list[int], fatal: str | None) -> None:
-        """The driver's engines now: restarted ones take work again; `fatal`: none is left."""
-        for i in set(live) - self.dispatcher.live:
-            self.dispatcher.set_live(i, engines[i])
+        """The driver's engines now: restarted ones take work again (also one whose death only the driver
+        saw: its slot holds another actor); `fatal`: none is left."""
+        mine = self.dispatcher
+        for i in live:
+            if i not in mine.live or mine.engines[i]._actor_id != engines[i]._actor_id:
+                # rollouts still pinned to the old actor restart whole, as the driver's would
+                mine.mark_dead(i, "restarted by the driver's fleet")
+                mine.set_live(i, engines[i])
         if fatal:
             self.dispatcher.give_up(fatal)
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 import psutil
+import pytest
 from faultlib import small_spec
 
 from molt.metrics import load_rollouts
@@ -24,24 +25,68 @@ from molt.agents import Env, Result, StepEnvRunner
 
 class SlowRepeat(Env):
     async def step(self, state):
-        await asyncio.sleep(1.0)
-        return Result(reward=float(str(state.label) in state.action))
+        await asyncio.sleep(self.options.get("sleep", 1.0))
+        done = state.turn + 1 >= self.options.get("turns", 1)
+        return Result(reward=float(str(state.label) in state.action), terminated=done,
+                      observation=None if done else "again")
 
 
 AgentRunner = StepEnvRunner(SlowRepeat)
 '''
 
 
-def worker_pids() -> list[int]:
-    """Pids of this test process's agent worker actors (Ray sets their process title)."""
+def actor_pids(cls: str = "AgentWorker") -> list[int]:
+    """Pids of this test process's actors of class `cls` (Ray sets their process title)."""
     pids = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.cmdline()[:1] and child.cmdline()[0].startswith("ray::AgentWorker"):
+            if child.cmdline()[:1] and child.cmdline()[0].startswith(f"ray::{cls}"):
                 pids.append(child.pid)
         except psutil.NoSuchProcess:
             continue
     return pids
+
+
+def worker_pids() -> list[int]:
+    return actor_pids("AgentWorker")
+
+
+def kill_during_step_2(run_dir, pids) -> list[int]:
+    """Starts a thread that SIGKILLs the first of `pids()` 0.3 s after step 1 is logged; returns the list
+    it appends the killed pid to."""
+    killed: list[int] = []
+
+    def kill() -> None:
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+            time.sleep(0.05)
+        time.sleep(0.3)   # step 2's groups are sleeping in their Env
+        pid = pids()[0]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    threading.Thread(target=kill, daemon=True).start()
+    return killed
+
+
+def check_every_group_trained_once(run_dir, steps: int, prompts: int) -> list[dict]:
+    """Each step trained `prompts` whole groups of 4, none failed, no group id twice; the data position is
+    exactly steps x prompts. Returns the metrics records."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(r["rollout/count"] == prompts * 4 and r["rollout/failed"] == 0 for r in records)
+    groups = [r.group_id for step in range(1, steps + 1)
+              for r in load_rollouts(run_dir / "rollouts" / f"step_{step:06d}.jsonl")]
+    assert len(set(groups)) == steps * prompts and all(groups.count(g) == 4 for g in set(groups))
+    meta = json.loads((run_dir / "checkpoints" / f"step_{steps:06d}" / "meta.json").read_text())
+    assert meta["data"]["index"] == steps * prompts and meta["pending"] == []
+    return records
+
+
+def run_spec(module, run_dir, agent: dict, **sections):
+    return small_spec({"module": str(module), "workers": 2, **agent}, run={"dir": str(run_dir)},
+                      train={"steps": 3, "prompts_per_step": 4}, rollout={"engine": {"kv_cache_gib": 0.1}},
+                      logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}}, **sections)
 
 
 def test_a_killed_agent_worker_loses_only_its_groups(ray_session, tmp_path, capfd):
@@ -49,35 +94,36 @@ def test_a_killed_agent_worker_loses_only_its_groups(ray_session, tmp_path, capf
 
     module = tmp_path / "slow_env.py"
     module.write_text(SLOW_ENV)
-    steps, prompts = 3, 4
-    spec = small_spec({"module": str(module), "workers": 2, "max_worker_restarts": 1},
-                      run={"dir": str(tmp_path / "run")}, train={"steps": steps, "prompts_per_step": prompts},
-                      rollout={"engine": {"kv_cache_gib": 0.1}},
-                      logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}})
-    others, killed = set(worker_pids()), []
-
-    def kill_a_worker_during_step_2() -> None:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
-            time.sleep(0.05)
-        time.sleep(0.3)   # step 2's groups are sleeping in their Env
-        pid = sorted(set(worker_pids()) - others)[0]
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
-
-    threading.Thread(target=kill_a_worker_during_step_2, daemon=True).start()
+    run_dir = tmp_path / "run"
+    spec = run_spec(module, run_dir, {"max_worker_restarts": 1})
+    others = set(worker_pids())
+    killed = kill_during_step_2(run_dir, lambda: sorted(set(worker_pids()) - others))
     last = train(spec)
     assert killed and last["agent/worker_restarts"] == 1.0 and last["agent/groups_rerun"] >= 1
     assert "agent worker" in capfd.readouterr().out
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["rollout/count"] == prompts * 4 and r["rollout/failed"] == 0 for r in records)
-    groups = [r.group_id for step in range(1, steps + 1)
-              for r in load_rollouts(tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl")]
-    assert len(set(groups)) == steps * prompts and all(groups.count(g) == 4 for g in set(groups))
-    meta = json.loads((tmp_path / "run" / "checkpoints" / f"step_{steps:06d}" / "meta.json").read_text())
-    assert meta["data"]["index"] == steps * prompts and meta["pending"] == []
+    check_every_group_trained_once(run_dir, 3, 4)
     deadline = time.time() + 30   # the replacement worker was stopped with the run
     while set(worker_pids()) - others and time.time() < deadline:
         time.sleep(0.2)
     assert not set(worker_pids()) - others
+
+
+@pytest.mark.slow
+def test_an_engine_killed_under_agent_workers_is_restarted_and_its_groups_rerun(ray_session, tmp_path):
+    """The engine's process SIGKILLed while the workers' 3-turn rollouts sleep between turns: a worker sees
+    the death, the driver's fleet restarts the engine and hands it to the workers, the groups on it rerun
+    whole (pool/engine_requeued), and the run finishes with every group trained once."""
+    from molt.loop import train
+
+    module = tmp_path / "slow_env.py"
+    module.write_text(SLOW_ENV)
+    run_dir = tmp_path / "run"
+    # a rollout waits while its engine restarts (tens of seconds on a loaded machine)
+    spec = run_spec(module, run_dir, {"options": {"turns": 3, "sleep": 0.5}, "max_turns": 3,
+                                      "max_total_tokens": 4096, "timeout_s": 300.0})
+    others = set(actor_pids("EngineActor"))
+    killed = kill_during_step_2(run_dir, lambda: sorted(set(actor_pids("EngineActor")) - others))
+    last = train(spec)
+    assert killed and last["engine/restarts"] == 1.0 and last["engine/live"] == 1.0
+    records = check_every_group_trained_once(run_dir, 3, 4)
+    assert max(r["pool/engine_requeued"] for r in records) >= 1
