@@ -106,8 +106,10 @@ def run_axis(counts: list[int], sessions: int, turns: int, delay_ms: float, repl
     """The table (head, rows) of every worker count in `counts`, measured one after another."""
     import ray
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private local cluster, as molt.placement's
     ray.init(num_cpus=max(16, 2 * max(counts)), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                                       "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
     ms = lambda x: f"{statistics.median(x) * 1e3:.2f} ({min(x) * 1e3:.2f}–{max(x) * 1e3:.2f})"  # noqa: E731
     rows = []
     try:
