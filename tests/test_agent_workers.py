@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
@@ -19,10 +20,10 @@ ROWS = [{"prompt": "Repeat this letter 3 times: a", "label": "a"},
         {"prompt": "Repeat this letter 3 times: q", "label": "q"}]
 
 
-def in_process(tok, spec: RunSpec, engine) -> list[list]:
+def in_process(tok, spec: RunSpec, engine, judge=None) -> list[list]:
     """The groups as the loop runs them without workers: the runner in this loop, one group at a time."""
     runner = load_agent_runner(spec.agent)
-    runner.setup(tok, spec)
+    runner.setup(tok, spec, judge)
     sampler = TrainingSampler(Dispatcher([engine]), spec.run.seed, lambda: 0)
     n = spec.rollout.samples_per_prompt
 
@@ -32,13 +33,18 @@ def in_process(tok, spec: RunSpec, engine) -> list[list]:
     try:
         return asyncio.run(groups())
     finally:
+        runner.judge = None   # the caller's judge: not this runner's to stop
         runner.close()
 
 
-def on_workers(spec: RunSpec, path: str, engine) -> tuple[list[list], list[int]]:
-    workers = AgentWorkers(spec, path, Dispatcher([engine]))
+def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list], list[int]]:
+    workers = AgentWorkers(spec, path, Dispatcher([engine]), judge)
     try:
         pids = workers.ready()
+        if judge is not None:   # the worker's judge scores on the driver's judge engines, not its own
+            ids = ray.get(workers.workers[0].__ray_call__.remote(
+                lambda self: [e._actor_id for e in self.runner.judge.engines]))
+            assert ids == [e._actor_id for e in judge.engines]
 
         async def groups() -> list[list]:
             return [await workers.run_group(row, f"g{k}") for k, row in enumerate(ROWS)]
@@ -59,12 +65,33 @@ def test_workers_sample_the_tokens_the_driver_loop_samples(ray_session, tok, tin
     mine = in_process(tok, spec, engine)
     theirs, pids = on_workers(spec, tiny_model_path, engine)
     assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert_same(mine, theirs)
+
+
+def assert_same(mine: list[list], theirs: list[list]) -> None:
     for a_group, b_group in zip(mine, theirs, strict=True):
         for a, b in zip(a_group, b_group, strict=True):
             assert a.ok and b.ok and (a.rollout_id, a.reward) == (b.rollout_id, b.reward)
             assert [s.token_ids for s in a.segments] == [s.token_ids for s in b.segments]
             assert [s.logprobs for s in a.segments] == [s.logprobs for s in b.segments]
             assert [s.loss_mask for s in a.segments] == [s.loss_mask for s in b.segments]
+
+
+def test_a_worker_judges_with_the_drivers_judge_engines(ray_session, tok, tiny_model_path, engine):
+    """agent.judge: the worker scores through the judge engines the driver started (here the session's
+    engine stands in for them), not a second set; the judged rewards equal the driver loop's, and closing
+    the worker leaves those engines to the driver."""
+    from molt.agents.judge import Judge
+
+    spec = make_spec({"module": str(EXAMPLES / "judge_env.py"), "workers": 1,
+                      "judge": {"path": tiny_model_path, "temperature": 0.5}}, max_tokens=16,
+                     samples_per_prompt=2)
+    judge = Judge.start(spec, [engine])
+    mine = in_process(tok, spec, engine, judge)
+    theirs, _ = on_workers(spec, tiny_model_path, engine, judge)
+    assert_same(mine, theirs)
+    assert all(0.0 < r.reward < 1.0 for g in theirs for r in g)
+    assert ray.get(engine.stats.remote())["version"] == 0   # still serving
 
 
 def test_workers_are_planned_on_the_generating_nodes_and_shown():
