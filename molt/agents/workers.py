@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -102,6 +103,9 @@ class AgentWorkers:
     """The driver's side: starts the workers on their plan nodes, hands out groups, replaces dead workers."""
 
     def __init__(self, spec: RunSpec, policy_path: str, dispatcher: Dispatcher, judge: Any = None) -> None:
+        if spec.agent.module.endswith(".py"):   # a worker's current directory may not be the driver's
+            agent = spec.agent.model_copy(update={"module": str(Path(spec.agent.module).resolve())})
+            spec = spec.model_copy(update={"agent": agent})
         self.spec, self.policy_path, self.dispatcher = spec, policy_path, dispatcher
         self.judge_engines = list(judge.engines) if judge is not None else []
         self.workers = [self._start(i) for i in range(spec.agent.workers)]
