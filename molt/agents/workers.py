@@ -28,6 +28,8 @@ from molt.rollout.dispatch import Dispatcher
 from molt.spec import RunSpec
 from molt.trajectory import Rollout
 
+START_TIMEOUT_S = 600.0   # a worker's set-up: imports, the tokenizer, a chat server (seconds on a loaded CPU)
+
 
 @ray.remote
 class AgentWorker:
@@ -127,8 +129,12 @@ class AgentWorkers:
 
     def ready(self) -> list[int]:
         """The workers' pids, once all have set up; a worker that failed to (its agent module, its chat
-        server) raises here, before the run starts."""
-        return ray.get([w.ready.remote() for w in self.workers])
+        server) raises here, before the run starts, and one that takes over START_TIMEOUT_S too."""
+        try:
+            return ray.get([w.ready.remote() for w in self.workers], timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"agent workers did not set up within {START_TIMEOUT_S:g} s (agent.module "
+                               f"{self.spec.agent.module}: imports, tokenizer, chat server)") from None
 
     def set_version(self, version: int) -> None:
         """The policy version the engines hold (the pool calls this after each refit)."""
