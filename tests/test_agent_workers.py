@@ -120,3 +120,35 @@ def test_workers_that_do_not_fit_a_nodes_cores_are_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"node 0 \(10.0.0.1, abababab\): the plan puts 5.01 CPU there, "
                                            r"the node has 4"):
         placement.bind(RunSpec.model_validate({"agent": {"workers": 4}}))
+
+
+@pytest.mark.slow
+def test_a_run_on_agent_workers_learns_what_the_driver_loop_learns(ray_session, tmp_path):
+    """The learning check: 3 steps of the default task with agent.workers=2 and without, same seed. Every
+    step trains the same tokens (the rollout dumps) to the same rewards and the same loss: the workers
+    change where rollouts run, not what is trained."""
+    import json
+    import sys
+
+    from molt.loop import train
+    from molt.metrics import load_rollouts
+
+    sys.path.insert(0, str(EXAMPLES.parents[1] / "tests" / "faults"))
+    from faultlib import small_spec
+
+    runs = {}
+    for workers in (0, 2):
+        run_dir = tmp_path / f"w{workers}"
+        train(small_spec({"workers": workers}, run={"dir": str(run_dir)},
+                         train={"steps": 3, "prompts_per_step": 4}, rollout={"engine": {"kv_cache_gib": 0.1}},
+                         logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}}))
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        dumps = [sorted((r.rollout_id, [s.token_ids for s in r.segments], r.reward)
+                        for r in load_rollouts(run_dir / "rollouts" / f"step_{k:06d}.jsonl"))
+                 for k in (1, 2, 3)]
+        runs[workers] = records, dumps
+    (mine, mine_dumps), (theirs, their_dumps) = runs[0], runs[2]
+    assert mine_dumps == their_dumps
+    for a, b in zip(mine, theirs, strict=True):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
