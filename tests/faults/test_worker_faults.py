@@ -127,3 +127,32 @@ def test_an_engine_killed_under_agent_workers_is_restarted_and_its_groups_rerun(
     assert killed and last["engine/restarts"] == 1.0 and last["engine/live"] == 1.0
     records = check_every_group_trained_once(run_dir, 3, 4)
     assert max(r["pool/engine_requeued"] for r in records) >= 1
+
+
+def test_a_worker_death_past_max_worker_restarts_stops_the_run(ray_session, tmp_path, engine,
+                                                              tiny_model_path):
+    """agent.max_worker_restarts=0: the first worker death fails the group's call with a message naming
+    the key (the pool hands it to the loop, which stops)."""
+    import asyncio
+
+    from molt.agents.workers import AgentWorkers
+    from molt.rollout.dispatch import Dispatcher
+
+    module = tmp_path / "slow_env.py"
+    module.write_text(SLOW_ENV)
+    spec = small_spec({"module": str(module), "workers": 1, "max_worker_restarts": 0})
+    workers = AgentWorkers(spec, tiny_model_path, Dispatcher([engine]))
+    try:
+        [pid] = workers.ready()
+
+        async def kill_mid_group() -> None:
+            group = asyncio.ensure_future(workers.run_group({"prompt": "a", "label": "a"}, "g0"))
+            await asyncio.sleep(0.5)   # its rollouts sleep in their Env for 1 s
+            os.kill(pid, signal.SIGKILL)
+            await group
+
+        with pytest.raises(RuntimeError, match=r"agent workers died 1 times, above "
+                                               r"agent.max_worker_restarts=0; last: worker 0: "):
+            asyncio.run(kill_mid_group())
+    finally:
+        workers.close()
