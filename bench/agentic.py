@@ -15,6 +15,10 @@ each turn in CPU.
 
     python bench/agentic.py --quick
     python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
+    python bench/agentic.py --workers 1,2 --sessions 256 --turns 4 --delay-ms 20 --repeats 3
+
+`--workers 1,2` runs the lent-client chat path in agent workers instead (`agent.workers`, one count after
+another; bench/agentic_workers.py), into its own section `agentic_workers`.
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reply-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="16 sessions, 2 turns, 1 repeat; prints only")
+    p.add_argument("--workers", default="", help="comma-separated agent.workers counts (e.g. 1,2): the chat "
+                   "path in agent workers, each count in turn (bench/agentic_workers.py)")
     args = p.parse_args()
     if args.quick:
         args.sessions, args.turns, args.repeats = 16, 2, 1
@@ -135,6 +141,8 @@ def main() -> None:
                     "model.max_model_len=4096", f"rollout.max_tokens={args.reply_tokens}"])
     reply = (tok.encode("b" * args.reply_tokens, add_special_tokens=False)[:args.reply_tokens - 1]
              + [tok.eos_token_id])
+    if args.workers:
+        return workers_axis(args, reply, path)
     engine = StandInEngine(reply, args.delay_ms / 1000)
     latencies: dict[str, list[float]] = {path: [] for path in PATHS}
     runner_of = runners(args.turns, latencies)
@@ -176,6 +184,26 @@ def main() -> None:
                    "added: lent client", "target"], rows)])
     if not args.quick:
         write_section("agentic", body)
+    print(body)
+
+
+def workers_axis(args: argparse.Namespace, reply: list[int], path: str) -> None:
+    from agentic_workers import run_axis
+
+    counts = [int(n) for n in args.workers.split(",")]
+    head, rows = run_axis(counts, args.sessions, args.turns, args.delay_ms, reply, path, args.repeats)
+    command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
+    body = "\n".join([
+        "## Agentic path in agent workers (`agent.workers`)", "", header(),
+        f"- work: {args.sessions} concurrent chat rollouts (groups of 8) x {args.turns} turns through the "
+        f"stock OpenAI SDK (lent client), a stand-in engine actor answering {args.reply_tokens} tokens after "
+        f"{args.delay_ms:g} ms; {args.repeats} repeat(s) per worker count",
+        f"- command: `{command}`",
+        "- ms, median over repeats (min–max); added = the SDK call's latency − the stand-in's delay; CPU per "
+        "turn from each process's user + system seconds over the measured runs",
+        "", table(head, rows)])
+    if not args.quick:
+        write_section("agentic_workers", body)
     print(body)
 
 

@@ -38,6 +38,21 @@ def test_the_agentic_bench_runs_every_path(tok) -> None:
     assert [len(latencies[path]) for path in bench.PATHS] == [4, 4, 4]
 
 
+def test_the_agentic_bench_runs_its_chat_turns_in_agent_workers(ray_session, tok, tiny_model_path) -> None:
+    """bench/agentic.py --workers: 16 chat rollouts of 2 turns in an agent worker against the stand-in engine
+    actor complete (`measure` raises on a failed rollout) and give one latency per turn and each process's
+    CPU per turn."""
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    from agentic_workers import measure
+
+    reply = tok.encode("bbb", add_special_tokens=False) + [tok.eos_token_id]
+    out = measure(1, 16, 2, 0.001, reply, tiny_model_path, repeats=1)
+    assert out["turns_per_s"][0] > 0 and out["median"][0] <= out["p99"][0]
+    assert out["workers"][0] > 0 and out["engine"][0] > 0
+
+
 def test_the_trainer_floor_bench_times_both_steps(ray_session, monkeypatch) -> None:
     """bench/trainer_floor.py (Molt's update against a plain PyTorch step on the same batch, the evidence
     in bench/RESULTS.md that the trainer is not the gap to the peer) still runs against the trainer's API:

@@ -65,8 +65,8 @@ class ChatAgentRunner(Runner):
         self.server: LoopbackServer | None = None
         self.tls: ssl.SSLContext | None = None
 
-    def setup(self, tokenizer: Any, spec: Any) -> None:
-        super().setup(tokenizer, spec)
+    def setup(self, tokenizer: Any, spec: Any, judge: Any = None) -> None:
+        super().setup(tokenizer, spec, judge)
         model_name = spec.model.path or "molt-tiny"
         self.server = LoopbackServer(tokenizer, model_name, self.sampling, spec.agent.tool_parser,
                                      spec.model.chat_template_kwargs)

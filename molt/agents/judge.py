@@ -50,9 +50,10 @@ class Judge:
         self.slots: asyncio.Semaphore | None = None
 
     @classmethod
-    def start(cls, spec: RunSpec) -> Judge:
+    def start(cls, spec: RunSpec, engines: list | None = None) -> Judge:
         """Start the engines of `spec.agent.judge` (vLLM, the judge's own `engine` settings) on the GPUs the
-        plan gives them, or connect to agent.judge.url."""
+        plan gives them, or connect to agent.judge.url. `engines`: the judge engines another runner started
+        (an agent worker shares the driver's), used as they are."""
         from transformers import AutoTokenizer
 
         from molt.plan.models import model_path
@@ -71,6 +72,8 @@ class Judge:
                                         timeout=judge.timeout_s)
             served = openai.OpenAI(base_url=judge.url, api_key="EMPTY", timeout=judge.timeout_s).models.list()
             return cls(tokenizer, judge, client=client, model=served.data[0].id)
+        if engines:
+            return cls(tokenizer, judge, engines=list(engines))
         # The judge scores while the policy's engines generate: one thread each unless parallel.cpu_threads
         # says otherwise, rather than a second claim on every core.
         threads = spec.parallel.cpu_threads or 1

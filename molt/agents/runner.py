@@ -42,9 +42,12 @@ class Runner:
         self.spec: RunSpec | None = None
         self.judge: Any = None
 
-    def setup(self, tokenizer: Any, spec: RunSpec) -> None:
+    def setup(self, tokenizer: Any, spec: RunSpec, judge: Any = None) -> None:
+        """Ready to `run`; `judge` (an agent worker passes the driver's) is used instead of starting one."""
         self.tokenizer, self.spec = tokenizer, spec
-        if spec.agent.judge.path:   # an LLM judge for rewards (molt.agents.judge), stopped by close()
+        if judge is not None:
+            self.judge = judge
+        elif spec.agent.judge.path:   # an LLM judge for rewards (molt.agents.judge), stopped by close()
             from molt.agents.judge import Judge
 
             self.judge = Judge.start(spec)

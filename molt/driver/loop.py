@@ -24,6 +24,7 @@ from ray.exceptions import RayActorError
 
 from molt.agents import load_agent_runner
 from molt.algo import adaptive_kl_coef, compute_advantages, with_kl_coef
+from molt.driver.agent_workers import AgentWorkers, start_agent_workers
 from molt.driver.checkpoints import (
     carry_best,
     find_checkpoint,
@@ -76,7 +77,9 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
 
-    at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=checkpoint is not None)
+    workers = await start_agent_workers(spec, policy_path, fleet.dispatcher, runner.judge)
+    at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=checkpoint is not None,
+                     workers=workers)
     if checkpoint:
         print(f"molt: resumed from {checkpoint} at step {at.step} (policy version {at.version})")
     def save(best: float | None = None) -> None:
@@ -92,6 +95,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         while at.step < spec.train.steps and not stop.is_set():
             try:
                 metrics = await rl_step(spec, at, trainers, fleet, tokenizer.pad_token_id, logger)
+                metrics.update(workers.metrics() if workers else {})
                 if eval_sets and (at.step % spec.train.eval_every == 0 or at.step == spec.train.steps):
                     metrics.update(await evaluate(spec, runner, fleet.dispatcher, eval_sets, at.step))
                 logger.log(at.step, metrics)
@@ -100,7 +104,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
                     async with fleet.trainer:
                         save(best)
             except RayActorError as err:   # a trainer rank died (engine deaths are the fleet's)
-                trainers, at = await restart_trainers(spec, err, at, trainers, fleet, rollout_fn)
+                trainers, at = await restart_trainers(spec, err, at, trainers, fleet, rollout_fn, workers)
                 logger.redo_steps()
         if at.step != at.saved:
             save()
@@ -111,6 +115,8 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         if at.probe:
             at.probe.cancel()
         await at.pool.close()
+        if workers:
+            workers.close()
         runner.close()
         logger.close()
         trainers.stop()
@@ -155,9 +161,10 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
 
 
 async def begin(spec: RunSpec, trainers: Trainers, fleet: Fleet, rollout_fn: Any, checkpoint: Path | None,
-                refit_engines: bool) -> Position:
+                refit_engines: bool, workers: AgentWorkers | None = None) -> Position:
     """Load `checkpoint` (if any) into the trainers, connect them to the engines (and refit these when
-    they may hold other weights: a resume, a rebuilt trainer) and start a pool at the data position."""
+    they may hold other weights: a resume, a rebuilt trainer) and start a pool at the data position; with
+    `workers` the pool's groups run there instead of through `rollout_fn`."""
     data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed,
                           shuffle=spec.data.shuffle)
     step, version, pending, kl_coef, groups = 0, 0, [], spec.algo.kl.coef, 0
@@ -178,14 +185,17 @@ async def begin(spec: RunSpec, trainers: Trainers, fleet: Fleet, rollout_fn: Any
     pool = RolloutPool(chain(pending, data), rollout_fn, spec.rollout.samples_per_prompt,
                        spec.train.prompts_per_step if sync else spec.rollout.groups_in_flight,
                        spec.rollout.max_staleness, fleet.dispatcher.engines, refill_during_batch=not sync,
-                       lost=fleet.dispatcher.take_lost, on_generating=engines_generating if lend else None,
-                       first_group=groups, oldest_first=spec.rollout.handout == "oldest")
+                       lost=workers.take_lost if workers else fleet.dispatcher.take_lost,
+                       on_generating=engines_generating if lend else None, first_group=groups,
+                       oldest_first=spec.rollout.handout == "oldest",
+                       group_fn=workers.run_group if workers else None,
+                       on_version=workers.set_version if workers else None)
     pool.set_version(version)
     return Position(step, version, data, pool, saved=step, kl_coef=kl_coef)
 
 
 async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trainers: Trainers, fleet: Fleet,
-                           rollout_fn: Any) -> tuple[Trainers, Position]:
+                           rollout_fn: Any, workers: AgentWorkers | None = None) -> tuple[Trainers, Position]:
     """New trainer actors from the last checkpoint of this run (or the one resumed from, or the initial
     weights), the engines refitted to them and a new pool at the checkpoint's data position: steps after
     the checkpoint are redone (the metrics log keeps a redone step's last record); bounded by
@@ -200,7 +210,7 @@ async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trai
     trainers.stop()
     trainers = Trainers.start(spec)
     checkpoint = latest_of(Path(spec.run.dir)) or find_checkpoint(spec)
-    at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=True)
+    at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=True, workers=workers)
     at.trainer_restarts = restarts
     print(f"molt: a trainer rank died ({str(err).splitlines()[0]}); restart {restarts} of "
           f"{spec.train.max_trainer_restarts}: continuing from {checkpoint or 'the initial weights'} at step "

@@ -213,7 +213,7 @@ def estimates(spec: RunSpec) -> tuple[list[Estimate], list[str]]:
     numbers: a hub id without model.arch)."""
     from molt.plan.placement import plan
 
-    roles = list(dict.fromkeys(s.role for s in plan(spec)))
+    roles = list(dict.fromkeys(s.role for s in plan(spec) if s.role != "agent"))   # agent workers: no device
     out, unknown = [], []
     for role in roles:
         a = arch_of(spec, "policy" if role in ("policy", "critic", "engine") else role)

@@ -4,10 +4,11 @@ The plan comes from the spec alone. Trainer roles (the policy, then the referenc
 `parallel.world_size` ranks of one device each), engines (`rollout.engine.num_engines`, each
 `tp_size * dp_size` devices on one node) and an LLM judge's engines (`agent.judge.engine`, placed like
 engines; none for a judge at `agent.judge.url`) fill `parallel.nodes` nodes of `parallel.gpus_per_node`
-GPUs in order. With `parallel.trainer_nodes = K` nodes 0..K-1 train and the others generate (a judge's
-engines too); left null, all roles share every node (trainer ranks first). On CUDA a plan that does not fit
-is a spec error, so it fails before Ray starts. On CPU devices are time-shared cores, so the plan only
-maps roles to nodes.
+GPUs in order; agent workers (`agent.workers`, one CPU core each, no GPU) are spread evenly over the
+nodes that generate. With `parallel.trainer_nodes = K` nodes 0..K-1 train and the others generate (a
+judge's engines too); left null, all roles share every node (trainer ranks first). On CUDA a plan that
+does not fit is a spec error, so it fails before Ray starts. On CPU devices are time-shared cores, so the
+plan only maps roles to nodes.
 
 Binding, once Ray is up: plan node i is the i-th alive Ray node (with GPUs, on CUDA), the driver's node
 first, then the others by address and id. Each node's total resources must hold what the plan puts on it,
@@ -31,7 +32,7 @@ NODE_LABEL = "ray.io/node-id"
 
 @dataclass(frozen=True)
 class Slot:
-    role: str       # policy | reference | critic | engine | judge
+    role: str       # policy | reference | critic | engine | judge | agent (an agent worker)
     index: int      # the rank, or the engine's index
     node: int       # plan node
     gpus: int       # devices it holds on CUDA (0 on CPU)
@@ -84,6 +85,10 @@ def plan(spec: RunSpec) -> list[Slot]:
                                  f"{left})")
             free[node] -= per_engine
             slots.append(Slot(role, index, node, per_engine * cuda))
+    # Agent workers hold one CPU core each and no GPU, spread evenly over the nodes that generate (in
+    # blocks): beside the engines they call, outside every GPU's reservation. `bind` checks the cores.
+    workers = spec.agent.workers if spec.train.objective == "rl" else 0
+    slots += [Slot("agent", i, engine_nodes[i * len(engine_nodes) // workers], 0) for i in range(workers)]
     return slots
 
 
@@ -151,7 +156,8 @@ def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
         parts = []
         for role, group in groupby(here, key=lambda s: s.role):
             idx = [s.index for s in group]
-            noun = {"engine": "engine", "judge": "judge engine"}.get(role, f"{role} rank")
+            noun = {"engine": "engine", "judge": "judge engine", "agent": "agent worker"}.get(role,
+                                                                                          f"{role} rank")
             parts.append(noun + (f"s {idx[0]}-{idx[-1]}" if len(idx) > 1 else f" {idx[0]}"))
         each = " each" if len(run) > 1 else ""
         used = f" | {sum(s.gpus for s in run[0][1])}/{par.gpus_per_node} GPUs{each}" if cuda else ""
@@ -164,8 +170,13 @@ def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
                      "GPUs")
     else:
         engines = sum(s.role in ("engine", "judge") for s in slots)
-        lines.append(f"total: {len(slots) - engines} trainer rank(s) and {engines} engine(s) on {par.nodes} "
+        ranks = sum(s.role in ("policy", "reference", "critic") for s in slots)
+        lines.append(f"total: {ranks} trainer rank(s) and {engines} engine(s) on {par.nodes} "
                      "node(s) (CPU: cores are shared)")
+    workers = sum(s.role == "agent" for s in slots)
+    if workers:
+        lines.append(f"agent workers: {workers} x 1 CPU core, no GPU (agent.workers; each node's cores are "
+                     "checked when Ray is up)")
     return lines
 
 

@@ -39,6 +39,8 @@ class Dispatcher:
         self.changed = asyncio.Event()      # set whenever an engine dies or comes back
         self.on_death = on_death
         self.refit_workers: list[int] = []  # refit group ranks per engine (see `refit_size`)
+        # told when an engine comes back or none is left (agent workers' dispatchers follow this one)
+        self.followers: list[Callable[[], None]] = []
 
     def pick(self, key: str) -> int:
         if self.sticky.get(key) not in self.live:
@@ -97,11 +99,15 @@ class Dispatcher:
         self.dead.pop(i, None)
         self.live.add(i)
         self.changed.set()
+        for follower in self.followers:
+            follower()
 
     def give_up(self, why: str) -> None:
         """No engine is left and none will come back: waiting rollouts fail with `why`."""
         self.fatal = why
         self.changed.set()
+        for follower in self.followers:
+            follower()
 
     def take_lost(self, keys: list[str]) -> bool:
         """Whether an engine died under any of `keys` (those keys are forgotten)."""

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError
 from molt.trajectory import Rollout
 
 RolloutFn = Callable[[dict, str, int], Awaitable[Rollout]]
+GroupFn = Callable[[dict, str], Awaitable[list[Rollout]]]
 
 
 @dataclass
@@ -45,13 +46,17 @@ class RolloutPool:
                  groups_in_flight: int, max_staleness: int, engines: list[Any] = (),
                  refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None,
                  on_generating: Callable[[bool], None] | None = None, first_group: int = 0,
-                 oldest_first: bool = False) -> None:
+                 oldest_first: bool = False, group_fn: GroupFn | None = None,
+                 on_version: Callable[[int], None] | None = None) -> None:
         self.items = iter(items)
         # False = sync mode: groups start only when a batch is asked for, and only those it still lacks,
         # so while the trainer steps nothing generates and every batch is sampled by the current policy.
         self.refill_during_batch = refill_during_batch
         self.group_items: dict[str, dict] = {}  # prompt item of every group not yet handed out
         self.rollout_fn = rollout_fn
+        # a whole group at once (agent workers: one call per group), instead of `rollout_fn` per sample
+        self.group_fn = group_fn
+        self.on_version = on_version          # told every new policy version (agent workers seed with it)
         self.n = samples_per_prompt
         self.depth = groups_in_flight
         self.max_staleness = max_staleness
@@ -76,6 +81,8 @@ class RolloutPool:
         """The policy version the engines now run (call after each refit): groups it makes too stale are
         re-queued at once and their slots refilled, so the engines sample with the new policy right away."""
         self.version = version
+        if self.on_version:
+            self.on_version(version)
         self._requeue_stale()
         if self.refill_during_batch:
             self._fill()
@@ -125,7 +132,8 @@ class RolloutPool:
         # `rollout_fn` turns the agent's failures into failed rollouts itself; what it raises is a bug,
         # handed to `next_batch`, which raises it in the loop (a background task's error is otherwise lost).
         try:
-            group = list(await asyncio.gather(*[self.rollout_fn(item, group_id, i) for i in range(self.n)]))
+            group = list(await self.group_fn(item, group_id) if self.group_fn else
+                         await asyncio.gather(*[self.rollout_fn(item, group_id, i) for i in range(self.n)]))
         except Exception as err:
             self.crash = err
             self.finished.set()

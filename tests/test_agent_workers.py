@@ -1,0 +1,154 @@
+"""Agent workers (`agent.workers`): groups run in Ray actors sample what the driver's loop samples, workers
+are placed by the plan and their cores checked. The killed worker of a real run: faults/test_agent_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+from test_agents import EXAMPLES, make_spec
+
+from molt.agents import load_agent_runner
+from molt.driver.agent_workers import AgentWorkers
+from molt.rollout.dispatch import Dispatcher
+from molt.rollout.sampling import TrainingSampler
+from molt.spec import RunSpec
+
+ROWS = [{"prompt": "Repeat this letter 3 times: a", "label": "a"},
+        {"prompt": "Repeat this letter 3 times: q", "label": "q"}]
+
+
+def in_process(tok, spec: RunSpec, engine, judge=None) -> list[list]:
+    """The groups as the loop runs them without workers: the runner in this loop, one group at a time."""
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tok, spec, judge)
+    sampler = TrainingSampler(Dispatcher([engine]), spec.run.seed, lambda: 0)
+    n = spec.rollout.samples_per_prompt
+
+    async def groups() -> list[list]:
+        return [await asyncio.gather(*[runner.run(row, f"g{k}-{i}", f"g{k}", sampler) for i in range(n)])
+                for k, row in enumerate(ROWS)]
+    try:
+        return asyncio.run(groups())
+    finally:
+        runner.judge = None   # the caller's judge: not this runner's to stop
+        runner.close()
+
+
+def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list], list[int]]:
+    workers = AgentWorkers(spec, path, Dispatcher([engine]), judge)
+    try:
+        pids = workers.ready()
+        if judge is not None:   # the worker's judge scores on the driver's judge engines, not its own
+            ids = ray.get(workers.workers[0].__ray_call__.remote(
+                lambda self: [e._actor_id for e in self.runner.judge.engines]))
+            assert ids == [e._actor_id for e in judge.engines]
+
+        async def groups() -> list[list]:
+            return [await workers.run_group(row, f"g{k}") for k, row in enumerate(ROWS)]
+        return asyncio.run(groups()), pids
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize("agent", [{"module": str(EXAMPLES / "repeat.py")},
+                                   {"module": str(EXAMPLES / "chat_minimal.py"), "kind": "chat",
+                                    "options": {"turns": 2}, "max_turns": 2}], ids=["env", "chat"])
+def test_workers_sample_the_tokens_the_driver_loop_samples(ray_session, tok, tiny_model_path, engine, agent):
+    """Both paths seed each request from the run seed, the version and the rollout id, and run one group
+    at a time on the same engine: the same ids, logprobs, rewards, in two worker processes of their own."""
+    import os
+
+    spec = make_spec({**agent, "workers": 2}, samples_per_prompt=2)
+    mine = in_process(tok, spec, engine)
+    theirs, pids = on_workers(spec, tiny_model_path, engine)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert_same(mine, theirs)
+
+
+def assert_same(mine: list[list], theirs: list[list]) -> None:
+    for a_group, b_group in zip(mine, theirs, strict=True):
+        for a, b in zip(a_group, b_group, strict=True):
+            assert a.ok and b.ok and (a.rollout_id, a.reward) == (b.rollout_id, b.reward)
+            assert [s.token_ids for s in a.segments] == [s.token_ids for s in b.segments]
+            assert [s.logprobs for s in a.segments] == [s.logprobs for s in b.segments]
+            assert [s.loss_mask for s in a.segments] == [s.loss_mask for s in b.segments]
+
+
+def test_a_worker_judges_with_the_drivers_judge_engines(ray_session, tok, tiny_model_path, engine):
+    """agent.judge: the worker scores through the judge engines the driver started (here the session's
+    engine stands in for them), not a second set; the judged rewards equal the driver loop's, and closing
+    the worker leaves those engines to the driver."""
+    from molt.agents.judge import Judge
+
+    spec = make_spec({"module": str(EXAMPLES / "judge_env.py"), "workers": 1,
+                      "judge": {"path": tiny_model_path, "temperature": 0.5}}, max_tokens=16,
+                     samples_per_prompt=2)
+    judge = Judge.start(spec, [engine])
+    mine = in_process(tok, spec, engine, judge)
+    theirs, _ = on_workers(spec, tiny_model_path, engine, judge)
+    assert_same(mine, theirs)
+    assert all(0.0 < r.reward < 1.0 for g in theirs for r in g)
+    assert ray.get(engine.stats.remote())["version"] == 0   # still serving
+
+
+def test_workers_are_planned_on_the_generating_nodes_and_shown():
+    from molt.driver.launch import describe_plan
+    from molt.plan.placement import plan
+
+    spec = RunSpec.model_validate({"agent": {"workers": 3}, "parallel": {
+        "device": "cuda", "nodes": 3, "gpus_per_node": 8, "trainer_nodes": 1, "world_size": 8, "dp_size": 8},
+        "rollout": {"engine": {"num_engines": 16}}})
+    assert [s.node for s in plan(spec) if s.role == "agent"] == [1, 1, 2]
+    assert all(s.gpus == 0 for s in plan(spec) if s.role == "agent")
+    text = describe_plan(spec)
+    assert "placement: node 1: engines 0-7, agent workers 0-1 | 8/8 GPUs\n" in text
+    assert "placement: node 2: engines 8-15, agent worker 2 | 8/8 GPUs\n" in text
+    assert "agent workers: 3 x 1 CPU core, no GPU" in text and "agent rank" not in text
+    assert "agent worker" not in describe_plan(RunSpec())
+
+
+def test_workers_that_do_not_fit_a_nodes_cores_are_refused(monkeypatch):
+    import molt.plan.placement as placement
+
+    node = {"NodeManagerAddress": "10.0.0.1", "NodeID": "ab" * 28, "Alive": True,
+            "Resources": {"CPU": 4.0}}
+    monkeypatch.setattr(placement, "cluster_nodes", lambda spec: [node])
+    placement.bind(RunSpec.model_validate({"agent": {"workers": 2}}))   # 1 rank + 2 workers + an engine
+    with pytest.raises(RuntimeError, match=r"node 0 \(10.0.0.1, abababab\): the plan puts 5.01 CPU there, "
+                                           r"the node has 4"):
+        placement.bind(RunSpec.model_validate({"agent": {"workers": 4}}))
+
+
+@pytest.mark.slow
+def test_a_run_on_agent_workers_learns_what_the_driver_loop_learns(ray_session, tmp_path):
+    """The learning check: 3 steps of the default task with agent.workers=2 and without, same seed. Every
+    step trains the same tokens (the rollout dumps) to the same rewards and the same loss: the workers
+    change where rollouts run, not what is trained."""
+    import json
+    import sys
+
+    from molt.driver.loop import train
+    from molt.driver.metrics import load_rollouts
+
+    sys.path.insert(0, str(EXAMPLES.parents[1] / "tests" / "faults"))
+    from faultlib import small_spec
+
+    runs = {}
+    for workers in (0, 2):
+        run_dir = tmp_path / f"w{workers}"
+        train(small_spec({"workers": workers}, run={"dir": str(run_dir)},
+                         train={"steps": 3, "prompts_per_step": 4}, rollout={"engine": {"kv_cache_gib": 0.1}},
+                         logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}}))
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        dumps = [sorted((r.rollout_id, [s.token_ids for s in r.segments], r.reward)
+                        for r in load_rollouts(run_dir / "rollouts" / f"step_{k:06d}.jsonl"))
+                 for k in (1, 2, 3)]
+        runs[workers] = records, dumps
+    (mine, mine_dumps), (theirs, their_dumps) = runs[0], runs[2]
+    assert mine_dumps == their_dumps
+    for a, b in zip(mine, theirs, strict=True):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
