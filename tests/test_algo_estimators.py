@@ -337,6 +337,34 @@ def test_turn_credit_with_only_a_final_reward_and_no_discount_is_rollout_credit(
         assert float((by_turn - by_rollout).abs().max()) < 1e-12, name
 
 
+def test_turn_credit_gives_a_group_of_equal_returns_no_advantage():
+    """Two rollouts that both call a tool (reward 0) and then answer right (reward 1), discount 0.5: whole
+    returns 0.5 and 0.5, std 0. Their answer turn's G = 1 is above the group mean 0.5 only by the discount:
+    GRPO gives every token 0 (as rollout credit does), not (1 - 0.5) / 1e-6; dr_grpo and rloo, which do not
+    divide by the std, give the answer turn the discount's 0.5 and the call turn 0."""
+    from molt.driver.select import turn_credit
+    from molt.spec import RunSpec
+    from molt.trainer.batch import make_batch
+    from molt.trajectory import Rollout, Segment
+
+    def rollout(rid):
+        mask = [0, 1, 1, 0, 1]
+        segment = Segment(list(range(5)), mask, [0.0] * 5, [0 if m else -1 for m in mask], rid, "g", 0,
+                          turns=[[0, 1], [1, 4]])
+        return Rollout(rid, "g", [segment], 1.0, turn_rewards=[0.0, 1.0])
+    rollouts = [rollout("A"), rollout("B")]
+    segments = [s for r in rollouts for s in r.segments]
+    mask = make_batch(segments)["loss_mask"].to(F64)
+    for name, answer in (("grpo", 0.0), ("dr_grpo", 0.5), ("rloo", 0.5)):
+        algo = {"estimator": name, "turn_credit": "turn", "turn_discount": 0.5}
+        spec = RunSpec.model_validate({"algo": algo})
+        first, extra = turn_credit(spec, rollouts, torch.tensor([1.0, 1.0], dtype=F64), segments, mask.shape)
+        adv = compute_advantages(first, torch.tensor([0, 0]), torch.tensor([0, 1]), mask, spec.algo,
+                                 **extra).advantages
+        assert adv[:, 1:3].abs().max().item() < 1e-12 and (adv[:, 4] - answer).abs().max().item() < 1e-12, \
+            (name, adv)
+
+
 def test_turn_credit_is_refused_where_it_cannot_act():
     from molt.spec import RunSpec
     from molt.spec.plugins import load_plugins

@@ -154,7 +154,9 @@ def reinforce_baseline(x: EstimatorInputs) -> Advantages:
 @register_estimator("grpo", group_baseline=True, turn_credit=True)
 def grpo(x: EstimatorInputs) -> Advantages:
     """GRPO: A = (r - mean_g) / (std_g + 1e-6), std unbiased; a group of one gets A = 0. With turn credit a
-    token's A = (G_turn - mean_g) / (std_g + 1e-6), mean and std over the group's whole-rollout returns."""
+    token's A = (G_turn - mean_g) / (std_g + 1e-6), mean and std over the group's whole-rollout returns, and
+    a group whose whole returns are all equal gets A = 0: its turns differ only by the discount, which is no
+    comparison between samples, and dividing that difference by 1e-6 would make it the whole update."""
     r = x.kl_rewards()
     n = _group_size(r, x.group_ids)
     mean = group_mean(r, x.group_ids)
@@ -167,8 +169,8 @@ def grpo(x: EstimatorInputs) -> Advantages:
         return Advantages(x.to_tokens(adv), None, metrics)
     adv = (_returns(r, x.segment_rollout, x.loss_mask, x.turn_returns) - x.to_tokens(mean)) / \
         (x.to_tokens(std) + EPS)
-    return Advantages(torch.where(x.to_tokens((n > 1).to(r.dtype)) > 0, adv, torch.zeros_like(adv)), None,
-                      metrics)
+    compared = x.to_tokens((~zero_std).to(r.dtype)) > 0
+    return Advantages(torch.where(compared, adv, torch.zeros_like(adv)), None, metrics)
 
 
 @register_estimator("dr_grpo", group_baseline=True, turn_credit=True)
