@@ -104,7 +104,7 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
     from molt.rollout.engine import start_engines
     from molt.rollout.sampling import TrainingSampler
     from molt.trainer.batch import make_batch
-    from molt.trainer.ranks import TrainerRanks
+    from molt.trainer.ranks import TrainerRanks, Trainers
     from molt.trajectory import Segment
 
     spec = lora_spec(tiny_model_path, run={"dir": str(tmp_path / "run")})
@@ -122,9 +122,9 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
         async def rollout_fn(item: dict, group_id: str, index: int):
             return await runner.run(item, f"{group_id}-{index}", group_id, sampler)
 
-        at = await begin(spec, (policy, None, None), fleet, rollout_fn, None, refit_engines=False)
+        at = await begin(spec, Trainers(policy), fleet, rollout_fn, None, refit_engines=False)
         logger = RunLogger(spec)
-        steps = [await rl_step(spec, at, (policy, None, None), fleet, tok.pad_token_id, logger)
+        steps = [await rl_step(spec, at, Trainers(policy), fleet, tok.pad_token_id, logger)
                  for _ in range(3)]
         await at.pool.close()
         logger.close()
