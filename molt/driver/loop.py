@@ -360,6 +360,8 @@ async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, cr
     under train/ and critic/, the trainer/engine gap under its own mismatch/ names."""
     metrics: dict[str, float] = {}
     if policy is not None:
+        # One worker class serves the policy and the critic, so its statistics are namespaced here; the
+        # gap it measures it names mismatch/* itself, as the post-refit probe does (molt.algo.gap_metrics).
         for key, value in (await asyncio.to_thread(policy.update, batch, kl_coef)).items():
             metrics[key if key.startswith("mismatch/") else f"train/{key}"] = value
     else:
