@@ -71,7 +71,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
 
     from molt.agents import load_agent_runner
     from molt.driver.export import as_hf_folder
-    from molt.driver.judge_engines import start_judge, stop_engines
+    from molt.driver.judge_engines import set_up, start_judge, stop_engines
     from molt.inputs.data import load_eval_sets
     from molt.plan.models import model_path
     from molt.plan.placement import init_ray
@@ -92,7 +92,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     try:
         judge = start_judge(spec)   # its engines start in the Ray just initialised; close() stops them
         try:
-            runner.setup(tokenizer, spec, judge)
+            set_up(runner, tokenizer, spec, judge)
             engines = start_engines(spec, path)
             try:
                 return asyncio.run(evaluate(spec, runner, Dispatcher(engines), eval_sets, 0))

@@ -35,7 +35,7 @@ from molt.driver.checkpoints import (
 )
 from molt.driver.eval import evaluate
 from molt.driver.fleet import Fleet
-from molt.driver.judge_engines import judge_engines, start_judge
+from molt.driver.judge_engines import judge_engines, set_up, start_judge
 from molt.driver.metrics import RunLogger
 from molt.driver.probe import probe_gap, probe_prompt, sample_probe
 from molt.driver.select import (
@@ -147,7 +147,7 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
         judge = start_judge(spec)
-        runner.setup(tokenizer, spec, judge)   # the runner's close() stops the judge's engines
+        set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
         trainers = Trainers.start(spec)
         logger = RunLogger(spec)
         ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
