@@ -10,6 +10,7 @@ import torch
 from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
+from molt.driver.judge_engines import start_judge
 
 
 class Runners:
@@ -22,7 +23,7 @@ class Runners:
         agent = {"module": str(EXAMPLES / module), "kind": kind, **(agent or {})}
         spec = make_spec(agent, **rollout)
         runner = load_agent_runner(spec.agent)
-        runner.setup(self.tok, spec)
+        runner.setup(self.tok, spec, start_judge(spec))   # as the driver sets runners up (None: no judge)
         self.started.append(runner)
         return runner
 

@@ -12,6 +12,7 @@ from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
 from molt.driver.agent_workers import AgentWorkers
+from molt.driver.judge_engines import judge_engines, start_judge
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.sampling import TrainingSampler
 from molt.spec import RunSpec
@@ -33,18 +34,17 @@ def in_process(tok, spec: RunSpec, engine, judge=None) -> list[list]:
     try:
         return asyncio.run(groups())
     finally:
-        runner.judge = None   # the caller's judge: not this runner's to stop
-        runner.close()
+        runner.close()   # a judge on the caller's engines leaves them running
 
 
 def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list], list[int]]:
-    workers = AgentWorkers(spec, path, Dispatcher([engine]), judge)
+    workers = AgentWorkers(spec, path, Dispatcher([engine]), judge_engines(judge))
     try:
         pids = workers.ready()
         if judge is not None:   # the worker's judge scores on the driver's judge engines, not its own
             ids = ray.get(workers.workers[0].__ray_call__.remote(
-                lambda self: [e._actor_id for e in self.runner.judge.engines]))
-            assert ids == [e._actor_id for e in judge.engines]
+                lambda self: [e._actor_id for e in self.runner.judge.sampler.engines]))
+            assert ids == [e._actor_id for e in judge_engines(judge)]
 
         async def groups() -> list[list]:
             return [await workers.run_group(row, f"g{k}") for k, row in enumerate(ROWS)]
@@ -81,12 +81,10 @@ def test_a_worker_judges_with_the_drivers_judge_engines(ray_session, tok, tiny_m
     """agent.judge: the worker scores through the judge engines the driver started (here the session's
     engine stands in for them), not a second set; the judged rewards equal the driver loop's, and closing
     the worker leaves those engines to the driver."""
-    from molt.agents.judge import Judge
-
     spec = make_spec({"module": str(EXAMPLES / "judge_env.py"), "workers": 1,
                       "judge": {"path": tiny_model_path, "temperature": 0.5}}, max_tokens=16,
                      samples_per_prompt=2)
-    judge = Judge.start(spec, [engine])
+    judge = start_judge(spec, [engine])
     mine = in_process(tok, spec, engine, judge)
     theirs, _ = on_workers(spec, tiny_model_path, engine, judge)
     assert_same(mine, theirs)

@@ -9,8 +9,10 @@ import math
 import sys
 
 import pytest
+import ray
 import torch
 from agentlib import Runners, train_one_step
+from ray.exceptions import RayActorError
 from test_agents import Recorder, assert_exact, encode, run_all
 
 from molt.agents.render import render
@@ -31,6 +33,21 @@ def reference_p_yes(model, tok, messages: list[dict], temperature: float) -> flo
     return 1.0 / (1.0 + math.exp(-(logps[0] - logps[1]) / temperature))
 
 
+def engine_stops(engine, within_s: float = 60.0) -> bool:
+    """Whether `engine`'s actor is gone within `within_s` (a kill reaches the actor after the call returns,
+    so a request right after it may still be answered)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(engine.stats.remote(), timeout=10)
+        except RayActorError:
+            return True
+        time.sleep(1)
+    return False
+
+
 def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
@@ -38,11 +55,13 @@ def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer,
     try:
         runner = runners("judge_env.py", {"judge": {"path": tiny_model_path, "temperature": 0.5}}, kind="env",
                          max_tokens=16)
-        assert engine not in runner.judge.engines   # its own engine, which no refit ever reaches
+        judge_engines = runner.judge.sampler.engines
+        assert engine not in judge_engines   # its own engine, which no refit ever reaches
         rollouts = run_all(runner, [ITEM] * 4, sampler, group="judge")
     finally:
         runners.close()
-    assert runner.judge is None   # close() stopped the judge's engine
+    assert runner.judge is None
+    assert engine_stops(judge_engines[0])   # close() stopped the judge's engine
     grader = sys.modules[runner.env_cls.__module__].GRADER
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     for r in rollouts:
@@ -86,6 +105,20 @@ def test_judge_engines_get_gpus_of_their_own_in_the_plan():
     assert RunSpec.model_validate({"agent": {"judge": {"path": "policy"}}}).agent.judge.temperature == 1.0
 
 
+def test_a_runner_set_up_without_the_judges_engines_says_what_to_call(tok, tiny_model_path):
+    """The judge's engines are the driver's to start (molt.driver.judge_engines): a runner set up without a
+    judge while agent.judge.path needs engines is refused, naming the call, before anything starts."""
+    from test_agents import EXAMPLES, make_spec
+
+    from molt.agents import load_agent_runner
+
+    spec = make_spec({"module": str(EXAMPLES / "judge_env.py"), "judge": {"path": tiny_model_path}})
+    runner = load_agent_runner(spec.agent)
+    with pytest.raises(RuntimeError, match=r"agent.judge.path=.* runner.setup\(tokenizer, spec, "
+                                           r"molt.driver.judge_engines.start_judge\(spec\)\)"):
+        runner.setup(tok, spec)
+
+
 VERDICT = [{"role": "system", "content": "Grade the answer."},
            {"role": "user", "content": "Question: What is 2+3?\nAnswer: 5\nIs the answer correct?"}]
 
@@ -126,7 +159,7 @@ def test_a_judge_at_a_url_scores_through_an_openai_compatible_server(tok, tiny_m
         spec = RunSpec.model_validate({"agent": {"judge": {"path": tiny_model_path, "url": url,
                                                            "temperature": 0.5}}})
         judge = Judge.start(spec)
-        assert not judge.engines   # nothing started here
+        assert judge.sampler is None   # no engines of the run
         p = asyncio.run(judge.p_yes(VERDICT))
     finally:
         server.terminate()

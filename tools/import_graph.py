@@ -27,9 +27,6 @@ ORCHESTRATION = ("driver", "sft")
 KNOWN_CROSSINGS = {
     "molt.trainer.worker -> molt.algo": "the trainer rank computes the losses algo/ defines (pure tensor "
                                         "functions chosen by name, the way the spec names them)",
-    "molt.agents.judge -> molt.rollout.dispatch": "the judge starts its own engines and routes to them; "
-                                                  "to go: the driver hands it a Sampler",
-    "molt.agents.judge -> molt.rollout.engine": "as above: Judge.start starts vLLM engines itself",
 }
 
 

@@ -1,10 +1,10 @@
 """LLM-as-judge rewards: a second model, frozen, served by vLLM engine actors of its own.
 
 `agent.judge.path` names the judge (a Hugging Face folder, or "policy": the policy's starting weights).
-The agent runner starts its engines at setup and stops them at close; they are never trained and never
+Its engines are the driver's to start and stop (molt/driver/judge_engines.py); the judge here scores
+through the `Sampler` (molt.trajectory) it is handed, their dispatcher. They are never trained and never
 refitted, because the training loop refits only the policy's engines and never sees these. An agent asks
-through the same `Dispatcher` the policy's rollouts use: `await self.judge.p_yes(messages)` (an `Env`) or
-`await ctx.judge.p_yes(messages)` (a `ChatAgent`).
+`await self.judge.p_yes(messages)` (an `Env`) or `await ctx.judge.p_yes(messages)` (a `ChatAgent`).
 
 The verdict is read from the judge's logprobs, not from text it writes: the messages are rendered with the
 judge's chat template and a generation prompt, the engine scores "yes" and "no" as continuations of that
@@ -26,23 +26,24 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from molt.agents.render import encode, render
-from molt.rollout.dispatch import Dispatcher
-from molt.spec import JudgeSpec, LoRASpec, RunSpec
-from molt.trajectory import AgentError, EngineDiedError
+from molt.spec import JudgeSpec, RunSpec
+from molt.trajectory import AgentError, EngineDiedError, Sampler
 
 YES, NO = "yes", "no"
 
 
 class Judge:
-    def __init__(self, tokenizer: Any, settings: JudgeSpec, engines: list | None = None,
-                 client: Any = None, model: str | None = None) -> None:
-        """Scores on `engines` (actors of its own), or through `client` (an `openai.AsyncOpenAI` of
-        agent.judge.url) asking for `model`."""
-        self.engines = engines or []
-        self.dispatcher = Dispatcher(self.engines) if self.engines else None
+    def __init__(self, tokenizer: Any, settings: JudgeSpec, sampler: Sampler | None = None,
+                 client: Any = None, model: str | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        """Scores through `sampler` (the dispatcher of the judge's engines), or through `client` (an
+        `openai.AsyncOpenAI` of agent.judge.url) asking for `model`. `on_close`: what `shutdown` stops (the
+        engines whoever started them handed over with the sampler; none when they are shared)."""
+        self.sampler, self.on_close = sampler, on_close
         self.client, self.model, self.settings = client, model, settings
         self.tokenizer, self.temperature = tokenizer, settings.temperature
         self.words = (encode(tokenizer, YES), encode(tokenizer, NO))
@@ -50,41 +51,32 @@ class Judge:
         self.slots: asyncio.Semaphore | None = None
 
     @classmethod
-    def start(cls, spec: RunSpec, engines: list | None = None) -> Judge:
-        """Start the engines of `spec.agent.judge` (vLLM, the judge's own `engine` settings) on the GPUs the
-        plan gives them, or connect to agent.judge.url. `engines`: the judge engines another runner started
-        (an agent worker shares the driver's), used as they are."""
+    def start(cls, spec: RunSpec, sampler: Sampler | None = None,
+              on_close: Callable[[], None] | None = None) -> Judge:
+        """The judge of `spec.agent.judge`: connected to agent.judge.url, or scoring through `sampler` (the
+        judge's engines, which the driver starts: molt.driver.judge_engines.start_judge)."""
         from transformers import AutoTokenizer
 
         from molt.plan.models import model_path
-        from molt.plan.placement import plan
-        from molt.rollout.engine import start_engines
 
         judge = spec.agent.judge
+        if sampler is None and not judge.url:
+            raise RuntimeError(f"agent.judge.path={judge.path} scores on judge engines of the run, which the "
+                               "driver starts: set the runner up with runner.setup(tokenizer, spec, "
+                               "molt.driver.judge_engines.start_judge(spec)), or serve the judge at "
+                               "agent.judge.url")
         path = model_path(spec) if judge.path == "policy" else judge.path
         # the judge's engines run with the policy's model.trust_remote_code, and so does its tokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
-        if judge.url:
-            import openai
+        if sampler is not None:
+            return cls(tokenizer, judge, sampler=sampler, on_close=on_close)
+        import openai
 
-            # retries are the judge's own loop (the same for engines and servers), not the SDK's
-            client = openai.AsyncOpenAI(base_url=judge.url, api_key="EMPTY", max_retries=0,
-                                        timeout=judge.timeout_s)
-            served = openai.OpenAI(base_url=judge.url, api_key="EMPTY", timeout=judge.timeout_s).models.list()
-            return cls(tokenizer, judge, client=client, model=served.data[0].id)
-        if engines:
-            return cls(tokenizer, judge, engines=list(engines))
-        # The judge scores while the policy's engines generate: one thread each unless parallel.cpu_threads
-        # says otherwise, rather than a second claim on every core.
-        threads = spec.parallel.cpu_threads or 1
-        # The judge is never refitted: it serves its model as is, without the policy's LoRA adapters, and
-        # nothing trains on its tokens, so it captures no MoE routes for replay (a dense judge has none).
-        model = spec.model.model_copy(update={"lora": LoRASpec(), "router_replay": False})
-        own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": judge.engine}),
-                                      "parallel": spec.parallel.model_copy(update={"cpu_threads": threads}),
-                                      "model": model})
-        slots = [s for s in plan(spec) if s.role == "judge"]
-        return cls(tokenizer, judge, engines=start_engines(own, path, slots))
+        # retries are the judge's own loop (the same for engines and servers), not the SDK's
+        client = openai.AsyncOpenAI(base_url=judge.url, api_key="EMPTY", max_retries=0,
+                                    timeout=judge.timeout_s)
+        served = openai.OpenAI(base_url=judge.url, api_key="EMPTY", timeout=judge.timeout_s).models.list()
+        return cls(tokenizer, judge, client=client, model=served.data[0].id)
 
     async def p_yes(self, messages: list[dict]) -> float:
         """The judge's probability of answering yes (rather than no) after `messages`."""
@@ -116,14 +108,13 @@ class Judge:
             return float(sum(out.choices[0].logprobs.token_logprobs[len(prompt):len(ids)]))
         key = f"judge-{uuid.uuid4().hex}"
         try:
-            out = await self.dispatcher.generate(ids, {"max_tokens": 1, "prompt_logprobs": 0}, key)
+            out = await self.sampler.generate(ids, {"max_tokens": 1, "prompt_logprobs": 0}, key)
         finally:
-            self.dispatcher.release(key)
+            self.sampler.release(key)
         return float(sum(out["prompt_logprobs"][-len(word):]))   # the word's tokens close the prompt
 
     def shutdown(self) -> None:
-        import ray
-
-        for engine in self.engines:
-            ray.get(engine.shutdown.remote())
-            ray.kill(engine)
+        """Stop what was handed over with the sampler (`on_close`), once."""
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()

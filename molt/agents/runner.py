@@ -43,11 +43,13 @@ class Runner:
         self.judge: Any = None
 
     def setup(self, tokenizer: Any, spec: RunSpec, judge: Any = None) -> None:
-        """Ready to `run`; `judge` (an agent worker passes the driver's) is used instead of starting one."""
+        """Ready to `run`; `judge`: the LLM judge of agent.judge (molt.agents.judge), which the driver starts
+        with its engines (molt.driver.judge_engines.start_judge) and `close` shuts down. Without one, a
+        judge at agent.judge.url is connected here; judge engines of the run are refused, naming the call."""
         self.tokenizer, self.spec = tokenizer, spec
         if judge is not None:
             self.judge = judge
-        elif spec.agent.judge.path:   # an LLM judge for rewards (molt.agents.judge), stopped by close()
+        elif spec.agent.judge.path:
             from molt.agents.judge import Judge
 
             self.judge = Judge.start(spec)

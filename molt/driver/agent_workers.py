@@ -24,6 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from molt.driver.judge_engines import set_up, start_judge
 from molt.rollout.dispatch import Dispatcher
 from molt.spec import RunSpec
 from molt.trajectory import Rollout
@@ -45,12 +46,8 @@ class AgentWorker:
         self.index, self.version = index, 0
         self.runner = load_agent_runner(spec.agent)
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
-        judge = None
-        if spec.agent.judge.path:   # the driver's judge engines (never a second set), or agent.judge.url
-            from molt.agents.judge import Judge
-
-            judge = Judge.start(spec, judge_engines)
-        self.runner.setup(tokenizer, spec, judge)
+        # the driver's judge engines (never a second set, never stopped here), or agent.judge.url
+        set_up(self.runner, tokenizer, spec, start_judge(spec, judge_engines))
         self.dispatcher = Dispatcher(list(engines), on_death=self._engine_died)
         self.dispatcher.live = set(live)
         self.sampler = TrainingSampler(self.dispatcher, spec.run.seed, lambda: self.version)
@@ -86,17 +83,16 @@ class AgentWorker:
         return {"rollouts": list(rollouts), "lost": self.dispatcher.take_lost(keys), "deaths": deaths}
 
     def close(self) -> None:
-        if self.runner.judge is not None and self.runner.judge.engines:
-            self.runner.judge = None   # the driver's judge engines: the driver stops them
         self.runner.close()
 
 
 async def start_agent_workers(spec: RunSpec, policy_path: str, dispatcher: Dispatcher,
-                              judge: Any = None) -> AgentWorkers | None:
-    """`agent.workers` workers, set up (None for 0: the rollouts run in the driver's loop)."""
+                              judge_engines: list | None = None) -> AgentWorkers | None:
+    """`agent.workers` workers, set up (None for 0: the rollouts run in the driver's loop); `judge_engines`:
+    the driver's (molt.driver.judge_engines), which the workers' judges score on."""
     if not spec.agent.workers:
         return None
-    workers = AgentWorkers(spec, policy_path, dispatcher, judge)
+    workers = AgentWorkers(spec, policy_path, dispatcher, judge_engines)
     await asyncio.to_thread(workers.ready)
     return workers
 
@@ -104,12 +100,13 @@ async def start_agent_workers(spec: RunSpec, policy_path: str, dispatcher: Dispa
 class AgentWorkers:
     """The driver's side: starts the workers on their plan nodes, hands out groups, replaces dead workers."""
 
-    def __init__(self, spec: RunSpec, policy_path: str, dispatcher: Dispatcher, judge: Any = None) -> None:
+    def __init__(self, spec: RunSpec, policy_path: str, dispatcher: Dispatcher,
+                 judge_engines: list | None = None) -> None:
         if spec.agent.module.endswith(".py"):   # a worker's current directory may not be the driver's
             agent = spec.agent.model_copy(update={"module": str(Path(spec.agent.module).resolve())})
             spec = spec.model_copy(update={"agent": agent})
         self.spec, self.policy_path, self.dispatcher = spec, policy_path, dispatcher
-        self.judge_engines = list(judge.engines) if judge is not None else []
+        self.judge_engines = list(judge_engines or [])
         self.workers = [self._start(i) for i in range(spec.agent.workers)]
         self.load = [0] * len(self.workers)   # groups in flight per worker
         self.restarts = 0

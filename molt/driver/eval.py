@@ -71,6 +71,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
 
     from molt.agents import load_agent_runner
     from molt.driver.export import as_hf_folder
+    from molt.driver.judge_engines import set_up, start_judge, stop_engines
     from molt.inputs.data import load_eval_sets
     from molt.plan.models import model_path
     from molt.plan.placement import init_ray
@@ -84,19 +85,23 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     if not eval_sets:
         raise ValueError("data.eval is empty: nothing to evaluate")
     runner = load_agent_runner(spec.agent)
-    runner.setup(AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code), spec)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
     own_ray = not ray.is_initialized()   # a caller's Ray (a notebook, a test session) is left running
     if own_ray:
         init_ray(spec)
     try:
-        engines = start_engines(spec, path)
+        judge = start_judge(spec)   # its engines start in the Ray just initialised; close() stops them
         try:
-            return asyncio.run(evaluate(spec, runner, Dispatcher(engines), eval_sets, 0))
+            set_up(runner, tokenizer, spec, judge)
+            engines = start_engines(spec, path)
+            try:
+                return asyncio.run(evaluate(spec, runner, Dispatcher(engines), eval_sets, 0))
+            finally:
+                stop_engines(engines)
         finally:
+            if judge is not None:   # also when the runner's set-up failed before it took the judge
+                judge.shutdown()
             runner.close()
-            for engine in engines:
-                ray.get(engine.shutdown.remote())
-                ray.kill(engine)
     finally:
         if own_ray:
             ray.shutdown()

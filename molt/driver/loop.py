@@ -35,6 +35,7 @@ from molt.driver.checkpoints import (
 )
 from molt.driver.eval import evaluate
 from molt.driver.fleet import Fleet
+from molt.driver.judge_engines import judge_engines, set_up, start_judge
 from molt.driver.metrics import RunLogger
 from molt.driver.probe import probe_gap, probe_prompt, sample_probe
 from molt.driver.select import (
@@ -77,7 +78,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
 
-    workers = await start_agent_workers(spec, policy_path, fleet.dispatcher, runner.judge)
+    workers = await start_agent_workers(spec, policy_path, fleet.dispatcher, judge_engines(runner.judge))
     at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=checkpoint is not None,
                      workers=workers)
     if checkpoint:
@@ -141,16 +142,19 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
     """The engines (a `Fleet`), trainer roles, tokenizer (`runner` set up on it) and run logger. The engines,
     the longest start (vLLM import, weights, KV cache), load while the rest starts; a failure stops all."""
     engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
-    trainers, logger = Trainers(), None
+    trainers, logger, judge = Trainers(), None, None
     try:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
-        runner.setup(tokenizer, spec)
+        judge = start_judge(spec)
+        set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
         trainers = Trainers.start(spec)
         logger = RunLogger(spec)
         ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
     except BaseException:
-        runner.close()   # a judge's engines, a chat server
+        if judge is not None:   # also when the runner's set-up failed before it took the judge
+            judge.shutdown()
+        runner.close()   # a chat server
         if logger:
             logger.close()
         trainers.stop()
@@ -356,6 +360,8 @@ async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, cr
     under train/ and critic/, the trainer/engine gap under its own mismatch/ names."""
     metrics: dict[str, float] = {}
     if policy is not None:
+        # One worker class serves the policy and the critic, so its statistics are namespaced here; the
+        # gap it measures it names mismatch/* itself, as the post-refit probe does (molt.algo.gap_metrics).
         for key, value in (await asyncio.to_thread(policy.update, batch, kl_coef)).items():
             metrics[key if key.startswith("mismatch/") else f"train/{key}"] = value
     else:

@@ -25,7 +25,7 @@ class JudgeSpec(Strict):
                          "the rollout fails")
     max_concurrency: int = Field(64, ge=1, description="verdict requests in flight at once (more wait)")
     engine: EngineSpec = Field(default_factory=lambda: EngineSpec(kv_cache_gib=0.25, max_restarts=0),
-                               description="the judge's own engine(s), placed like the policy's (molt/"
+                               description="the judge's own engine(s), placed like the policy's (molt/plan/"
                                "placement.py); a dead one is not restarted")
 
     @model_validator(mode="after")
