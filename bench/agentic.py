@@ -16,6 +16,7 @@ each turn in CPU.
     python bench/agentic.py --quick
     python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
     python bench/agentic.py --workers 1,2 --sessions 256 --turns 4 --delay-ms 20 --repeats 3
+    python bench/agentic.py --profile --sessions 64 --turns 8
 
 `--workers 1,2` runs the lent-client chat path in agent workers instead (`agent.workers`, one count after
 another; bench/agentic_workers.py), into its own section `agentic_workers`.
@@ -120,6 +121,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reply-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="16 sessions, 2 turns, 1 repeat; prints only")
+    p.add_argument("--profile", action="store_true", help="the lent-client chat path's CPU per turn by "
+                   "thread and by stage of the server (bench/agentic_profile.py); prints only")
     p.add_argument("--workers", default="", help="comma-separated agent.workers counts (e.g. 1,2): the chat "
                    "path in agent workers, each count in turn (bench/agentic_workers.py)")
     args = p.parse_args()
@@ -144,6 +147,11 @@ def main() -> None:
     if args.workers:
         return workers_axis(args, reply, path)
     engine = StandInEngine(reply, args.delay_ms / 1000)
+    if args.profile:
+        from agentic_profile import profile
+
+        lent = lambda: runners(args.turns, {p: [] for p in PATHS})["chat_lent"]  # noqa: E731
+        return print(profile(lent, engine, tok, spec, args.sessions, args.turns, run_path))
     latencies: dict[str, list[float]] = {path: [] for path in PATHS}
     runner_of = runners(args.turns, latencies)
     medians, p99, walls = ({path: [] for path in PATHS} for _ in range(3))   # walls: s per turn of a run
