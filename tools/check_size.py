@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
-                           "helpers already live beside it (select, probe, fleet, checkpoints, agent_workers)",
+                           "helpers already live beside it (select, probe, fleet, checkpoints, "
+                           "agent_workers)",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "
