@@ -112,10 +112,14 @@ class LoopbackServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))   # a free port chosen by the OS; loopback only
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        # Idle keep-alive connections close after 5 s; a head over 16 KiB is answered 400 (h11's limit).
+        # An idle keep-alive connection closes when the next head's deadline passes (READ_TIMEOUT_S), not
+        # sooner: with a thousand sessions in one process an agent may take seconds to send its next turn,
+        # and a connection closed meanwhile fails that turn (the SDK sees a connection error). A head over
+        # 16 KiB is answered 400 (h11's limit).
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
-            http=HeadDeadlineProtocol, timeout_keep_alive=5, h11_max_incomplete_event_size=16 << 10))
+            http=HeadDeadlineProtocol, timeout_keep_alive=READ_TIMEOUT_S + 1,
+            h11_max_incomplete_event_size=16 << 10))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         while not self._server.started:
