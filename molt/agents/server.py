@@ -25,9 +25,10 @@ import threading
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.requests import ClientDisconnect
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
@@ -100,10 +101,11 @@ class LoopbackServer:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})   # model.chat_template_kwargs
         self.tool_parser, self.parser = tool_parser, make_parser(tokenizer, tool_parser)
         self.sessions: dict[str, ChatSession] = {}
-        self.app = FastAPI()
-        self.app.post("/s/{sid}/v1/chat/completions")(self._openai)
-        self.app.post("/s/{sid}/v1/responses")(self._responses)
-        self.app.post("/s/{sid}/v1/messages")(self._anthropic)
+        # Starlette's routes, not FastAPI's: the handlers read their own bodies, so FastAPI's parameter
+        # resolution around each request was only overhead (≈6% of the server's CPU per turn).
+        routes = {"chat/completions": self._openai, "responses": self._responses, "messages": self._anthropic}
+        self.app = Starlette(routes=[Route(f"/s/{{sid}}/v1/{path}", handler, methods=["POST"])
+                                     for path, handler in routes.items()])
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
@@ -146,9 +148,9 @@ class LoopbackServer:
 
     # --- request handling ---------------------------------------------------------------------------
 
-    async def _openai(self, sid: str, request: Request) -> Any:
+    async def _openai(self, request: Request) -> Any:
         try:
-            session, body = await self._admit(sid, request)
+            session, body = await self._admit(request)
             chat = ChatCompletionRequest.model_validate(body)
             self._check(chat.model, ChatCompletionRequest, body, wire.OPENAI_SUPPORTED)
             outs, replies, prompt_len = await self._turn_while_connected(request, session, chat)
@@ -162,9 +164,9 @@ class LoopbackServer:
                                      media_type="text/event-stream")
         return JSONResponse(wire.openai_response(self.model_name, replies, outs, prompt_len))
 
-    async def _responses(self, sid: str, request: Request) -> Any:
+    async def _responses(self, request: Request) -> Any:
         try:
-            session, body = await self._admit(sid, request)
+            session, body = await self._admit(request)
             req = ResponsesRequest.model_validate(body)
             self._check(req.model, ResponsesRequest, body, responses.SUPPORTED)
             chat = responses.chat_request(req)
@@ -178,9 +180,9 @@ class LoopbackServer:
             return StreamingResponse(responses.stream(final), media_type="text/event-stream")
         return JSONResponse(final.model_dump(mode="json", exclude_none=True))
 
-    async def _anthropic(self, sid: str, request: Request) -> Any:
+    async def _anthropic(self, request: Request) -> Any:
         try:
-            session, body = await self._admit(sid, request)
+            session, body = await self._admit(request)
             msg = AnthropicMessagesRequest.model_validate(body)
             self._check(msg.model, AnthropicMessagesRequest, body, wire.ANTHROPIC_SUPPORTED)
             chat = AnthropicServingMessages.to_chat_completion_request(msg)
@@ -199,8 +201,9 @@ class LoopbackServer:
                                      media_type="text/event-stream")
         return JSONResponse(wire.anthropic_response(self.model_name, replies[0], outs[0], prompt_len))
 
-    async def _admit(self, sid: str, request: Request) -> tuple[ChatSession, dict]:
+    async def _admit(self, request: Request) -> tuple[ChatSession, dict]:
         """The session a request belongs to and its JSON body, or a 4xx; nothing is changed here."""
+        sid = request.path_params["sid"]
         session = self.sessions.get(sid)
         if session is None:
             raise ApiError(404, f"unknown session '{sid}' (finished, or never opened)")
