@@ -54,9 +54,9 @@ def profile(runner_cls: Any, engine: Any, tok: Any, spec: Any, sessions: int, tu
     asyncio.run(run_path(runner, engine, min(16, sessions)))   # imports, first connections
     server_id = runner.server._thread.native_id
     before = thread_cpu(main_id), thread_cpu(server_id)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     asyncio.run(run_path(runner, engine, sessions))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     n = sessions * turns
     main_ms, server_ms = ((thread_cpu(t) - b) * 1e3 / n for t, b in zip((main_id, server_id), before,
                                                                         strict=True))
@@ -85,8 +85,10 @@ def profile(runner_cls: Any, engine: Any, tok: Any, spec: Any, sessions: int, tu
     server_total = sum(v[2] for v in pstats.Stats(server_prof).stats.values())   # tottime: all of it
     stats = pstats.Stats(server_prof).stats
     lines = [f"{sessions} sessions x {turns} turns, {n / wall:.0f} turns/s unprofiled; CPU ms per turn: "
-             f"agent loop thread (SDK client, runner, stand-in engine) {main_ms:.2f}, server thread "
-             f"{server_ms:.2f}", "server thread, by stage (share of its profiled CPU → ms per turn):"]
+             f"process {cpu * 1e3 / n:.2f}, agent loop thread (SDK client, runner, stand-in engine) "
+             f"{main_ms:.2f}, server thread {server_ms:.2f}; under cProfile: server thread "
+             f"{server_total * 1e3 / n:.2f}",
+             "server thread, by stage (share of its profiled CPU → ms per turn):"]
     for label, (path, name) in STAGES:
         cum = sum(v[3] for (file, _, func), v in stats.items() if file.endswith(path) and func == name)
         share = cum / server_total
