@@ -2,10 +2,12 @@
 
 Each request's messages are compared with what the session already holds. If they extend it (the
 earlier prompt unchanged, followed by one of the replies this session returned), only the new tail is
-tokenized and appended after the reply's exact sampled ids (a reply is recognised by its rendering, with
-tool-call arguments compared as JSON). Anything else — a compacted history, a
-template that drops old `<think>` blocks, an edited reply — seals the segment and opens a new one from
-the re-rendered conversation. All segments belong to the same rollout and share its reward.
+tokenized and appended after the reply's exact sampled ids (a reply echoed as it was returned is
+recognised by equality, any other spelling by its rendering, with tool-call arguments compared as JSON;
+the earlier prompt's rendering is kept from its turn, so a continued turn renders twice). Anything
+else — a compacted history, a template that drops old `<think>` blocks, an edited reply — seals the
+segment and opens a new one from the re-rendered conversation. All segments belong to the same rollout
+and share its reward.
 """
 
 from __future__ import annotations
