@@ -219,6 +219,7 @@ def workers_axis(args: argparse.Namespace, reply: list[int], path: str) -> None:
                           args.tools)
     command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
     body = "\n".join([
+        "## Agentic path at the paper's shape, in agent workers" if args.paper else
         "## Agentic path in agent workers (`agent.workers`)", "", header(),
         f"- work: {args.sessions} concurrent chat rollouts (groups of 8) x {args.turns} turns through the "
         f"stock OpenAI SDK (lent client), a stand-in engine actor answering {args.reply_tokens} tokens after "
