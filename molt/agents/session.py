@@ -90,7 +90,7 @@ class ChatSession:
         n, tok = len(self.history), self.tokenizer
         if not self.candidates or tools != self.tools or len(messages) <= n + 1:
             return None
-        # Equal messages render equally; only a rewritten prefix pays for two renders to compare.
+        # Equal messages render equally; only a rewritten prefix pays for a render to compare.
         same = messages[:n] == self.history
         if not same and self._render(messages[:n], tools) != self.history_text:
             return None
