@@ -306,7 +306,9 @@ class LoopbackServer:
             replies = [parse_reply(self.parser, self.tokenizer, list(o["token_ids"]), chat) for o in outs]
             for out, (content, calls) in zip(outs, replies, strict=True):
                 extra = {"tool_calls": calls} if calls else {}
-                session.offer(out, {"role": "assistant", "content": content, **extra})
+                # content as the agent's echo of it will arrive here (a call's null content as ""), so
+                # the echo is recognised by equality, without rendering it
+                session.offer(out, {"role": "assistant", "content": text_of(content), **extra})
         return outs, replies, len(ids)
 
     @staticmethod
