@@ -16,6 +16,8 @@ each turn in CPU.
     python bench/agentic.py --quick
     python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
     python bench/agentic.py --workers 1,2 --sessions 256 --turns 4 --delay-ms 20 --repeats 3
+    python bench/agentic.py --profile --sessions 64 --turns 8
+    python bench/agentic.py --paper
 
 `--workers 1,2` runs the lent-client chat path in agent workers instead (`agent.workers`, one count after
 another; bench/agentic_workers.py), into its own section `agentic_workers`.
@@ -120,11 +122,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reply-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="16 sessions, 2 turns, 1 repeat; prints only")
+    p.add_argument("--tools", action="store_true", help="the stand-in engine replies with a tool call every "
+                   "turn and the agent answers it (--workers only)")
+    p.add_argument("--paper", action="store_true", help="the paper's shape: --workers 1,2 --sessions 1024 "
+                   "--turns 8 --tools --repeats 1, into its own section `agentic_paper`")
+    p.add_argument("--profile", action="store_true", help="the lent-client chat path's CPU per turn by "
+                   "thread and by stage of the server (bench/agentic_profile.py); prints only")
     p.add_argument("--workers", default="", help="comma-separated agent.workers counts (e.g. 1,2): the chat "
                    "path in agent workers, each count in turn (bench/agentic_workers.py)")
     args = p.parse_args()
+    if args.paper:
+        args.workers, args.sessions, args.turns, args.tools, args.repeats = "1,2", 1024, 8, True, 1
     if args.quick:
         args.sessions, args.turns, args.repeats = 16, 2, 1
+    if args.tools and not args.workers:
+        p.error("--tools runs with --workers")
     return args
 
 
@@ -137,13 +149,22 @@ def main() -> None:
 
     path = str(tiny_model_path())
     tok = AutoTokenizer.from_pretrained(path)
+    text = "b" * args.reply_tokens
+    if args.tools:
+        from agentic_agent import CALL as text
+
+        args.reply_tokens = len(tok.encode(text, add_special_tokens=False)) + 1
     spec = compose([f"agent.max_turns={args.turns}", "agent.max_total_tokens=4096",
                     "model.max_model_len=4096", f"rollout.max_tokens={args.reply_tokens}"])
-    reply = (tok.encode("b" * args.reply_tokens, add_special_tokens=False)[:args.reply_tokens - 1]
-             + [tok.eos_token_id])
+    reply = tok.encode(text, add_special_tokens=False)[:args.reply_tokens - 1] + [tok.eos_token_id]
     if args.workers:
         return workers_axis(args, reply, path)
     engine = StandInEngine(reply, args.delay_ms / 1000)
+    if args.profile:
+        from agentic_profile import profile
+
+        lent = lambda: runners(args.turns, {p: [] for p in PATHS})["chat_lent"]  # noqa: E731
+        return print(profile(lent, engine, tok, spec, args.sessions, args.turns, run_path))
     latencies: dict[str, list[float]] = {path: [] for path in PATHS}
     runner_of = runners(args.turns, latencies)
     medians, p99, walls = ({path: [] for path in PATHS} for _ in range(3))   # walls: s per turn of a run
@@ -187,23 +208,28 @@ def main() -> None:
     print(body)
 
 
+TOOL_REPLY = " (a tool call, which the agent answers with a tool message)"
+
+
 def workers_axis(args: argparse.Namespace, reply: list[int], path: str) -> None:
     from agentic_workers import run_axis
 
     counts = [int(n) for n in args.workers.split(",")]
-    head, rows = run_axis(counts, args.sessions, args.turns, args.delay_ms, reply, path, args.repeats)
+    head, rows = run_axis(counts, args.sessions, args.turns, args.delay_ms, reply, path, args.repeats,
+                          args.tools)
     command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
     body = "\n".join([
+        "## Agentic path at the paper's shape, in agent workers" if args.paper else
         "## Agentic path in agent workers (`agent.workers`)", "", header(),
         f"- work: {args.sessions} concurrent chat rollouts (groups of 8) x {args.turns} turns through the "
         f"stock OpenAI SDK (lent client), a stand-in engine actor answering {args.reply_tokens} tokens after "
-        f"{args.delay_ms:g} ms; {args.repeats} repeat(s) per worker count",
+        f"{args.delay_ms:g} ms{TOOL_REPLY if args.tools else ''}; {args.repeats} repeat(s) per worker count",
         f"- command: `{command}`",
         "- ms, median over repeats (min–max); added = the SDK call's latency − the stand-in's delay; CPU per "
         "turn from each process's user + system seconds over the measured runs",
         "", table(head, rows)])
     if not args.quick:
-        write_section("agentic_workers", body)
+        write_section("agentic_paper" if args.paper else "agentic_workers", body)
     print(body)
 
 

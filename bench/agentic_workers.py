@@ -49,7 +49,7 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def measure(workers: int, sessions: int, turns: int, delay: float, reply: list[int], path: str,
-            repeats: int) -> dict[str, list[float]]:
+            repeats: int, tools: bool = False) -> dict[str, list[float]]:
     """Per repeat: turns/s, latency median and p99 (s), CPU s per turn of driver, workers, engine."""
     import ray
 
@@ -60,7 +60,8 @@ def measure(workers: int, sessions: int, turns: int, delay: float, reply: list[i
     spec = compose([f"agent.max_turns={turns}", "agent.max_total_tokens=4096", "model.max_model_len=4096",
                     f"rollout.max_tokens={len(reply)}", f"rollout.samples_per_prompt={SAMPLES}",
                     "agent.kind=chat", f"agent.module={BENCH / 'agentic_agent.py'}",
-                    f"+agent.options.turns={turns}", f"agent.workers={workers}", "agent.timeout_s=3600"])
+                    f"+agent.options.turns={turns}", f"+agent.options.tools={tools}",
+                    f"agent.workers={workers}", "agent.timeout_s=3600"])
     engine = stand_in_engine(reply, delay)
     pool = AgentWorkers(spec, path, Dispatcher([engine]))
     out: dict[str, list[float]] = {k: [] for k in ("turns_per_s", "median", "p99", "driver", "workers",
@@ -102,7 +103,7 @@ def measure(workers: int, sessions: int, turns: int, delay: float, reply: list[i
 
 
 def run_axis(counts: list[int], sessions: int, turns: int, delay_ms: float, reply: list[int], path: str,
-             repeats: int) -> tuple[list[str], list[list[str]]]:
+             repeats: int, tools: bool = False) -> tuple[list[str], list[list[str]]]:
     """The table (head, rows) of every worker count in `counts`, measured one after another."""
     import ray
 
@@ -114,7 +115,7 @@ def run_axis(counts: list[int], sessions: int, turns: int, delay_ms: float, repl
     rows = []
     try:
         for workers in counts:
-            m = measure(workers, sessions, turns, delay_ms / 1000, reply, path, repeats)
+            m = measure(workers, sessions, turns, delay_ms / 1000, reply, path, repeats, tools)
             added = [v - delay_ms / 1000 for v in m["median"]]
             added99 = [v - delay_ms / 1000 for v in m["p99"]]
             rows.append([str(workers), f"{statistics.median(m['turns_per_s']):.0f}", ms(m["median"]),

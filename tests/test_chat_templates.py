@@ -284,3 +284,26 @@ def test_every_forced_call_the_grammar_allows_is_valid_json():
             assert isinstance(args["i"], int), text
     assert allowed > 100
     assert not pattern.fullmatch('<tool_call>{"name": "f", "arguments": {"i": 01, "n": 0}}</tool_call>')
+
+
+def test_the_session_keeps_each_prompts_rendering_for_the_next_turns_glue(tok):
+    """A continued turn's glue starts from the previous request's rendering, which the session keeps
+    instead of rendering it again (molt.agents.session): after every turn it must be the template's
+    rendering of that request, or the check that the reply left the prompt's text as it was compares
+    against a stale one."""
+    from molt.agents.render import render
+    from molt.agents.session import ChatSession
+    from molt.agents.trace import Trace
+
+    session = ChatSession(Trace("r0", "g0"), tok, None, None, 8, 4096, {}, {})
+    messages = [{"role": "user", "content": "a"}]
+    for turn in range(3):
+        session.prompt_ids(messages, None)
+        assert session.history_text == render(tok, messages, None, True)
+        text = "b" * (turn + 1)
+        sampled = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        n = len(sampled)
+        out = {"token_ids": sampled, "logprobs": [-1.0] * n, "versions": [0] * n, "finish_reason": "stop"}
+        session.offer(out, {"role": "assistant", "content": text})
+        messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "c"}]
+    assert session.trace.segments == [] and session.trace.turn == 2   # every turn continued the last one

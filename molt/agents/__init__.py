@@ -10,7 +10,7 @@ __all__ = ["Env", "Result", "State", "StepEnvRunner", "ChatAgent", "ChatAgentRun
 
 
 def __getattr__(name: str):
-    # The chat path imports FastAPI and vLLM's wire schemas; Env-only runs need neither.
+    # The chat path imports Starlette and vLLM's wire schemas; Env-only runs need neither.
     if name in ("ChatAgent", "ChatAgentRunner", "ChatContext"):
         from molt.agents import chat
 

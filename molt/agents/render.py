@@ -33,6 +33,13 @@ def continuation(tokenizer: Any, before: list[dict], reply: dict, after: list[di
     prompt = render(tokenizer, before, tools, True, chat_template_kwargs)
     closed = render(tokenizer, before + [reply], tools, False, chat_template_kwargs)
     full = render(tokenizer, before + [reply] + after, tools, True, chat_template_kwargs)
+    return glue(tokenizer, prompt, closed, full, eos_sampled)
+
+
+def glue(tokenizer: Any, prompt: str, closed: str, full: str, eos_sampled: bool) -> str | None:
+    """`continuation` from the three renderings it compares (a caller that kept one renders it once):
+    `prompt` of the messages before the reply with a generation prompt, `closed` of them and the reply,
+    `full` of the whole conversation with a generation prompt."""
     if not (closed.startswith(prompt) and full.startswith(closed)):
         return None
     turn, eos = closed[len(prompt):], tokenizer.eos_token

@@ -2,10 +2,12 @@
 
 Each request's messages are compared with what the session already holds. If they extend it (the
 earlier prompt unchanged, followed by one of the replies this session returned), only the new tail is
-tokenized and appended after the reply's exact sampled ids (a reply is recognised by its rendering, with
-tool-call arguments compared as JSON). Anything else — a compacted history, a
-template that drops old `<think>` blocks, an edited reply — seals the segment and opens a new one from
-the re-rendered conversation. All segments belong to the same rollout and share its reward.
+tokenized and appended after the reply's exact sampled ids (a reply echoed as it was returned is
+recognised by equality, any other spelling by its rendering, with tool-call arguments compared as JSON;
+the earlier prompt's rendering is kept from its turn, so a continued turn renders twice). Anything
+else — a compacted history, a template that drops old `<think>` blocks, an edited reply — seals the
+segment and opens a new one from the re-rendered conversation. All segments belong to the same rollout
+and share its reward.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from molt.agents.render import continuation, encode, render, text_of
+from molt.agents.render import encode, glue, render, text_of
 from molt.agents.tools import ERROR_PREFIX
 from molt.agents.trace import Trace
 from molt.inputs.vision import normalize
@@ -29,7 +31,9 @@ class Candidate:
     """A reply returned to the agent whose tokens join the trajectory once the agent continues from it."""
     out: dict[str, Any]      # the sampler's result
     message: dict            # the assistant message as the agent will echo it back
-    rendered: str            # the template's text of prompt + this reply (no generation prompt)
+    # the template's text of prompt + this reply (no generation prompt), rendered only when an echoed
+    # reply is not this message itself and must be recognised by its rendering
+    rendered: str | None = None
 
 
 class ChatSession:
@@ -44,6 +48,8 @@ class ChatSession:
         self.turns = 0
         self.lock = asyncio.Lock()      # one request at a time per session (created in the server's loop)
         self.history: list[dict] = []   # messages of the last request (its prompt)
+        self.history_text = ""          # their rendering with a generation prompt: the next turn's glue
+                                        # starts from it, so it is rendered once per turn, not twice
         self.tools: list[dict] | None = None
         self.candidates: list[Candidate] = []
         # agent/* metrics: tool calls in the replies that joined the trajectory, tool messages reporting
@@ -53,12 +59,12 @@ class ChatSession:
     def checkpoint(self) -> Callable[[], None]:
         """A function that puts this session and its trace back as they are now."""
         trace = {k: list(v) if isinstance(v, list) else v for k, v in vars(self.trace).items()}
-        saved = (self.turns, self.history, self.tools, list(self.candidates), self.tool_calls,
-                 self.tool_errors, trace)
+        saved = (self.turns, self.history, self.history_text, self.tools, list(self.candidates),
+                 self.tool_calls, self.tool_errors, trace)
 
         def undo() -> None:
-            self.turns, self.history, self.tools, self.candidates, self.tool_calls, self.tool_errors, \
-                trace = saved
+            self.turns, self.history, self.history_text, self.tools, self.candidates, self.tool_calls, \
+                self.tool_errors, trace = saved
             vars(self.trace).update(trace)
         return undo
 
@@ -69,36 +75,50 @@ class ChatSession:
         if continued is None:
             if self.candidates:   # the agent did not continue from any reply: keep the first one it got
                 self._keep(self.candidates[0])
-            self.trace.restart(encode(tok, self._render(messages, tools)), normalize(messages)[1])
+            text = self._render(messages, tools)
+            self.trace.restart(encode(tok, text), normalize(messages)[1])
         else:
-            chosen, glue = continued
+            chosen, tail, text = continued
             self._keep(chosen)
-            self.trace.extend_prompt(encode(tok, glue), normalize(messages[len(self.history) + 1:])[1])
-        self.history, self.tools, self.candidates = messages, tools, []
+            self.trace.extend_prompt(encode(tok, tail), normalize(messages[len(self.history) + 1:])[1])
+        self.history, self.history_text, self.tools, self.candidates = messages, text, tools, []
         return list(self.trace.ids)
 
-    def _continued(self, messages: list[dict], tools: list[dict] | None) -> tuple[Candidate, str] | None:
+    def _continued(self, messages: list[dict], tools: list[dict] | None) -> tuple[Candidate, str, str] | None:
+        """The reply the request continues from, the text to append after its ids, and the request's
+        rendering; None if the request does not extend the session."""
         n, tok = len(self.history), self.tokenizer
         if not self.candidates or tools != self.tools or len(messages) <= n + 1:
             return None
-        # Equal messages render equally; only a rewritten prefix pays for two renders to compare.
-        if messages[:n] != self.history and \
-                self._render(messages[:n], tools) != self._render(self.history, tools):
+        # Equal messages render equally; only a rewritten prefix pays for a render to compare.
+        same = messages[:n] == self.history
+        if not same and self._render(messages[:n], tools) != self.history_text:
             return None
-        if normalize(messages[:n])[1] != normalize(self.history)[1]:   # templates render no image bytes
+        if not same and normalize(messages[:n])[1] != normalize(self.history)[1]:   # no image bytes rendered
             return None
-        rendered = self._render(messages[:n] + [_canonical(messages[n])], tools, generation_prompt=False)
-        chosen = next((c for c in self.candidates if c.rendered == rendered), None)
+        reply = _canonical(messages[n])
+        # A reply echoed as it was returned is that candidate; any other spelling is recognised by its
+        # rendering, as the template sees it.
+        chosen = next((c for c in self.candidates if same and _canonical(c.message) == reply), None)
+        if chosen is None:
+            rendered = self._render(messages[:n] + [reply], tools, generation_prompt=False)
+            chosen = next((c for c in self.candidates if self._rendered(c) == rendered), None)
         if chosen is None:
             return None
         ids = list(chosen.out["token_ids"])
-        glue = continuation(tok, messages[:n], messages[n], messages[n + 1:], tools,
-                            bool(ids) and ids[-1] == tok.eos_token_id, self.chat_template_kwargs)
-        return None if glue is None else (chosen, glue)
+        closed = self._render(messages[:n + 1], tools, generation_prompt=False)
+        full = self._render(messages, tools)
+        tail = glue(tok, self.history_text, closed, full, bool(ids) and ids[-1] == tok.eos_token_id)
+        return None if tail is None else (chosen, tail, full)
 
     def offer(self, out: dict[str, Any], message: dict) -> None:
-        rendered = self._render(self.history + [_canonical(message)], self.tools, generation_prompt=False)
-        self.candidates.append(Candidate(out, message, rendered))
+        self.candidates.append(Candidate(out, message))
+
+    def _rendered(self, candidate: Candidate) -> str:
+        if candidate.rendered is None:
+            candidate.rendered = self._render(self.history + [_canonical(candidate.message)], self.tools,
+                                              generation_prompt=False)
+        return candidate.rendered
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool = True) -> str:
         return render(self.tokenizer, messages, tools, generation_prompt, self.chat_template_kwargs)
