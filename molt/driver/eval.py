@@ -118,7 +118,3 @@ def main(argv: list[str] | None = None) -> None:
     except (SpecError, OSError, ImportError, KeyError, ValueError) as err:
         sys.exit(f"molt.eval: {err}")
     print(json.dumps(metrics, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -90,7 +90,3 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as err:
         sys.exit(f"molt.export: {err}")
     print(f"molt.export: wrote a Hugging Face model to {out}")
-
-
-if __name__ == "__main__":
-    main()

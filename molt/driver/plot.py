@@ -140,7 +140,3 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"molt.plot: {err}")
     for path in paths:
         print(path)
-
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import yaml
@@ -63,7 +62,3 @@ def main(argv: list[str] | None = None) -> int:
     metrics = replay(args.run_dir, args.step, args.checkpoint)
     print(json.dumps(metrics, indent=1, sort_keys=True))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

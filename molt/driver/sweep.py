@@ -126,7 +126,3 @@ def main(argv: list[str] | None = None) -> None:
     if not text:
         sys.exit(f"molt.sweep: no job in {args[0]} has logged a step yet")
     print(f"{text}molt: wrote {Path(args[0]) / 'summary.md'} and {Path(args[0]) / 'rewards.png'}")
-
-
-if __name__ == "__main__":
-    main()

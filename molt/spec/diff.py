@@ -238,7 +238,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print((as_markdown if args.format == "markdown" else as_text)(a, b), end="")
     return 1 if key_diff(a.spec, b.spec) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
