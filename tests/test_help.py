@@ -66,3 +66,17 @@ def test_cli_help_goes_to_molt_not_hydra(flag, monkeypatch, capsys):
         cli.main()
     assert done.value.code == 0
     assert "ray.address: str | None = null" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["eval", "export", "plot", "replay", "sweep", "diff"])
+def test_every_command_answers_help(command, monkeypatch, capsys):
+    """`python -m molt.CMD --help` prints its usage and exits 0, never a Hydra parse error or a
+    missing-file message about a folder named --help."""
+    import runpy
+
+    monkeypatch.setattr("sys.argv", [f"molt.{command}", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module(f"molt.{command}", run_name="__main__")
+    out = capsys.readouterr()
+    assert done.value.code in (0, None), out.err
+    assert f"python -m molt.{command}" in out.out, out.out

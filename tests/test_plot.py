@@ -60,7 +60,7 @@ def test_resumed_steps_keep_the_last_record(tmp_path: Path) -> None:
     assert read_metrics(tmp_path / "metrics.jsonl") == {0: {"a": 0}, 1: {"a": 2}}
 
 
-def test_cli(tmp_path: Path) -> None:
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_metrics(tmp_path, steps=10)
     done = subprocess.run([sys.executable, "-m", "molt.plot", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
@@ -72,8 +72,9 @@ def test_cli(tmp_path: Path) -> None:
 
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         main([str(tmp_path / "missing")])
-    with pytest.raises(SystemExit, match="usage"):
+    with pytest.raises(SystemExit, match="2"):
         main([])
+    assert "usage: python -m molt.plot" in capsys.readouterr().err
 
 
 def test_a_slow_first_step_does_not_flatten_the_timings(tmp_path: Path) -> None:

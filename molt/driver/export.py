@@ -12,6 +12,7 @@ the checkpoint carries), then written by the trainer's own exporter to <checkpoi
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -82,11 +83,13 @@ def as_hf_folder(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if not 1 <= len(args) <= 2 or args[0].startswith("-"):
-        sys.exit("usage: python -m molt.export RUN_DIR [STEP | latest | best]  (or a checkpoint folder)")
+    parser = argparse.ArgumentParser(prog="python -m molt.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run's folder, or one checkpoint folder (RUN/checkpoints/step_N)")
+    parser.add_argument("step", nargs="?", help="STEP, latest or best (default: latest)")
+    args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(checkpoint_dir(*args))
+        out = export_checkpoint(checkpoint_dir(*[a for a in (args.run_dir, args.step) if a is not None]))
     except (OSError, ValueError) as err:
         sys.exit(f"molt.export: {err}")
     print(f"molt.export: wrote a Hugging Face model to {out}")

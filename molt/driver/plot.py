@@ -6,6 +6,7 @@ leaves the caller's matplotlib backend alone. A figure whose metrics are absent 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -131,11 +132,12 @@ def plot_run(run_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        sys.exit("usage: python -m molt.plot RUN_DIR")
+    parser = argparse.ArgumentParser(prog="python -m molt.plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run's folder (holds metrics.jsonl); PNGs go to its plots/")
+    args = parser.parse_args(argv)
     try:
-        paths = plot_run(args[0])
+        paths = plot_run(args.run_dir)
     except FileNotFoundError as err:
         sys.exit(f"molt.plot: {err}")
     for path in paths:

@@ -8,6 +8,7 @@ in conf/config.yaml); run it by hand for a sweep that stopped early or is still 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,13 +117,14 @@ class SweepSummary(Callback):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        sys.exit("usage: python -m molt.sweep SWEEP_DIR")
+    parser = argparse.ArgumentParser(prog="python -m molt.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep_dir", help="a multirun's folder (one subfolder per job)")
+    sweep_dir = parser.parse_args(argv).sweep_dir
     try:
-        text = summarize(args[0])
+        text = summarize(sweep_dir)
     except FileNotFoundError as err:
         sys.exit(f"molt.sweep: {err}")
     if not text:
-        sys.exit(f"molt.sweep: no job in {args[0]} has logged a step yet")
-    print(f"{text}molt: wrote {Path(args[0]) / 'summary.md'} and {Path(args[0]) / 'rewards.png'}")
+        sys.exit(f"molt.sweep: no job in {sweep_dir} has logged a step yet")
+    print(f"{text}molt: wrote {Path(sweep_dir) / 'summary.md'} and {Path(sweep_dir) / 'rewards.png'}")
