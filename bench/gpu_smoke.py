@@ -113,8 +113,8 @@ def item_models(args: argparse.Namespace) -> dict[str, Path]:
     """The model folders of the item checks, built offline (seconds): the dense one at 2 layers."""
     from gpu_checks import build_models
 
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
 
     dense = Path(model_path(compose(model_overrides("dense", 2))))
     return {"dense": dense, **build_models(args.out / "models", dense)}
@@ -223,8 +223,8 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     from gpu_checks import engine_refit, fp8_refit, fp32_buffer, refit_ranges, vlm_no_image_rank
     from gpu_smoke_models import perturbed_copy
 
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
 
     failed = []
     for name in [n for n in plan if n.endswith("_sync")]:
@@ -246,8 +246,8 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
 def plan_specs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Path]]:
     """Every run's and item check's spec, composed (the spec's refusals apply), and its model folder,
     built offline; item10 is the moe_sync run's spec, item9_dense the folder the FP8 model copies."""
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
 
     specs = {name: compose(overrides) for name, overrides in runs(args).items()}
     models = item_models(args)

@@ -345,7 +345,7 @@ def test_training_rollouts_record_per_turn_sampling_or_refuse_what_cannot_be_sco
 
 
 def test_loader_finds_every_configured_agent():
-    from molt.spec.config import compose
+    from molt.driver.compose import compose
 
     for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "agent").glob("*.yaml")):
         agent = compose([f"agent={path.stem}"]).agent   # an option sets only what differs from the spec

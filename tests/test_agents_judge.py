@@ -78,9 +78,9 @@ def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer,
 
 
 def test_judge_engines_get_gpus_of_their_own_in_the_plan():
+    from molt.driver.compose import compose
     from molt.plan.memory import estimates
     from molt.plan.placement import describe, plan
-    from molt.spec.config import compose
 
     gpu = ["agent=judge", "parallel=gpu8", "parallel.nodes=1", "parallel.trainer_nodes=null",
            "parallel.world_size=4", "parallel.dp_size=4", "model.dtype=bfloat16",

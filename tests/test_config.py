@@ -11,8 +11,8 @@ import torch
 import yaml
 
 import molt.__main__ as cli
+from molt.driver.compose import compose
 from molt.spec import RunSpec, SpecError
-from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))

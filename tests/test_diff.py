@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.spec.config import compose
+from molt.driver.compose import compose
 from molt.spec.diff import key_diff, load_side, main, unified_diff
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from molt.driver.compose import compose
 from molt.plan.arch import Arch, arch_from_config, arch_of, param_count
 from molt.plan.memory import CUDA_RESERVE_GIB, GIB, engine_estimate, trainer_estimate
 from molt.spec import RunSpec, SpecError
-from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 # h 16, 2 layers, 2 query heads and 1 key/value head of 8, MLP 32, vocabulary 100, untied

@@ -53,9 +53,9 @@ def check_inputs(spec: RunSpec) -> None:
     """Load the data files, import the algorithm plugins and the agent module, and refuse `model.lora` on a
     model the engines cannot serve adapters for, so a bad path, name or model fails before anything starts."""
     from molt.agents import load_agent_runner
+    from molt.algo import load_plugins
+    from molt.driver.sft_data import load_conversations
     from molt.inputs.data import PromptDataset, load_eval_sets
-    from molt.inputs.sft_data import load_conversations
-    from molt.spec.plugins import load_plugins
 
     load_plugins(spec)
     check_expert_dispatch(spec)

@@ -133,7 +133,7 @@ def _check_eval_keys(spec: RunSpec) -> None:
 
 def check_combinations(spec: RunSpec) -> None:
     """Cross-section refusals that need a reason (the placement plan is checked after validation:
-    molt.spec.config.to_spec)."""
+    molt.driver.compose.to_spec)."""
     _moe_with_expert_parallel(spec)
     _route_capture(spec)
     _speculative_decoding(spec)

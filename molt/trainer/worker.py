@@ -23,6 +23,7 @@ from molt.algo import (
     LOSS_NORMS,
     gap_metrics,
     gap_sums,
+    load_plugins,
     loss_normalizer,
     policy_loss,
     sft_loss,
@@ -30,7 +31,6 @@ from molt.algo import (
     with_kl_coef,
 )
 from molt.spec import AlgoSpec, RunSpec
-from molt.spec.plugins import load_plugins
 from molt.trainer import rank_state, weights
 from molt.trainer.batch import image_inputs, inert_rows
 from molt.trainer.fp8 import checkpoint_fp8

@@ -1,0 +1,40 @@
+"""Hydra composition → the RunSpec a run starts from: validated by the spec, then checked against what
+the spec names (algo/'s registries, the placement and memory plans), before Ray or any engine starts.
+
+The spec imports none of the code it configures (molt/spec/config.py composes and validates); the checks
+that need that code run here, the one step every command that runs or plans a run goes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omegaconf import DictConfig
+
+from molt.algo import load_plugins
+from molt.plan import memory
+from molt.plan.placement import plan
+from molt.spec import RunSpec, SpecError
+from molt.spec.config import compose_config, validate_config
+
+
+def to_spec(cfg: DictConfig) -> RunSpec:
+    """Validate a composed config, then the checks that need more than the spec: `algo.plugins` imported
+    and the algorithm names found in the registries they extend; on CUDA the placement plan and its
+    memory estimate, so an over-subscribed layout or one that cannot fit a GPU's memory fails before Ray
+    starts (CPU devices are time-shared: nothing to total)."""
+    spec = validate_config(cfg)
+    try:
+        load_plugins(spec)
+        if spec.parallel.device == "cuda":
+            plan(spec)
+            memory.check(spec)
+    except ValueError as err:
+        raise SpecError(f"invalid run spec: {err}") from None
+    return spec
+
+
+def compose(overrides: Sequence[str] = ()) -> RunSpec:
+    """Compose conf/ with Hydra overrides (e.g. ["+experiment=qwen30b_tools", "train.lr=1e-5"]) and check
+    the spec as a run would."""
+    return to_spec(compose_config(overrides))
