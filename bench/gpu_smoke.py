@@ -88,7 +88,7 @@ CUDA = ["model.dtype=bfloat16", "model.max_model_len=1024", "parallel.device=cud
         "rollout.engine.gpu_memory_utilization=0.5", f"rollout.refit_chunk_mb={CHUNK_MB}", *QUIET]
 # The trainer-only checks put 2 ranks on the 2 GPUs; the plan also counts the engine a run would start,
 # which these checks never start, so it is given a third (absent) GPU to be accepted.
-TWO_RANKS = ["parallel.world_size=2", "parallel.dp_size=2", "parallel.gpus_per_node=3"]
+TWO_RANKS = ["parallel.dp_size=2", "parallel.gpus_per_node=3"]
 
 
 def runs(args: argparse.Namespace) -> dict[str, list[str]]:

@@ -373,7 +373,7 @@ def test_turn_credit_is_refused_where_it_cannot_act():
 
     with pytest.raises(SpecError, match="turn_discount=0.9 discounts turns only with algo.turn_credit=turn"):
         compose(["algo.turn_discount=0.9"])
-    with pytest.raises(SpecError, match="agent.kind=chat: a ChatAgent returns one reward per rollout"):
+    with pytest.raises(SpecError, match=r"ChatAgentRunner \(kind chat\): a ChatAgent returns one reward"):
         compose(["agent=chat_minimal", "algo.turn_credit=turn"])
     with pytest.raises(SpecError, match="act on whole-rollout rewards"):
         compose(["algo.turn_credit=turn", "algo.reward.clip=1.0"])

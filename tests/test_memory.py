@@ -27,7 +27,7 @@ SMALL = dict(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim
 def small_spec(**parallel) -> RunSpec:
     return RunSpec.model_validate({
         "model": {"path": "org/small", "arch": SMALL, "dtype": "bfloat16", "max_model_len": 64},
-        "parallel": {"device": "cuda", "nodes": 1, "world_size": 2, "dp_size": 2, **parallel},
+        "parallel": {"device": "cuda", "nodes": 1, "dp_size": 2, **parallel},
         "rollout": {"max_tokens": 16, "samples_per_prompt": 4},
         "agent": {"max_total_tokens": 48},
         "train": {"prompts_per_step": 2, "micro_batch_size": 4, "eval_every": 0},

@@ -144,7 +144,7 @@ def test_images_through_both_wires_reach_the_engine(vlm_engine, vlm_spec, vlm_pa
         {"type": "image", "image": first}, {"type": "text", "text": "angle?"}]}])[0], "label": None}
     for agent in (OpenAIImages, AnthropicImages):
         spec = vlm_spec.model_copy(deep=True)
-        spec.agent.kind, spec.agent.max_turns = "chat", 2
+        spec.agent.max_turns = 2
         runner, sampler = ChatAgentRunner(agent), ImageSampler(vlm_engine)
         runner.setup(tok, spec)
         try:

@@ -67,9 +67,9 @@ class JudgeSpec(Strict):
 
 class AgentSpec(Strict):
     module: str = Field("examples/agents/repeat.py",
-                        description="dotted module or .py file that exports AgentRunner")
-    kind: Literal["env", "chat"] = Field(
-        "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
+                        description="dotted module or .py file that exports AgentRunner: StepEnvRunner(an "
+                        "Env; Molt runs the LLM loop) or ChatAgentRunner(a ChatAgent; it calls the "
+                        "OpenAI/Anthropic SDK)")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
     tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat "
                              "server and Env)")

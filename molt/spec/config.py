@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
+from molt.spec.derived import DERIVED_KEYS
 
 CONFIG_MODULE = "molt.conf"
 GROUPS = ("experiment", "model", "parallel", "algo", "agent")
@@ -28,7 +29,14 @@ def _store_spec_defaults() -> None:
     model.reference_tiny) a new entry is an addition, `+key.entry=value`, as Hydra's error says."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=SPEC_DEFAULTS, node=RunSpec().model_dump(mode="json"))
+    node = RunSpec().model_dump(mode="json")
+    for dotted in DERIVED_KEYS:   # null: an old `key=value` reaches the spec's message, not "not in struct"
+        *parents, key = dotted.split(".")
+        section = node
+        for part in parents:
+            section = section[part]
+        section[key] = None
+    ConfigStore.instance().store(name=SPEC_DEFAULTS, node=node)
 
 
 _store_spec_defaults()

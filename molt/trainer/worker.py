@@ -216,8 +216,8 @@ class TrainerWorker:
 
     # -- training --------------------------------------------------------------------------------------
     def _replicas(self) -> int:
-        # tp/cp ranks of one data shard see the same rows: all-reduced sums count them once each
-        return self.spec.parallel.tp_size * self.spec.parallel.cp_size
+        # the tp ranks of one data shard see the same rows: all-reduced sums count them once each
+        return self.spec.parallel.tp_size
 
     def _all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
