@@ -144,8 +144,8 @@ def main() -> None:
     args = parse_args()
     from transformers import AutoTokenizer
 
+    from molt.driver.compose import compose
     from molt.inputs.tiny import tiny_model_path
-    from molt.spec.config import compose
 
     path = str(tiny_model_path())
     tok = AutoTokenizer.from_pretrained(path)

@@ -54,12 +54,12 @@ def measure(workers: int, sessions: int, turns: int, delay: float, reply: list[i
     import ray
 
     from molt.driver.agent_workers import AgentWorkers
+    from molt.driver.compose import compose
     from molt.rollout.dispatch import Dispatcher
-    from molt.spec.config import compose
 
     spec = compose([f"agent.max_turns={turns}", "agent.max_total_tokens=4096", "model.max_model_len=4096",
                     f"rollout.max_tokens={len(reply)}", f"rollout.samples_per_prompt={SAMPLES}",
-                    "agent.kind=chat", f"agent.module={BENCH / 'agentic_agent.py'}",
+                    f"agent.module={BENCH / 'agentic_agent.py'}",
                     f"+agent.options.turns={turns}", f"+agent.options.tools={tools}",
                     f"agent.workers={workers}", "agent.timeout_s=3600"])
     engine = stand_in_engine(reply, delay)

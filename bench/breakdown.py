@@ -89,9 +89,9 @@ def limits(size: str, length: int, args: argparse.Namespace, mode: str, repeats:
     import ray
     from bench_generator import generate_many
 
+    from molt.driver.compose import compose
     from molt.plan.placement import cpu_threads, init_ray
     from molt.rollout.engine import start_engines
-    from molt.spec.config import compose
     from molt.trainer import TrainerRanks
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

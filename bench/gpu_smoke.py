@@ -88,7 +88,7 @@ CUDA = ["model.dtype=bfloat16", "model.max_model_len=1024", "parallel.device=cud
         "rollout.engine.gpu_memory_utilization=0.5", f"rollout.refit_chunk_mb={CHUNK_MB}", *QUIET]
 # The trainer-only checks put 2 ranks on the 2 GPUs; the plan also counts the engine a run would start,
 # which these checks never start, so it is given a third (absent) GPU to be accepted.
-TWO_RANKS = ["parallel.world_size=2", "parallel.dp_size=2", "parallel.gpus_per_node=3"]
+TWO_RANKS = ["parallel.dp_size=2", "parallel.gpus_per_node=3"]
 
 
 def runs(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -113,8 +113,8 @@ def item_models(args: argparse.Namespace) -> dict[str, Path]:
     """The model folders of the item checks, built offline (seconds): the dense one at 2 layers."""
     from gpu_checks import build_models
 
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
 
     dense = Path(model_path(compose(model_overrides("dense", 2))))
     return {"dense": dense, **build_models(args.out / "models", dense)}
@@ -223,8 +223,8 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     from gpu_checks import engine_refit, fp8_refit, fp32_buffer, refit_ranges, vlm_no_image_rank
     from gpu_smoke_models import perturbed_copy
 
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
 
     failed = []
     for name in [n for n in plan if n.endswith("_sync")]:
@@ -246,8 +246,8 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
 def plan_specs(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Path]]:
     """Every run's and item check's spec, composed (the spec's refusals apply), and its model folder,
     built offline; item10 is the moe_sync run's spec, item9_dense the folder the FP8 model copies."""
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
 
     specs = {name: compose(overrides) for name, overrides in runs(args).items()}
     models = item_models(args)

@@ -35,8 +35,8 @@ def _status_kib(field: str) -> int:
 
 
 def measure(size: str, rows: int, length: int) -> dict[str, float]:
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
     from molt.trainer.worker import TrainerWorker
 
     row = PROMPT + length

@@ -3,7 +3,7 @@
     python bench/tool_sft_probe.py OUT_DIR [--steps 220] [--lr 3e-3] [--batch 32] [--bare-only]
         [--save 160,180,200,220]
 
-The rows of examples/data/tool_products_sft.jsonl, tokenized and masked by molt.inputs.sft_data exactly as
+The rows of examples/data/tool_products_sft.jsonl, tokenized and masked by molt.driver.sft_data exactly as
 `python -m molt.sft` does; AdamW (no weight decay), linear warm-up over 10 steps, gradient clip 1.0, one
 thread, batches drawn at random (seed 0). Every 20 steps it prints the teacher-forced accuracy on the
 digit tokens of the batch; at each --save step it writes a Hugging Face export to OUT_DIR/step_N. It is
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from molt.inputs.sft_data import tokenize_conversation
+from molt.driver.sft_data import tokenize_conversation
 from molt.inputs.tiny import tiny_model_path
 
 ROWS = Path(__file__).resolve().parents[1] / "examples" / "data" / "tool_products_sft.jsonl"

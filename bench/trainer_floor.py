@@ -37,8 +37,8 @@ def compare(size: str, threads: int, repeats: int, length: int = 128) -> dict[st
     import ray
     from transformers import AutoModelForCausalLM
 
+    from molt.driver.compose import compose
     from molt.plan.placement import init_ray
-    from molt.spec.config import compose
     from molt.trainer import TrainerRanks
 
     spec = compose(overrides(size, length, 1, 4, 8, extra=[f"parallel.cpu_threads={threads}"]))

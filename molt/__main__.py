@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from molt.spec import SpecError
-from molt.spec.config import check_overrides, spec_yaml, to_spec
+from molt.spec.config import check_overrides, spec_yaml
 
 # Flags handled here; any other Hydra flag (--cfg hydra, --info, --config-name, ...) goes to Hydra as is.
 OWN_FLAGS = {"-m", "--multirun", "--resolve", "--cfg", "-c", "job"}
@@ -26,6 +26,7 @@ def _run(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from molt.driver.compose import to_spec
     from molt.driver.jobs import fill_launch_fields
 
     hc = HydraConfig.get()

@@ -19,8 +19,8 @@ class Runners:
     def __init__(self, tok) -> None:
         self.tok, self.started = tok, []
 
-    def __call__(self, module: str, agent: dict | None = None, kind: str = "chat", **rollout):
-        agent = {"module": str(EXAMPLES / module), "kind": kind, **(agent or {})}
+    def __call__(self, module: str, agent: dict | None = None, **rollout):
+        agent = {"module": str(EXAMPLES / module), **(agent or {})}
         spec = make_spec(agent, **rollout)
         runner = load_agent_runner(spec.agent)
         runner.setup(self.tok, spec, start_judge(spec))   # as the driver sets runners up (None: no judge)

@@ -54,7 +54,7 @@ def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list]
 
 
 @pytest.mark.parametrize("agent", [{"module": str(EXAMPLES / "repeat.py")},
-                                   {"module": str(EXAMPLES / "chat_minimal.py"), "kind": "chat",
+                                   {"module": str(EXAMPLES / "chat_minimal.py"),
                                     "options": {"turns": 2}, "max_turns": 2}], ids=["env", "chat"])
 def test_workers_sample_the_tokens_the_driver_loop_samples(ray_session, tok, tiny_model_path, engine, agent):
     """Both paths seed each request from the run seed, the version and the rollout id, and run one group
@@ -97,7 +97,7 @@ def test_workers_are_planned_on_the_generating_nodes_and_shown():
     from molt.plan.placement import plan
 
     spec = RunSpec.model_validate({"agent": {"workers": 3}, "parallel": {
-        "device": "cuda", "nodes": 3, "gpus_per_node": 8, "trainer_nodes": 1, "world_size": 8, "dp_size": 8},
+        "device": "cuda", "nodes": 3, "gpus_per_node": 8, "trainer_nodes": 1, "dp_size": 8},
         "rollout": {"engine": {"num_engines": 16}}})
     assert [s.node for s in plan(spec) if s.role == "agent"] == [1, 1, 2]
     assert all(s.gpus == 0 for s in plan(spec) if s.role == "agent")

@@ -40,8 +40,8 @@ def runners(tok):
     started = []
 
     def start(module, agent: dict | None = None, **rollout):
-        spec = make_spec({"module": module if isinstance(module, str) else "x.py", "kind": "chat",
-                          **(agent or {})}, **rollout)
+        module_name = module if isinstance(module, str) else "x.py"
+        spec = make_spec({"module": module_name, **(agent or {})}, **rollout)
         runner = load_agent_runner(spec.agent) if isinstance(module, str) else ChatAgentRunner(module)
         runner.setup(tok, spec)
         started.append(runner)

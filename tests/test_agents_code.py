@@ -27,7 +27,7 @@ def test_code_agent_runs_the_models_code_and_shows_it_the_output(tok, engine, tr
         # start, and a run cut short shows the model another observation than the output checked here
         # (timeouts have the test below).
         runner = runners("code_env.py", {"max_turns": 3, "options": {"constrain": True, "timeout_s": 30.0}},
-                         kind="env", max_tokens=64)
+                         max_tokens=64)
         rollouts = run_all(runner, [ITEM] * 4, sampler, group="code")
     finally:
         runners.close()

@@ -53,7 +53,7 @@ def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer,
 
     sampler, runners = Recorder(engine, training=True), Runners(tok)
     try:
-        runner = runners("judge_env.py", {"judge": {"path": tiny_model_path, "temperature": 0.5}}, kind="env",
+        runner = runners("judge_env.py", {"judge": {"path": tiny_model_path, "temperature": 0.5}},
                          max_tokens=16)
         judge_engines = runner.judge.sampler.engines
         assert engine not in judge_engines   # its own engine, which no refit ever reaches
@@ -78,12 +78,12 @@ def test_judged_rewards_match_the_judges_weights_and_train(tok, engine, trainer,
 
 
 def test_judge_engines_get_gpus_of_their_own_in_the_plan():
+    from molt.driver.compose import compose
     from molt.plan.memory import estimates
     from molt.plan.placement import describe, plan
-    from molt.spec.config import compose
 
     gpu = ["agent=judge", "parallel=gpu8", "parallel.nodes=1", "parallel.trainer_nodes=null",
-           "parallel.world_size=4", "parallel.dp_size=4", "model.dtype=bfloat16",
+           "parallel.dp_size=4", "model.dtype=bfloat16",
            "rollout.engine.num_engines=2", "agent.judge.engine.num_engines=1", "agent.judge.engine.tp_size=2"]
     spec = compose(gpu)
     slots = plan(spec)

@@ -50,7 +50,7 @@ def test_responses_wire_is_token_exact_and_equals_chat_completions(tok, engine):
     results = []
     for stream in (False, True):
         runner = ChatAgentRunner(ResponsesTools)
-        agent = {"module": "x.py", "kind": "chat", **AGENT, "options": {"stream": stream}}
+        agent = {"module": "x.py", **AGENT, "options": {"stream": stream}}
         runner.setup(tok, make_spec(agent, max_tokens=64))
         try:
             [r] = run_all(runner, [TOOLS_ITEM], sampler, group=f"resp{stream}")
@@ -72,7 +72,7 @@ def test_responses_wire_is_token_exact_and_equals_chat_completions(tok, engine):
 
 def make_spec_chat_tools():
     options = {"tool_choice": {"type": "function", "function": {"name": "add"}}}
-    return make_spec({"module": str(EXAMPLES / "chat_tools.py"), "kind": "chat", **AGENT, "options": options},
+    return make_spec({"module": str(EXAMPLES / "chat_tools.py"), **AGENT, "options": options},
                      max_tokens=64)
 
 
@@ -99,7 +99,7 @@ def test_responses_refusals_are_readable_and_change_nothing(tok, engine, extra, 
             return Result(reward=0.0)
 
     runner = ChatAgentRunner(Prober)
-    runner.setup(tok, make_spec({"module": "x.py", "kind": "chat"}))
+    runner.setup(tok, make_spec({"module": "x.py"}))
     try:
         [r] = run_all(runner, [{"prompt": "h", "label": "h"}], Recorder(engine))
     finally:

@@ -14,7 +14,7 @@ from agentlib import train_one_step
 from test_agents import Recorder, assert_exact, run_all
 
 from molt.agents import load_agent_runner
-from molt.spec.config import compose
+from molt.driver.compose import compose
 
 ITEM = {"messages": [{"role": "user", "content": "What is 3 squared?"}], "label": "9"}
 # Each configured agent, and the extra its framework needs (None: the core install).

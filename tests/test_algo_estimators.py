@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from molt.algo import ESTIMATORS, KL_ESTIMATORS, EstimatorInputs, apply_filters, compute_advantages
 from molt.algo.filters import FILTERS
+from molt.driver.compose import compose
 from molt.spec import AlgoSpec, SpecError
-from molt.spec.config import compose
 
 compose(["algo=opo"])   # registers the worked example's estimator (its algo.plugins) for the tests below
 
@@ -368,12 +368,12 @@ def test_turn_credit_gives_a_group_of_equal_returns_no_advantage(dtype, d):
 
 
 def test_turn_credit_is_refused_where_it_cannot_act():
+    from molt.algo import load_plugins
     from molt.spec import RunSpec
-    from molt.spec.plugins import load_plugins
 
     with pytest.raises(SpecError, match="turn_discount=0.9 discounts turns only with algo.turn_credit=turn"):
         compose(["algo.turn_discount=0.9"])
-    with pytest.raises(SpecError, match="agent.kind=chat: a ChatAgent returns one reward per rollout"):
+    with pytest.raises(SpecError, match=r"ChatAgentRunner \(kind chat\): a ChatAgent returns one reward"):
         compose(["agent=chat_minimal", "algo.turn_credit=turn"])
     with pytest.raises(SpecError, match="act on whole-rollout rewards"):
         compose(["algo.turn_credit=turn", "algo.reward.clip=1.0"])

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from molt.algo import ESTIMATORS, EstimatorInputs, compute_advantages, loss_normalizer, policy_loss
+from molt.driver.compose import compose
 from molt.spec import RunSpec
-from molt.spec.config import compose
 
 
 def test_a_plugin_is_imported_before_its_name_is_checked():
@@ -23,7 +23,7 @@ def test_a_plugin_is_imported_before_its_name_is_checked():
     # algo.plugins; naming the plugin file makes the same name pass.
     code = textwrap.dedent("""
         from molt.algo import ESTIMATORS
-        from molt.spec.config import compose
+        from molt.driver.compose import compose
         from molt.spec import SpecError
         assert "opo" not in ESTIMATORS
         try:

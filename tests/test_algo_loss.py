@@ -52,7 +52,7 @@ def test_decoupled_ppo_by_hand():
     whose w_t exceeds 5 is dropped. Per token (A, r, w): (1, 1.1, 2) inside the band: -1.1 * 2; (-1, 0.5,
     0.5) lower clip: 0.8 * 0.5; (1, 1.0, 6) dropped: 0; (-2, 1.3, 1) above the band but A < 0, unclipped:
     2.6. Clipping against the behaviour policy instead (ratio r*w = 2.2 for the first) would give -1.2."""
-    from molt.spec.config import compose
+    from molt.driver.compose import compose
 
     spec = compose(["algo=decoupled_ppo"]).algo
     old = [[-1.0, -2.0, -0.5, -3.0]]
@@ -257,8 +257,8 @@ def test_seq_mean_token_mean_by_hand():
 
 
 def test_policy_loss_names_are_checked():
+    from molt.driver.compose import compose
     from molt.spec import SpecError
-    from molt.spec.config import compose
 
     with pytest.raises(SpecError, match="did you mean 'gspo'"):   # checked after algo.plugins load
         compose(["algo.loss.policy=gpso"])

@@ -16,7 +16,7 @@ def test_the_agentic_bench_runs_every_path(tok) -> None:
     """bench/agentic.py subclasses the Env runner and runs a ChatAgent over the loopback server (with its
     own SDK client and with ctx.http_client): 2 rollouts of 2 turns on each path complete and record a
     latency per turn (its run of 2026-12-02 found it broken by a runner signature change a stop earlier)."""
-    from molt.spec.config import compose
+    from molt.driver.compose import compose
 
     loaded = importlib.util.spec_from_file_location("agentic", REPO_ROOT / "bench" / "agentic.py")
     bench = importlib.util.module_from_spec(loaded)
@@ -83,9 +83,9 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
     the depth being a flag) at the stated size, and on a machine without 2 GPUs it stops with exit code 2
     naming the assumption before it starts anything."""
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
     from molt.plan.placement import plan
-    from molt.spec.config import compose
 
     loaded = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "bench" / "gpu_smoke.py")
     smoke = importlib.util.module_from_spec(loaded)
@@ -193,8 +193,8 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     from gpu_smoke_models import perturbed_copy, tiny_deepseek_v3
 
     from molt import refit
+    from molt.driver.compose import compose
     from molt.plan.models import model_path
-    from molt.spec.config import compose
 
     def on_cpu(overrides: list[str]):
         cpu = {"parallel.device=cuda": "parallel.device=cpu", "model.dtype=bfloat16": "model.dtype=float32"}

@@ -126,7 +126,7 @@ def test_chat_session_seals_where_qwen3_drops_the_think_block(qwen_tok, engine):
             return Result(reward=0.0)
 
     sampler, runner = Recorder(engine), ChatAgentRunner(Thinker)
-    runner.setup(qwen_tok, make_spec({"module": "x.py", "kind": "chat", "max_turns": 2}, max_tokens=16))
+    runner.setup(qwen_tok, make_spec({"module": "x.py", "max_turns": 2}, max_tokens=16))
     try:
         [r] = run_all(runner, [{"prompt": "hi", "label": ""}], sampler, group="qchat")
     finally:
@@ -173,7 +173,7 @@ def test_model_chat_template_kwargs_render_every_turn(qwen_tok, engine):
             return Result(reward=0.0)
 
     for kind, runner in (("env", StepEnvRunner(Again)), ("chat", ChatAgentRunner(Asker))):
-        spec = make_spec({"module": "x.py", "kind": kind, "max_turns": 3}, max_tokens=8)
+        spec = make_spec({"module": "x.py", "max_turns": 3}, max_tokens=8)
         spec.model.chat_template_kwargs = off
         sampler = Recorder(engine, seed=0)
         runner.setup(qwen_tok, spec)
@@ -237,10 +237,10 @@ def test_tool_parser_is_a_config_key(tok):
 
     runner = ChatAgentRunner(ChatAgent)
     with pytest.raises(ValueError, match=r"tool_parser='nope' is not a vLLM tool parser; known: .*hermes"):
-        runner.setup(tok, make_spec({"module": "x.py", "kind": "chat", "tool_parser": "nope"}))
+        runner.setup(tok, make_spec({"module": "x.py", "tool_parser": "nope"}))
     with pytest.raises(ValueError, match=r"agent.tool_parser='llama3_json' does not fit this tokenizer"):
-        runner.setup(tok, make_spec({"module": "x.py", "kind": "chat", "tool_parser": "llama3_json"}))
-    runner.setup(tok, make_spec({"module": "x.py", "kind": "chat", "tool_parser": "pythonic"}))
+        runner.setup(tok, make_spec({"module": "x.py", "tool_parser": "llama3_json"}))
+    runner.setup(tok, make_spec({"module": "x.py", "tool_parser": "pythonic"}))
     try:
         assert type(runner.server.parser) is type(make_parser(tok, "pythonic"))
         forced = asyncio.run(_forced_call(runner))   # forced calls are decoded as Hermes markup

@@ -11,8 +11,8 @@ import torch
 import yaml
 
 import molt.__main__ as cli
+from molt.driver.compose import compose
 from molt.spec import RunSpec, SpecError
-from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
@@ -27,8 +27,6 @@ def test_experiment_group_is_reachable():
 def test_every_experiment_composes_and_validates(name):
     spec = compose([f"+experiment={name}"])
     assert spec.run.name == name
-    p = spec.parallel
-    assert p.dp_size * p.tp_size * p.cp_size == p.world_size
 
 
 def test_default_is_tiny():
@@ -79,8 +77,7 @@ def test_bad_type_is_reported_with_key_and_value():
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["parallel.world_size=4"], "must equal world_size=4"),
-        (["parallel.tp_size=3", "parallel.world_size=3"], "power of two"),
+        (["parallel.tp_size=3"], "power of two"),
         (["parallel.ep_size=4"], "ep_size=4 must divide"),
         (["train.prompts_per_step=3", "parallel=cpu2", "rollout.samples_per_prompt=1"], "divisible"),
         (["algo=gae"], "needs a critic"),
@@ -101,7 +98,7 @@ def test_bad_type_is_reported_with_key_and_value():
         # vLLM's GPU capture keeps a kept request's pre-refit routes (docs/generator.md)
         (["+experiment=qwen30b_tools", "rollout.partial_rollout=true"],
          "router_replay=true with rollout.partial_rollout=true on parallel.device=cuda"),
-        (["parallel.offload=full"], "offload=full needs world_size > 1"),
+        (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*tp_size > 1"),
         (["parallel.nodes=2", "parallel.trainer_nodes=2"], "trainer_nodes=2 must leave the engines"),
         # an engine actor holds one vLLM engine core, in its own process (molt/rollout/engine.py)
         (["+experiment=qwen30b_tools", "rollout.engine.dp_size=2"], "raise rollout.engine.num_engines"),
@@ -150,7 +147,7 @@ def test_bad_type_is_reported_with_key_and_value():
         (["algo.loss.eps_high=-0.1"], "eps_high: Input should be greater than or equal to 0"),
         (["rollout.max_staleness=-1"], "max_staleness: Input should be greater than or equal to 0"),
         (["rollout.engine.num_engines=0"], "num_engines: Input should be greater than or equal to 1"),
-        (["parallel.world_size=0", "parallel.dp_size=0"], "world_size: Input should be greater than"),
+        (["parallel.dp_size=0"], "dp_size: Input should be greater than"),
         (["ray.address=auto", "ray.num_cpus=8"], "unset ray.num_cpus"),
         (["agent.judge.engine.max_restarts=2"], "judge engines are not restarted"),
         # a VLM the trainer cannot load that way: refused before Ray and the engines start
@@ -370,7 +367,7 @@ def test_the_plan_says_fsdp2_only_where_it_shards():
     from molt.driver.launch import describe_plan
 
     plan = describe_plan(compose([]))
-    assert "1 rank(s) [dp=1 tp=1 cp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
+    assert "1 rank(s) [dp=1 tp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
     assert "] FSDP2 on cpu" in describe_plan(compose(["parallel=cpu2"]))
 
 
@@ -420,7 +417,7 @@ def test_cli_print_config_is_the_validated_spec(monkeypatch, capsys):
     code, out, _ = _main(monkeypatch, capsys, "+experiment=qwen30b_tools", "--cfg", "job", "--resolve")
     assert code == 0
     printed = yaml.safe_load(out)
-    assert printed["parallel"]["world_size"] == 8
+    assert printed["parallel"]["dp_size"] == 8 and "world_size" not in printed["parallel"]   # derived
     assert printed["logging"]["wandb"]["job_type"] == "grpo_seq_mask_tis"   # filled as the launcher does
     assert printed["run"]["dir"].startswith(str(Path.cwd() / "runs" / "qwen30b_tools"))
     assert printed["rollout"]["engine"]["kv_cache_gib"] == 1.0                 # a schema default, included
@@ -524,7 +521,7 @@ def test_engine_ray_resources_follow_the_specs_device():
     gpu = compose(["+experiment=qwen30b_tools"])
     engine = gpu.rollout.engine
     assert actor_options(engine, gpu.parallel.device) == {
-        "num_cpus": 1, "num_gpus": engine.tp_size * engine.dp_size, "max_concurrency": 10_000,
+        "num_cpus": 1, "num_gpus": engine.tp_size, "max_concurrency": 10_000,
         "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}}   # the core in the actor
     cpu = actor_options(compose([]).rollout.engine, "cpu", 2)
     assert cpu["num_cpus"] < 1 and "num_gpus" not in cpu
@@ -558,3 +555,86 @@ def test_the_driver_imports_the_loop_without_the_model_stacks():
     code = f"import sys, molt.driver.loop; print(sorted(m for m in sys.modules if m.startswith({heavy})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+
+# Keys that are derived now (molt/spec/derived.py), each: the key at the value it takes, what that value
+# is; the key at another value, the refusal. The message: "KEY is derived (WHAT); remove it from your config".
+REPLICA = "1: an engine actor runs one vLLM replica"
+DERIVED = {
+    "parallel.world_size": (["parallel=cpu2", "parallel.world_size=2"], "dp_size*tp_size = 2*1 = 2",
+                            ["parallel=cpu2", "parallel.world_size=4"],
+                            r"world_size=4, but it is derived \(dp_size\*tp_size = 2\*1 = 2\); set "
+                            "parallel.dp_size"),
+    "parallel.cp_size": (["parallel.cp_size=1"], "1: the trainer does not shard sequences",
+                         ["parallel.cp_size=2"], "parallel.cp_size=2, but .*cp_size > 1 is not supported"),
+    "rollout.engine.dp_size": (["rollout.engine.dp_size=1"], REPLICA,
+                               ["rollout.engine.dp_size=2"], "dp_size=2, but .*raise rollout.engine.num_"),
+    "agent.judge.engine.dp_size": (["agent.judge.engine.dp_size=1"], REPLICA,
+                                   ["agent.judge.engine.dp_size=2"], "raise agent.judge.engine.num_engines"),
+    "agent.kind": (["agent=chat_minimal", "agent.kind=chat"],
+                   "the kind of agent.module's AgentRunner: env (StepEnvRunner) or chat (ChatAgentRunner)",
+                   ["agent.kind=chat"], r"agent.kind=chat, but agent.module=examples/agents/repeat.py is a "
+                   r"StepEnvRunner \(kind env\): the kind is derived"),
+}
+
+
+def _said(key: str) -> str:
+    return f"{key} is derived ({DERIVED[key][1]}); remove it from your config"
+
+
+def _derived_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "molt" and "is derived" in r.getMessage()]
+
+
+@pytest.mark.parametrize("key", DERIVED)
+def test_a_derived_key_at_its_value_is_accepted_with_a_message(key, caplog):
+    accepted = DERIVED[key][0]
+    caplog.set_level("WARNING", logger="molt")
+    assert compose(accepted) == compose(accepted[:-1])   # the old key changes nothing
+    assert _derived_messages(caplog) == [_said(key)]     # one line, naming the key and its value
+
+
+@pytest.mark.parametrize("key", DERIVED)
+def test_a_derived_key_at_another_value_is_refused(key):
+    _, _, refused, refusal = DERIVED[key]
+    with pytest.raises(SpecError, match=refusal):
+        compose(refused)
+
+
+def test_derived_keys_in_an_experiment_file(tmp_path, caplog):
+    from molt.driver.compose import to_spec
+    from molt.spec.config import compose_config
+
+    (tmp_path / "experiment").mkdir()
+    old = tmp_path / "experiment" / "old.yaml"
+    old.write_text("# @package _global_\n"
+                   "defaults: [{override /parallel: cpu2}, {override /agent: chat_minimal}]\n"
+                   "parallel: {world_size: 2, cp_size: 1}\nrollout: {engine: {dp_size: 1}}\n"
+                   "agent: {kind: chat, judge: {engine: {dp_size: 1}}}\n")
+    caplog.set_level("WARNING", logger="molt")
+    spec = to_spec(compose_config(["+experiment=old"], search_path=tmp_path))
+    assert spec == compose(["parallel=cpu2", "agent=chat_minimal"])
+    assert sorted(_derived_messages(caplog)) == sorted(map(_said, DERIVED))
+    text = old.read_text()
+    old.write_text(text.replace("world_size: 2", "world_size: 4"))
+    with pytest.raises(SpecError, match=DERIVED["parallel.world_size"][3]):
+        to_spec(compose_config(["+experiment=old"], search_path=tmp_path))
+    old.write_text(text.replace("kind: chat", "kind: env"))
+    with pytest.raises(SpecError, match="agent.kind=env, but agent.module=examples/agents/chat_minimal.py "
+                       r"is a ChatAgentRunner \(kind chat\)"):
+        to_spec(compose_config(["+experiment=old"], search_path=tmp_path))
+
+
+def test_derived_keys_on_the_command_line():
+    """Hydra's app (`--cfg hydra`) and the print path take the old keys (no "Key not in struct"): the
+    messages, then the spec; another value is the one-line refusal, before anything starts."""
+    assert _molt("parallel.world_size=1", "--cfg", "hydra").returncode == 0
+    ok = _molt("parallel.world_size=1", "rollout.engine.dp_size=1", "--cfg", "job")
+    assert ok.returncode == 0 and "world_size" not in yaml.safe_load(ok.stdout)["parallel"], ok.stderr
+    shown = ok.stderr.splitlines()
+    assert "parallel.world_size is derived (dp_size*tp_size = 1*1 = 1); remove it from your config" in shown
+    assert _said("rollout.engine.dp_size") in shown
+    bad = _molt("parallel.world_size=2", "run.dry_run=true")
+    assert bad.returncode != 0 and "parallel.world_size=2, but it is derived" in bad.stderr
+    assert "Ray" not in bad.stderr and not bad.stdout

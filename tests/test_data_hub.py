@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from datalib import RECIPE_DATASETS, png, with_local_hub, write_hub_layout
 
+from molt.driver.compose import compose
 from molt.inputs.data import PromptDataset, load_eval_sets
 from molt.spec import DataSpec, HubDataset, SpecError
-from molt.spec.config import compose
 from molt.spec.plugins import import_user_module
 
 DATA = DataSpec()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.spec.config import compose
+from molt.driver.compose import compose
 from molt.spec.diff import key_diff, load_side, main, unified_diff
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,9 +59,9 @@ def test_markdown_table_for_a_pull_request(capsys):
 
 def test_unified_and_exit_codes(capsys):
     a, b = compose([]), compose(["+experiment=qwen30b_tools"])
-    assert "+  world_size: 8" in unified_diff(a, b, "tiny", "qwen30b_tools")
+    assert "+  dp_size: 8" in unified_diff(a, b, "tiny", "qwen30b_tools")
     code, out, _ = run(capsys, "tiny", "qwen30b_tools", "--unified")
-    assert code == 1 and out.startswith("--- tiny\n+++ qwen30b_tools\n") and "+  world_size: 8" in out
+    assert code == 1 and out.startswith("--- tiny\n+++ qwen30b_tools\n") and "+  dp_size: 8" in out
     code, out, _ = run(capsys, "tiny", "tiny", "--unified")
     assert (code, out) == (0, "")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_loop import SMALL, read_metrics
 
+from molt.driver.compose import compose
 from molt.spec import SpecError
-from molt.spec.config import compose
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -102,7 +102,7 @@ def parameters(**opts: int) -> int:
 def test_quoted_model_sizes_are_the_models():
     import importlib.util
 
-    from molt.spec.config import compose
+    from molt.driver.compose import compose
 
     loaded = importlib.util.spec_from_file_location("bench_common", REPO / "bench" / "common.py")
     common = importlib.util.module_from_spec(loaded)

@@ -92,7 +92,7 @@ def test_eval_sampling_is_a_chat_agents_default_and_requests_still_override_it(t
                                                  max_tokens=3)
             return Result(reward=0.0)
 
-    spec = eval_spec(tok, "b", module="x.py", kind="chat", max_turns=2)
+    spec = eval_spec(tok, "b", module="x.py", max_turns=2)
     runner = ChatAgentRunner(Asks)
     runner.setup(tok, spec)
     sampler = Recorder(engine)

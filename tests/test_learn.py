@@ -14,8 +14,8 @@ import statistics
 import pytest
 import torch
 
+from molt.driver.compose import compose
 from molt.driver.loop import learn
-from molt.spec.config import compose
 from molt.trainer import TrainerRanks
 from molt.trainer.ranks import Trainers
 from molt.trajectory import NO_VERSION, Rollout, Segment

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from molt.driver.checkpoints import find_checkpoint
+from molt.driver.compose import compose
 from molt.driver.metrics import load_rollouts
 from molt.driver.plot import read_metrics as metrics_by_step
 from molt.inputs.data import PromptDataset, PromptIterator
-from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",

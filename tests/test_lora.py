@@ -187,7 +187,7 @@ def test_refit_and_export_names_do_not_see_checkpoint_wrappers(ray_session, tiny
         return *[[n for chunk in c for n in chunk] for c in chunks], wrapped
 
     group = TrainerRanks(lora_spec(tiny_model_path, parallel={
-        "world_size": 2, "dp_size": 2, "activation_checkpointing": True}))
+        "dp_size": 2, "activation_checkpointing": True}))
     try:
         full, adapter, wrapped = ray.get([w.__ray_call__.remote(names) for w in group.workers])[0]
     finally:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from molt.driver.compose import compose
 from molt.plan.arch import Arch, arch_from_config, arch_of, param_count
 from molt.plan.memory import CUDA_RESERVE_GIB, GIB, engine_estimate, trainer_estimate
 from molt.spec import RunSpec, SpecError
-from molt.spec.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 # h 16, 2 layers, 2 query heads and 1 key/value head of 8, MLP 32, vocabulary 100, untied
@@ -27,7 +27,7 @@ SMALL = dict(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim
 def small_spec(**parallel) -> RunSpec:
     return RunSpec.model_validate({
         "model": {"path": "org/small", "arch": SMALL, "dtype": "bfloat16", "max_model_len": 64},
-        "parallel": {"device": "cuda", "nodes": 1, "world_size": 2, "dp_size": 2, **parallel},
+        "parallel": {"device": "cuda", "nodes": 1, "dp_size": 2, **parallel},
         "rollout": {"max_tokens": 16, "samples_per_prompt": 4},
         "agent": {"max_total_tokens": 48},
         "train": {"prompts_per_step": 2, "micro_batch_size": 4, "eval_every": 0},

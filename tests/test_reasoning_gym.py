@@ -11,8 +11,8 @@ import reasoning_gym
 
 from molt.agents.env import State
 from molt.agents.reasoning_gym_env import ReasoningGymEnv, main, task_rows
+from molt.driver.sft_data import load_conversations
 from molt.inputs.data import PromptDataset
-from molt.inputs.sft_data import load_conversations
 from molt.spec import DataSpec
 
 CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],

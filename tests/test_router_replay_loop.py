@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
+from molt.driver.compose import compose
 from molt.driver.metrics import load_rollouts
-from molt.spec.config import compose
 
 pytestmark = pytest.mark.timeout(300)
 

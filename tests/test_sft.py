@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from molt.agents.render import encode, render
-from molt.inputs.sft_data import load_conversations, sft_batch, tokenize_conversation, tokenize_rows
+from molt.driver.sft_data import load_conversations, sft_batch, tokenize_conversation, tokenize_rows
 from molt.spec import DataSpec, RunSpec
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
@@ -125,7 +125,7 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
     examples = [e for c in convs for e in tokenize_conversation(tok, c)]
     batch = sft_batch(examples, tok.pad_token_id, 2)
     spec = RunSpec.model_validate({
-        "model": {"path": tiny_model_path}, "parallel": {"world_size": 2, "dp_size": 2},
+        "model": {"path": tiny_model_path}, "parallel": {"dp_size": 2},
         "rollout": {"temperature": 0.5}, "algo": {"loss": {"norm": "seq"}},
         "train": {"objective": "sft", "micro_batch_size": 2, "lr": 1e-4, "prompts_per_step": 7}})
     group = TrainerRanks(spec)
@@ -151,9 +151,9 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
 
 
 def test_sft_spec_plan_inputs_and_refusals() -> None:
+    from molt.driver.compose import compose
     from molt.driver.launch import check_inputs, describe_plan
     from molt.spec import SpecError
-    from molt.spec.config import compose
 
     spec = compose(["+experiment=rg_sft"])
     plan = describe_plan(spec)

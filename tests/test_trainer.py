@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 def make_spec(path: str, ws: int = 1, mbs: int = 4, lr: float = 1e-3, **train) -> RunSpec:
     return RunSpec.model_validate({
         "model": {"path": path},
-        "parallel": {"world_size": ws, "dp_size": ws},
+        "parallel": {"dp_size": ws},
         "rollout": {"samples_per_prompt": 8, "max_tokens": 8, "temperature": 0.7},
         "train": {"prompts_per_step": 1, "micro_batch_size": mbs, "lr": lr, "steps": 4, **train},
     })
@@ -201,7 +201,7 @@ def test_tensor_parallel_with_optimizer_offload_equals_one_process(ray_session, 
     batches = [batch_of(s) for s in range(2)]
     base = make_spec(tiny_model_path, mbs=64, lr=1e-4)
     ref_losses, ref_weights = reference_run(tiny_model_path, batches, base)
-    layout = dict(world_size=2, dp_size=1, tp_size=2, offload="optimizer")
+    layout = dict(dp_size=1, tp_size=2, offload="optimizer")
     group = TrainerRanks(base.model_copy(update={"parallel": base.parallel.model_copy(update=layout)}))
     logp = group.logprobs(batches[0])
     metrics = [group.update(b) for b in batches]
@@ -246,7 +246,7 @@ def test_model_dtype_is_autocast_wherever_fsdp_does_not_cast() -> None:
     for (device, ws), dtype in want.items():
         for model_dtype in ("bfloat16", "float32"):
             spec = RunSpec.model_validate({"model": {"dtype": model_dtype},
-                                           "parallel": {"device": device, "world_size": ws, "dp_size": ws}})
+                                           "parallel": {"device": device, "dp_size": ws}})
             assert autocast_dtype(spec) == (dtype if model_dtype == "bfloat16" else None), (device, ws)
 
 

@@ -25,7 +25,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12}
 def moe_spec(path: str, ws: int = 1, **model) -> RunSpec:
     return RunSpec.model_validate({
         "model": {"path": path, "router_replay": True, "max_model_len": 256, **model},
-        "parallel": {"world_size": ws, "dp_size": ws},
+        "parallel": {"dp_size": ws},
         # 40 KB refit chunks: the experts (128 KB per layer in bf16), the embedding (80 KB) and the wire's
         # payloads are all split, so the refit tests below run the ranged gathers of 2 FSDP ranks
         "rollout": {"samples_per_prompt": 4, "max_tokens": 8, "temperature": 1.0, "refit_chunk_mb": 0.04,

@@ -144,7 +144,7 @@ def test_images_through_both_wires_reach_the_engine(vlm_engine, vlm_spec, vlm_pa
         {"type": "image", "image": first}, {"type": "text", "text": "angle?"}]}])[0], "label": None}
     for agent in (OpenAIImages, AnthropicImages):
         spec = vlm_spec.model_copy(deep=True)
-        spec.agent.kind, spec.agent.max_turns = "chat", 2
+        spec.agent.max_turns = 2
         runner, sampler = ChatAgentRunner(agent), ImageSampler(vlm_engine)
         runner.setup(tok, spec)
         try:
@@ -247,10 +247,11 @@ def test_three_step_vlm_run_trains_and_its_dump_replays(tmp_path, ray_session) -
     replaying step 1's dump on the initial weights reproduces its loss and gradient norm."""
     import json
 
+    from molt.driver.compose import compose
     from molt.driver.loop import train
     from molt.driver.metrics import load_rollouts
     from molt.driver.replay import replay
-    from molt.spec.config import compose, spec_yaml
+    from molt.spec.config import spec_yaml
 
     # A random-init model answers no diagram, so every advantage is 0; the entropy bonus gives the steps
     # a gradient, so the weights move and every refit is checked by the next step's mismatch.

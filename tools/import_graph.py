@@ -4,9 +4,11 @@
     python tools/import_graph.py --modules  # every module-level edge as well
 
 A module's floor is 0 when it imports nothing of Molt and one more than the highest floor it imports
-otherwise (imports inside functions count: they still make one file depend on another). The wings
-(agents, rollout, trainer, algo) meet only through the contract and never import each other;
-tests/test_codebase.py checks that with `wing_crossings`.
+otherwise (imports inside functions count: they still make one file depend on another; a deprecated
+alias in a module-level __getattr__ does not, see DEPRECATED_ALIASES). The wings (agents, rollout,
+trainer, algo) meet only through the contract and never import each other; the spec imports none of
+them nor plan/ nor inputs/, so no two folders import each other: tests/test_codebase.py checks both
+with `wing_crossings` and `circles`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,18 @@ ORCHESTRATION = ("driver", "sft")
 # one and on an entry that no longer happens.
 KNOWN_CROSSINGS = {
     "molt.trainer.worker -> molt.algo": "the trainer rank computes the losses algo/ defines (pure tensor "
-                                        "functions chosen by name, the way the spec names them)",
+                                        "functions chosen by name, the way the spec names them) and loads "
+                                        "algo.plugins into its own registries",
+}
+
+
+# Old import paths of names that moved up, kept by a module-level __getattr__ that warns; only these
+# modules' __getattr__ imports are left out of the graph (a lazy import anywhere else is an edge).
+DEPRECATED_ALIASES = {
+    "molt.spec.config": "to_spec and compose moved to molt.driver.compose (they check the plans and "
+                        "algo/'s registries)",
+    "molt.spec.plugins": "load_plugins moved to molt.algo.plugins (it checks names against algo/'s "
+                         "registries)",
 }
 
 
@@ -38,14 +51,23 @@ def module_name(path: Path) -> str:
 def imports(path: Path, modules: set[str]) -> set[str]:
     """The Molt modules `path` imports anywhere in its body (`from a import b` counts a.b if a module)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    own = module_name(path) if path.resolve().is_relative_to(REPO) else ""
+    if own in DEPRECATED_ALIASES:   # the alias points where the names moved: not this module's dependency
+        tree.body = [node for node in tree.body if getattr(node, "name", None) != "__getattr__"]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
-    own = module_name(path) if path.resolve().is_relative_to(REPO) else ""
     return {name for name in found if name in modules and name != own}
+
+
+def has_alias(module: str) -> bool:
+    """Whether `module` defines a module-level __getattr__."""
+    path = REPO / (module.replace(".", "/") + ".py")
+    return any(getattr(node, "name", None) == "__getattr__" for node in ast.parse(path.read_text()).body)
 
 
 def graph() -> dict[str, set[str]]:

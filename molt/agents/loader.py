@@ -12,8 +12,8 @@ from molt.spec.plugins import import_user_module
 def load_agent_runner(agent: AgentSpec) -> Any:
     """Import `agent.module` (a dotted module or a .py path) and return its `AgentRunner`.
 
-    Errors name the module and what is wrong: unreadable, no `AgentRunner`, not a runner, or a runner of
-    another kind than `agent.kind`.
+    Errors name the module and what is wrong: unreadable, no `AgentRunner`, or not a runner. The runner's
+    `kind` (env or chat) is the agent's kind: the spec has no key for it.
     """
     name = agent.module
     try:
@@ -27,7 +27,4 @@ def load_agent_runner(agent: AgentSpec) -> Any:
     if not isinstance(runner, Runner):
         raise TypeError(f"{name}.AgentRunner is a {type(runner).__name__}, not a StepEnvRunner or "
                         "ChatAgentRunner")
-    if runner.kind != agent.kind:
-        raise ValueError(f"{name}.AgentRunner is a {type(runner).__name__} (kind '{runner.kind}') but "
-                         f"agent.kind='{agent.kind}'")
     return runner

@@ -13,10 +13,10 @@ import json
 import re
 from typing import Any
 
+from molt.spec.agent import TOOLS_KEY, check_tools
 from molt.trajectory import AgentError
 
 FORCEABLE_PARSERS = ("hermes",)   # parsers that read the markup `forced_call_regex` writes
-TOOLS_KEY = "tools"   # a dataset row's tool schemas (RL prompts and SFT conversations alike)
 ERROR_PREFIX = "error:"   # a tool message that starts with it reports a failed call (agent/tool_errors)
 
 # Every value these allow is valid JSON: no leading zeros (`01` is not a JSON number, and a parser that
@@ -50,26 +50,6 @@ def forced_call_regex(tool: dict[str, Any]) -> str:
         fields.append(_lit(json.dumps(name) + ": ") + value)
     head = _lit('<tool_call>{"name": ' + json.dumps(fn["name"]) + ', "arguments": {')
     return head + ", ".join(fields) + _lit("}}</tool_call>")
-
-
-def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
-    """`tools` if it is a list of OpenAI function schemas with distinct names, else a ValueError naming
-    `where` (agent.tools, or a dataset row)."""
-    if not isinstance(tools, list):
-        raise ValueError(f"{where} must be a list of tool schemas, got {type(tools).__name__}")
-    names = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
-                and isinstance(fn.get("name"), str) and isinstance(fn.get("parameters", {}), dict)):
-            raise ValueError(f"{where}[{i}] is not an OpenAI function schema "
-                             '{"type": "function", "function": {"name": ..., "parameters": {...}}}: '
-                             f"{json.dumps(tool)[:200]}")
-        names.append(fn["name"])
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"{where} names the tool(s) {twice} more than once")
-    return tools
 
 
 def offered_tools(agent_tools: list[dict[str, Any]], item: dict) -> list[dict[str, Any]]:

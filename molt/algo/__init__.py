@@ -13,6 +13,8 @@ looks functions up by name and never branches on the algorithm:
     KL_ESTIMATORS     algo.kl.estimator       -> per-token KL
     FILTERS           algo.filters.<name>     -> rollout filter (apply_filters)
     REWARD_TRANSFORMS algo.reward.<key>       -> reward transform after the filters (shape_rewards)
+
+`load_plugins` imports `algo.plugins` into them and checks the spec's names against them.
 """
 
 from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, gap_metrics, gap_sums, importance_weights
@@ -32,6 +34,7 @@ from molt.algo.groups import group_mean, group_sum, rollout_sum, to_tokens, toke
 from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_k1, kl_k2, kl_k3, with_kl_coef
 from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, token_scale, value_loss
 from molt.algo.masked import masked_max, masked_mean, masked_sum, masked_whiten
+from molt.algo.plugins import load_plugins
 from molt.algo.rewards import REWARD_TRANSFORMS, shape_rewards
 from molt.algo.surrogates import POLICY_LOSSES
 
@@ -40,7 +43,8 @@ __all__ = [
     "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "TURN_CREDIT", "Advantages", "EstimatorInputs",
     "adaptive_kl_coef", "apply_filters", "compute_advantages", "gap_metrics", "gap_sums", "group_mean",
     "group_sum",
-    "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "loss_normalizer", "masked_max",
+    "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "load_plugins", "loss_normalizer",
+    "masked_max",
     "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards",
     "rollout_sum", "sft_loss", "shape_rewards", "to_tokens", "token_gae", "token_scale", "value_loss",
     "with_kl_coef",

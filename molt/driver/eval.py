@@ -108,8 +108,8 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from molt.driver.compose import compose
     from molt.spec import SpecError
-    from molt.spec.config import compose
 
     overrides = sys.argv[1:] if argv is None else argv
     try:

@@ -57,7 +57,7 @@ def export_checkpoint(checkpoint: Path) -> Path:
 
     spec = run_spec_of(checkpoint).model_copy(deep=True)
     par = spec.parallel   # one rank holds the whole model; DCP reshards whatever layout was saved
-    par.world_size = par.dp_size = par.tp_size = par.cp_size = par.ep_size = par.nodes = 1
+    par.dp_size = par.tp_size = par.ep_size = par.nodes = 1
     par.offload, par.trainer_nodes = "none", None
     environ = dict(os.environ)   # the rank sets torch.distributed's variables; the caller keeps its own
     worker = TrainerWorker(spec, "policy", 0, model_path(spec))

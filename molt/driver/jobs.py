@@ -15,8 +15,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from molt.driver.compose import to_spec
 from molt.spec import RunSpec, SpecError
-from molt.spec.config import compose_config, spec_yaml, to_spec
+from molt.spec.config import compose_config, spec_yaml
 
 
 @dataclass

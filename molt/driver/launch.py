@@ -10,9 +10,9 @@ from molt.spec import RunSpec, spec_warnings
 log = logging.getLogger("molt")
 
 
-def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
+def describe_plan(spec: RunSpec, nodes: list[dict] | None = None, agent_kind: str | None = None) -> str:
     """What the launcher places where, in words (printed by `run.dry_run=true` and at every start);
-    `nodes` (the bound Ray nodes) adds each plan node's address."""
+    `nodes` (the bound Ray nodes) adds each plan node's address, `agent_kind` (check_inputs') the agent's."""
     from molt.plan import memory
     from molt.plan.placement import describe
 
@@ -25,10 +25,10 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
     lines = [
         f"run '{spec.run.name}' -> {spec.run.dir or '(dry run: no run directory)'}",
         f"ray: {where}",
-        f"engines: {e.num_engines} x vLLM (tp={e.tp_size}, dp={e.dp_size}, expert_parallel="
-        f"{e.enable_expert_parallel}) = {e.num_engines * e.tp_size * e.dp_size} {unit}(s)",
-        f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} tp={p.tp_size} cp={p.cp_size} "
-        f"ep={p.ep_size}] {sharding} on {p.device}, offload={p.offload}",
+        f"engines: {e.num_engines} x vLLM (tp={e.tp_size}, expert_parallel={e.enable_expert_parallel}) = "
+        f"{e.num_engines * e.tp_size} {unit}(s)",
+        f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} tp={p.tp_size} ep={p.ep_size}] {sharding} "
+        f"on {p.device}, offload={p.offload}",
     ]
     if spec.model.critic:
         lines.append(f"critic: {p.world_size} rank(s), same layout")
@@ -42,20 +42,21 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None) -> str:
         return "\n".join([*lines, f"sft: {spec.train.steps} steps x {spec.train.prompts_per_step} "
                                    "conversations"])
     lines += [
-        f"agent: {spec.agent.kind} from {spec.agent.module}",
+        f"agent: {agent_kind + ' from ' if agent_kind else ''}{spec.agent.module}",
         f"loop: {spec.rollout.mode}, {spec.train.steps} steps x {spec.train.prompts_per_step} prompts x "
         f"{spec.rollout.samples_per_prompt} samples, estimator={spec.algo.estimator}",
     ]
     return "\n".join(lines)
 
 
-def check_inputs(spec: RunSpec) -> None:
+def check_inputs(spec: RunSpec) -> str | None:
     """Load the data files, import the algorithm plugins and the agent module, and refuse `model.lora` on a
-    model the engines cannot serve adapters for, so a bad path, name or model fails before anything starts."""
+    model the engines cannot serve adapters for, so a bad path, name or model fails before anything starts.
+    Returns the agent's kind (its runner's: env or chat), None for SFT (no agent runs)."""
     from molt.agents import load_agent_runner
+    from molt.algo import load_plugins
+    from molt.driver.sft_data import load_conversations
     from molt.inputs.data import PromptDataset, load_eval_sets
-    from molt.inputs.sft_data import load_conversations
-    from molt.spec.plugins import load_plugins
 
     load_plugins(spec)
     check_expert_dispatch(spec)
@@ -63,10 +64,10 @@ def check_inputs(spec: RunSpec) -> None:
     if spec.train.objective == "sft":   # conversations; no agent runs
         for path in (spec.data.train_path, *spec.data.eval):
             load_conversations(path, spec.data)
-        return
+        return None
     PromptDataset(spec.data.train_path, spec.data)
     load_eval_sets(spec.data)
-    load_agent_runner(spec.agent)
+    kind = load_agent_runner(spec.agent).kind
     # The loop starts its engines one by one (start_engine), which skips start_engines' check_lora; the
     # guard keeps a run without LoRA (a dry run too) from resolving, and so building, the model here.
     if spec.model.lora.rank:
@@ -74,6 +75,7 @@ def check_inputs(spec: RunSpec) -> None:
         from molt.rollout.engine_args import check_lora
 
         check_lora(model_path(spec), spec.model)
+    return kind
 
 
 # Without DeepEP, AutoModel's MoE dispatcher all-gathers every token of the expert-parallel group onto every
@@ -101,17 +103,16 @@ def dry_run(spec: RunSpec) -> str:
     (`python -m molt` answers a dry run without Hydra's app, which would create the run directory)."""
     for warning in spec_warnings(spec):
         log.warning(warning)
-    check_inputs(spec)
-    return describe_plan(spec)
+    return describe_plan(spec, agent_kind=check_inputs(spec))
 
 
 def launch(spec: RunSpec) -> dict[str, float]:
     """Validate-time checks done; place everything and run the loop. Returns the last step's metrics."""
     for warning in spec_warnings(spec):
         log.warning(warning)  # console and the run directory's log file
-    check_inputs(spec)
+    agent_kind = check_inputs(spec)
     if spec.run.dry_run:
-        print(describe_plan(spec))
+        print(describe_plan(spec, agent_kind=agent_kind))
         return {}
     import ray
 
@@ -122,7 +123,7 @@ def launch(spec: RunSpec) -> dict[str, float]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_ray(spec)
     try:
-        print(describe_plan(spec, bind(spec)))   # the cluster holds the plan: now actors may start
+        print(describe_plan(spec, bind(spec), agent_kind))   # the cluster holds the plan: actors may start
         return (train_sft if spec.train.objective == "sft" else train_rl)(spec)
     finally:
         ray.shutdown()

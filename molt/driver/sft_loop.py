@@ -1,6 +1,6 @@
 """Supervised fine-tuning on the RL trainer: `python -m molt.sft +experiment=NAME` (train.objective=sft).
 
-    setup      model path → tokenizer → conversations → examples (molt/inputs/sft_data.py) → policy ranks
+    setup      model path → tokenizer → conversations → examples (molt/driver/sft_data.py) → policy ranks
     each step  train.prompts_per_step examples (seeded, resumable epochs) → sorted by length, dealt to
                the data-parallel ranks → policy.update: token-mean NLL on the assistant tokens
                (molt.algo.sft_loss) through the same micro-batching and global normalization as RL
@@ -25,8 +25,8 @@ from molt.driver.checkpoints import (
     save_checkpoint,
 )
 from molt.driver.metrics import RunLogger
+from molt.driver.sft_data import Example, load_conversations, sft_batch, tokenize_rows
 from molt.inputs.data import PromptIterator
-from molt.inputs.sft_data import Example, load_conversations, sft_batch, tokenize_rows
 from molt.plan.models import model_path
 from molt.spec import RunSpec, eval_names
 from molt.trainer.ranks import TrainerRanks

@@ -8,45 +8,15 @@ is not on disk before its first download). molt/plan/memory.py sizes every role'
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from molt.spec.model import ARCH_KEYS, Arch
 
 if TYPE_CHECKING:
     from molt.spec import RunSpec
 
 
-@dataclass(frozen=True)
-class Arch:
-    """The architecture numbers a memory estimate needs, named like tiny-model options (HF config keys in
-    `HF_KEYS`). MLA attention (DeepSeek) when kv_lora_rank > 0; MoE when num_experts > 0."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: int = 0
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    num_shared_experts: int = 0
-    first_dense_layers: int = 0
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    mtp_layers: int = 0
-    weight_bits: int = 0          # a quantized checkpoint's bits per weight (FP8: 8), served so by vLLM
-    vision_layers: int = 0
-    vision_hidden_size: int = 0
-    vision_intermediate_size: int = 0
-
-
-ARCH_KEYS = [f.name for f in fields(Arch)]
 HF_KEYS = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
            "num_key_value_heads": "num_kv_heads", "n_routed_experts": "num_experts",
            "num_local_experts": "num_experts",

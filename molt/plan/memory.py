@@ -92,7 +92,7 @@ def scored_tokens(spec: RunSpec, role: str, tokens: int, vocab: int) -> int:
     which score in chunks (molt/trainer/model.py `chunkable`: not under tensor or context parallel); the
     whole micro-batch for the critic's value head and those layouts."""
     par = spec.parallel
-    if role == "critic" or par.tp_size > 1 or par.cp_size > 1:
+    if role == "critic" or par.tp_size > 1:
         return tokens
     return min(tokens, chunk_tokens(spec, vocab))
 
@@ -134,7 +134,7 @@ def trainer_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
     c = DTYPE_BYTES[spec.model.dtype]
     trained = role != "reference"
     params, experts = param_count(a)
-    shard = par.world_size                # FSDP over dp x cp and TP split every weight; EP splits experts
+    shard = par.world_size                # FSDP over dp and TP split every weight; EP splits experts
     on_host = {"none": [], "optimizer": ["optimizer"], "full": ["optimizer", "grads", "params"]}[par.offload]
     # a frozen vision tower has no gradients and no optimizer state
     trainable = params - (vision_params(a) if spec.model.freeze_vision else 0)
@@ -244,11 +244,10 @@ def _trainer_fixes(spec: RunSpec, role: str, a: Arch, limit: float) -> list[str]
         tries.append((f"train.micro_batch_size={size}", {"train": {"micro_batch_size": size}}))
     samples = train.prompts_per_step * (spec.rollout.samples_per_prompt if train.objective == "rl" else 1)
     for factor in (2, 4):
-        ws = par.world_size * factor
-        if samples % (par.dp_size * factor):   # the spec needs whole rows per data-parallel rank
+        dp = par.dp_size * factor
+        if samples % dp:   # the spec needs whole rows per data-parallel rank
             continue
-        tries.append((f"{ws} ranks (parallel.world_size=dp_size={ws})",
-                      {"parallel": {"world_size": ws, "dp_size": par.dp_size * factor}}))
+        tries.append((f"{dp * par.tp_size} ranks (parallel.dp_size={dp})", {"parallel": {"dp_size": dp}}))
     fixes = []
     for words, change in tries:
         other = spec.model_copy(update={k: getattr(spec, k).model_copy(update=v) for k, v in change.items()})

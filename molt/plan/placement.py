@@ -48,9 +48,9 @@ def engine_groups(spec: RunSpec) -> list[tuple[str, int, int]]:
     if spec.train.objective != "rl":
         return []
     eng, judge = spec.rollout.engine, spec.agent.judge
-    groups = [("engine", eng.num_engines, eng.tp_size * eng.dp_size)]
+    groups = [("engine", eng.num_engines, eng.tp_size)]
     if judge.path and not judge.url:
-        groups.append(("judge", judge.engine.num_engines, judge.engine.tp_size * judge.engine.dp_size))
+        groups.append(("judge", judge.engine.num_engines, judge.engine.tp_size))
     return groups
 
 
@@ -109,7 +109,7 @@ def cpu_threads(spec: RunSpec, role: str, index: int, engines_idle: bool = False
     slots = plan(spec)
     # a role the spec does not plan (a critic built for a test, a judge) counts as alone on node 0
     me = next((s for s in slots if s.role == role and s.index == index), Slot(role, index, 0, 0))
-    workers = spec.rollout.engine.tp_size * spec.rollout.engine.dp_size
+    workers = spec.rollout.engine.tp_size
     engines = workers * sum(s.role == "engine" and s.node == me.node for s in slots)
     trainer_role = "policy" if role == "engine" else role
     ranks = sum(s.role == trainer_role and s.node == me.node for s in slots)

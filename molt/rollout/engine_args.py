@@ -35,7 +35,7 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
         trust_remote_code=model.trust_remote_code,
         seed=seed,
         tensor_parallel_size=eng.tp_size,
-        data_parallel_size=eng.dp_size,
+        data_parallel_size=1,   # one replica per engine actor: its one engine core runs in-process
         enable_expert_parallel=eng.enable_expert_parallel,
         enforce_eager=eng.enforce_eager,
         enable_prefix_caching=eng.enable_prefix_caching,
@@ -70,7 +70,7 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
         # requests kept across a refit) makes vLLM rewind its sampler's generator, which a CPU generator
         # cannot do: the engine core dies ("CPU Generator does not use offset"). Never split a prefill.
         kwargs["enable_chunked_prefill"] = False
-        if eng.tp_size * eng.dp_size == 1:
+        if eng.tp_size == 1:
             kwargs["distributed_executor_backend"] = "uni"
     else:
         kwargs["gpu_memory_utilization"] = eng.gpu_memory_utilization
@@ -95,7 +95,7 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
     # vLLM's engine core in the actor's process, which drives it (molt/rollout/engine.py).
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if device == "cuda":
-        return {"num_cpus": ENGINE_CPUS[device], "num_gpus": engine.tp_size * engine.dp_size,
+        return {"num_cpus": ENGINE_CPUS[device], "num_gpus": engine.tp_size,
                 "max_concurrency": 10_000, "runtime_env": {"env_vars": in_process}}
     env = {**in_process, "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}

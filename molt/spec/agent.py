@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from molt.spec.rollout import EngineSpec
 from molt.spec.strict import Strict
+
+TOOLS_KEY = "tools"   # a dataset row's tool schemas (RL prompts and SFT conversations alike)
+
+
+def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
+    """`tools` if it is a list of OpenAI function schemas with distinct names, else a ValueError naming
+    `where` (agent.tools, or a dataset row). The shape of a tool list is the spec's (agent.tools is a key);
+    the agents check each row's `tools` with it as well (molt.agents.tools.offered_tools)."""
+    if not isinstance(tools, list):
+        raise ValueError(f"{where} must be a list of tool schemas, got {type(tools).__name__}")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and isinstance(fn.get("parameters", {}), dict)):
+            raise ValueError(f"{where}[{i}] is not an OpenAI function schema "
+                             '{"type": "function", "function": {"name": ..., "parameters": {...}}}: '
+                             f"{json.dumps(tool)[:200]}")
+        names.append(fn["name"])
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{where} names the tool(s) {twice} more than once")
+    return tools
 
 
 class JudgeSpec(Strict):
@@ -43,9 +67,9 @@ class JudgeSpec(Strict):
 
 class AgentSpec(Strict):
     module: str = Field("examples/agents/repeat.py",
-                        description="dotted module or .py file that exports AgentRunner")
-    kind: Literal["env", "chat"] = Field(
-        "env", description="env: Molt runs the LLM loop; chat: the agent calls the OpenAI/Anthropic SDK")
+                        description="dotted module or .py file that exports AgentRunner: StepEnvRunner(an "
+                        "Env; Molt runs the LLM loop) or ChatAgentRunner(a ChatAgent; it calls the "
+                        "OpenAI/Anthropic SDK)")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the agent unchanged")
     tool_parser: str = Field("hermes", description="vLLM tool parser reading the policy's tool calls (chat "
                              "server and Env)")
@@ -70,7 +94,5 @@ class AgentSpec(Strict):
     @field_validator("tools")
     @classmethod
     def _function_schemas(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from molt.agents.tools import check_tools
-
         check_tools(value, "agent.tools")
         return value

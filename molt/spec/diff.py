@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from molt.spec import RunSpec, SpecError, Strict, validate_spec
-from molt.spec.config import GROUPS, choices_of, compose_config, spec_yaml, to_spec
+from molt.spec.config import GROUPS, choices_of, compose_config, spec_yaml, validate_config
 
 SIDE = "_molt_diff_side"   # the name an experiment file gets while it is composed
 ABSENT = "<absent>"
@@ -49,12 +49,12 @@ def _compose(label: str, overrides: list[str], text: str | None = None, name: st
     """Compose overrides (plus an experiment file's text, shown as experiment `name`) into a Side."""
     if text is None:
         cfg = compose_config(overrides, config_dir)
-        return Side(label, to_spec(cfg), choices_of(cfg))
+        return Side(label, validate_config(cfg), choices_of(cfg))
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "experiment").mkdir()
         (Path(tmp) / "experiment" / f"{SIDE}.yaml").write_text(text, encoding="utf-8")
         cfg = compose_config([f"+experiment={SIDE}", *overrides], config_dir, Path(tmp))
-        return Side(label, to_spec(cfg), choices_of(cfg) | {"experiment": name})
+        return Side(label, validate_config(cfg), choices_of(cfg) | {"experiment": name})
 
 
 def _run_spec(label: str, text: str, run_dir: Path | None, overrides: list[str]) -> Side:

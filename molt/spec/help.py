@@ -14,7 +14,7 @@ from importlib.resources import files
 from typing import Any, Literal, Union, get_args, get_origin
 
 from molt.spec import RunSpec, SpecError, Strict, unknown_key_message
-from molt.spec.config import GROUPS, choices_of, compose_config, to_spec
+from molt.spec.config import GROUPS, choices_of, compose_config, validate_config
 from molt.spec.diff import leaves, show
 
 USAGE = """\
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
         if prefix and unknown_key_message(prefix):
             raise SpecError(unknown_key_message(prefix))
         cfg = compose_config(overrides)
-        spec = to_spec(cfg)
+        spec = validate_config(cfg)
     except SpecError as err:
         print(f"molt: {err}", file=sys.stderr)
         return 2

@@ -3,11 +3,46 @@ LoRA."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from molt.spec.strict import Strict
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The keys of `model.arch`: the architecture numbers a memory estimate needs (molt/plan/arch.py reads
+    them from a config.json or the tiny model's options), named like tiny-model options (HF config keys in
+    molt.plan.arch.HF_KEYS). MLA attention (DeepSeek) when kv_lora_rank > 0; MoE when num_experts > 0."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0
+    weight_bits: int = 0          # a quantized checkpoint's bits per weight (FP8: 8), served so by vLLM
+    vision_layers: int = 0
+    vision_hidden_size: int = 0
+    vision_intermediate_size: int = 0
+
+
+ARCH_KEYS = [f.name for f in fields(Arch)]
 
 
 class LoRASpec(Strict):
@@ -50,14 +85,12 @@ class ModelSpec(Strict):
     lora: LoRASpec = Field(default_factory=LoRASpec, description="LoRA adapters instead of full fine-tuning")
     arch: dict[str, int] = Field(
         default_factory=dict, description="architecture numbers of a hub model for the memory estimate "
-        "(molt/plan/arch.py Arch: hidden_size, num_layers, ...; from its config.json); a local folder's "
+        "(molt.spec.model.Arch: hidden_size, num_layers, ...; from its config.json); a local folder's "
         "config.json and the tiny model's options are read instead")
 
     @field_validator("arch")
     @classmethod
     def _arch_keys(cls, value: dict[str, int]) -> dict[str, int]:
-        from molt.plan.arch import ARCH_KEYS
-
         unknown = sorted(set(value) - set(ARCH_KEYS))
         if unknown:
             raise ValueError(f"model.arch.{unknown[0]}: unknown; the keys are {', '.join(ARCH_KEYS)}")

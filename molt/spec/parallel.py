@@ -21,12 +21,9 @@ class ParallelSpec(Strict):
     gpus_per_node: int = Field(8, ge=1, description="cuda: GPUs on each node; the plan must fit nodes x this")
     trainer_nodes: int | None = Field(
         None, description="K: nodes 0..K-1 train, the others generate; null: all roles share every node")
-    world_size: int = Field(1, ge=1, description="trainer ranks; equals dp_size*tp_size*cp_size")
     dp_size: int = Field(1, ge=1, description="data-parallel ranks (FSDP2 shards over them)")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (a power of two)")
-    cp_size: int = Field(1, ge=1, description="context-parallel ranks (a power of two; > 1 is refused)")
-    ep_size: int = Field(1, ge=1, description="MoE expert-parallel ranks; divides dp_size*cp_size (power "
-                         "of 2)")
+    ep_size: int = Field(1, ge=1, description="MoE expert-parallel ranks; divides dp_size (power of 2)")
     offload: Literal["none", "optimizer", "full"] = Field(
         "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
@@ -38,35 +35,32 @@ class ParallelSpec(Strict):
         "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
         "take them all while no rollout generates); 1 where other jobs keep the cores busy")
 
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks per role: the data-parallel replicas times the tensor-parallel ranks of each."""
+        return self.dp_size * self.tp_size
+
     @model_validator(mode="after")
     def _sizes(self) -> ParallelSpec:
-        for name in ("tp_size", "cp_size", "ep_size"):
+        for name in ("tp_size", "ep_size"):
             _power_of_two(name, getattr(self, name))
-        product = self.dp_size * self.tp_size * self.cp_size
-        if product != self.world_size:
-            raise ValueError(f"dp_size*tp_size*cp_size = {self.dp_size}*{self.tp_size}*{self.cp_size} = "
-                             f"{product} must equal world_size={self.world_size}")
-        if (self.dp_size * self.cp_size) % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide dp_size*cp_size="
-                             f"{self.dp_size * self.cp_size} (experts shard over data-parallel ranks)")
+        if self.dp_size % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide dp_size={self.dp_size} (experts shard over "
+                             "data-parallel ranks)")
         _check_parallel(self)
         return self
 
 def _check_parallel(par: ParallelSpec) -> None:
     """Refuse the layouts the trainer cannot run, with the reason (docs/parallelism.md)."""
-    if par.cp_size > 1:
-        raise ValueError("cp_size > 1 is not supported: the trainer does not shard sequences, and torch's "
-                         "context parallel has no CPU path to test it on (aten._scaled_dot_product_flash_"
-                         "attention_for_cpu has no sharding strategy)")
     if par.ep_size > 1 and par.device == "cpu":
         raise ValueError("ep_size > 1 needs parallel.device=cuda: AutoModel shards experts only in its own "
                          "MoE model classes, which call torch.cuda.current_device() when built; the CPU "
                          "trainer loads the Hugging Face classes, on which AutoModel's expert parallel "
                          "raises")
     if par.offload == "full" and par.world_size == 1:
-        raise ValueError("offload=full needs world_size > 1: with one rank AutoModel does not wrap the model "
-                         "in FSDP2, whose CPUOffloadPolicy is what moves parameters to the host; use "
-                         "offload=optimizer")
+        raise ValueError("offload=full needs world_size = dp_size*tp_size > 1: with one rank AutoModel does "
+                         "not wrap the model in FSDP2, whose CPUOffloadPolicy is what moves parameters to "
+                         "the host; use offload=optimizer")
     if par.nodes < 1 or par.gpus_per_node < 1:
         raise ValueError(f"nodes={par.nodes} and gpus_per_node={par.gpus_per_node} must be >= 1")
     if par.trainer_nodes is not None and not 1 <= par.trainer_nodes < par.nodes:

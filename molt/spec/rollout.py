@@ -18,7 +18,6 @@ class EngineSpec(Strict):
     num_engines: int = Field(1, ge=1, description="vLLM engine actors (the dispatcher spreads requests over "
                              "them)")
     tp_size: int = Field(1, ge=1, description="tensor-parallel GPUs per engine")
-    dp_size: int = Field(1, description="vLLM replicas inside one engine: 1 (more: num_engines)")
     enable_expert_parallel: bool = Field(False, description="MoE: shard experts over the engine's GPUs")
     gpu_memory_utilization: float = Field(0.85, description="fraction of GPU memory vLLM may use")
     kv_cache_gib: float = Field(1.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
@@ -34,20 +33,12 @@ class EngineSpec(Strict):
     start_timeout_s: float = Field(
         600.0, gt=0, description="seconds a (re)started engine may take to come up before it counts as dead")
 
-    @field_validator("dp_size")
-    @classmethod
-    def _one_replica(cls, value: int) -> int:
-        # vLLM runs data-parallel replicas as engine cores in processes of their own; Molt's engine actor
-        # keeps its one engine core in-process (molt/rollout/engine.py).
-        if value != 1:
-            raise ValueError(f"dp_size={value}: an engine actor runs one vLLM replica; for more replicas "
-                             "raise rollout.engine.num_engines (the dispatcher balances requests over them)")
-        return value
-
 # vLLM engine arguments Molt derives from other keys (molt/rollout/engine_args.py), which
 # rollout.engine.extra_args may not override: the plan, prompt fitting and refit read those keys.
 OWNED_ENGINE_ARGS = {"model": "model.path", "tensor_parallel_size": "rollout.engine.tp_size",
-                     "data_parallel_size": "rollout.engine.dp_size", "max_model_len": "model.max_model_len",
+                     "data_parallel_size": "one vLLM replica per engine actor (more replicas: "
+                                           "rollout.engine.num_engines)",
+                     "max_model_len": "model.max_model_len",
                      "worker_extension_cls": "Molt's refit (molt/rollout/worker_extension.py)"}
 
 # The sampling a section sets for every request: one dict shape for training (`rollout.request()`) and

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 from molt.spec.agent import AgentSpec
 from molt.spec.algo import AlgoSpec, LossSpec
 from molt.spec.data import DataSpec, eval_names, pass_ks
+from molt.spec.derived import DERIVED_KEYS, drop_derived_keys
 from molt.spec.logging import LoggingSpec
 from molt.spec.model import ModelSpec
 from molt.spec.parallel import ParallelSpec
@@ -66,6 +67,11 @@ class RunSpec(Strict):
         turns (seq-mean-token-sum-norm divides by it; the overlong penalty's band sits below it)."""
         return self.rollout.max_tokens * self.agent.max_turns
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived(cls, data: Any) -> Any:
+        return drop_derived_keys(data)
+
     @model_validator(mode="after")
     def _cross_section(self) -> RunSpec:
         samples = self.train.prompts_per_step * self.rollout.samples_per_prompt
@@ -94,10 +100,6 @@ class RunSpec(Strict):
             raise ValueError(f"model.critic=true with algo.estimator={self.algo.estimator}: only gae uses a "
                              "critic's values (others return no value targets to train it on); set "
                              "model.critic=false, or algo=gae")
-        if self.algo.turn_credit == "turn" and self.agent.kind != "env":
-            raise ValueError(f"algo.turn_credit=turn with agent.kind={self.agent.kind}: a ChatAgent returns "
-                             "one reward per rollout, so there are no per-turn rewards to credit; use an "
-                             "Env, or algo.turn_credit=rollout")
         return self
 
     @model_validator(mode="after")
@@ -133,7 +135,7 @@ def _check_eval_keys(spec: RunSpec) -> None:
 
 def check_combinations(spec: RunSpec) -> None:
     """Cross-section refusals that need a reason (the placement plan is checked after validation:
-    molt.spec.config.to_spec)."""
+    molt.driver.compose.to_spec)."""
     _moe_with_expert_parallel(spec)
     _route_capture(spec)
     _speculative_decoding(spec)
@@ -342,6 +344,8 @@ def unknown_key_message(dotted: str) -> str | None:
     """None if `dotted` names a spec key (or lies inside a free-form dict), else an error with a hint."""
     if dotted in RENAMED:
         return f"'{dotted}' was renamed: use {RENAMED[dotted]}"
+    if dotted in DERIVED_KEYS:   # no longer a key: RunSpec accepts the derived value (molt/spec/derived.py)
+        return None
     model: Any = RunSpec
     parts = dotted.split(".")
     for i, part in enumerate(parts):

@@ -62,8 +62,8 @@ def distributed_setup(spec: RunSpec) -> Any:
         offload_policy=offload,
         activation_checkpointing=par.activation_checkpointing,
     )
-    sizes = ParallelismSizes(dp_size=par.dp_size, tp_size=par.tp_size, cp_size=par.cp_size,
-                             ep_size=par.ep_size)
+    # cp_size=1: the trainer does not shard sequences (molt/spec/derived.py says why)
+    sizes = ParallelismSizes(dp_size=par.dp_size, tp_size=par.tp_size, cp_size=1, ep_size=par.ep_size)
     return DistributedSetup.build(strategy=strategy, parallelism_sizes=sizes, world_size=par.world_size,
                                   activation_checkpointing=par.activation_checkpointing)
 
@@ -198,11 +198,11 @@ def _scored(scaled: torch.Tensor, targets: torch.Tensor,
 
 
 def chunkable(model: nn.Module, par: Any) -> bool:
-    """Whether `chunked_token_logprobs` may call the model's output head itself: not with tensor or context
-    parallel (hidden states are DTensors there), nor for a model that changes its logits after the head.
+    """Whether `chunked_token_logprobs` may call the model's output head itself: not with tensor parallel
+    (hidden states are DTensors there), nor for a model that changes its logits after the head.
     On several ranks every rank makes the same calls of the sharded head (`shared_chunk_count`)."""
     config = model.config.get_text_config()
-    return par.tp_size == 1 and par.cp_size == 1 and \
+    return par.tp_size == 1 and \
         model.get_output_embeddings() is not None and not any(
         getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
 

@@ -94,7 +94,7 @@ class TrainerRanks:
         rows = batch["input_ids"].shape[0]
         padded = pad_rows(batch, par.dp_size)
         per = padded["input_ids"].shape[0] // par.dp_size
-        replicas = par.tp_size * par.cp_size  # mesh order (dp, cp, tp): tp/cp ranks are consecutive
+        replicas = par.tp_size  # mesh order (dp, tp): the tp ranks of one replica are consecutive
         shards = [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
                   for r in range(par.world_size)]
         return shards, rows
@@ -102,7 +102,7 @@ class TrainerRanks:
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards, rows = self._shards(batch)
         outs = gather([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
-        replicas = self.spec.parallel.tp_size * self.spec.parallel.cp_size
+        replicas = self.spec.parallel.tp_size
         return torch.cat(outs[::replicas])[:rows]
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -23,6 +23,7 @@ from molt.algo import (
     LOSS_NORMS,
     gap_metrics,
     gap_sums,
+    load_plugins,
     loss_normalizer,
     policy_loss,
     sft_loss,
@@ -30,7 +31,6 @@ from molt.algo import (
     with_kl_coef,
 )
 from molt.spec import AlgoSpec, RunSpec
-from molt.spec.plugins import load_plugins
 from molt.trainer import rank_state, weights
 from molt.trainer.batch import image_inputs, inert_rows
 from molt.trainer.fp8 import checkpoint_fp8
@@ -216,8 +216,8 @@ class TrainerWorker:
 
     # -- training --------------------------------------------------------------------------------------
     def _replicas(self) -> int:
-        # tp/cp ranks of one data shard see the same rows: all-reduced sums count them once each
-        return self.spec.parallel.tp_size * self.spec.parallel.cp_size
+        # the tp ranks of one data shard see the same rows: all-reduced sums count them once each
+        return self.spec.parallel.tp_size
 
     def _all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -8,9 +8,9 @@ import pytest
 import ray
 from faultlib import small_spec
 
+from molt.driver.compose import compose
 from molt.driver.loop import train
 from molt.spec import SpecError
-from molt.spec.config import compose
 
 GOOD_ROW = '{"prompt": "a", "label": "a"}\n'
 

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 from molt.driver.checkpoints import find_checkpoint
-from molt.spec.config import compose, spec_yaml
+from molt.driver.compose import compose
+from molt.spec.config import spec_yaml
 
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
          "logging.plots=false", "logging.progress=false", "logging.wandb.mode=disabled",

@@ -82,7 +82,7 @@ def test_bad_requests_raise_readable_sdk_errors(tok, engine):
                                              response_format={"type": "text"})
             return Result(reward=1.0)
 
-    spec = small_spec({"kind": "chat", "max_turns": 4, "max_total_tokens": 256})
+    spec = small_spec({"max_turns": 4, "max_total_tokens": 256})
     runner = ChatAgentRunner(Prober)
     runner.setup(tok, spec)
     try:
@@ -334,7 +334,7 @@ def test_hundreds_of_concurrent_sessions_with_timeouts_and_cancellations(tok, en
                 return Result(reward=0.5)
             return Result(reward=len((await create()).choices))
 
-    spec = small_spec({"kind": "chat", "max_turns": 2, "max_total_tokens": 256, "timeout_s": 300.0},
+    spec = small_spec({"max_turns": 2, "max_total_tokens": 256, "timeout_s": 300.0},
                       rollout={"max_tokens": 4})
     runner = ChatAgentRunner(Busy)
     runner.setup(tok, spec)

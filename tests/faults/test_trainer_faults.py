@@ -78,7 +78,7 @@ def test_a_dead_rank_is_reported_as_its_death_not_as_the_survivors_error(ray_ses
     `ray.get` raises rank 0's error first (list order), which the loop would not restart from; `gather`
     raises the death (RayActorError). In a run the race goes either way (the reset can beat Ray's death
     notice); waiting for both answers makes the losing order certain here."""
-    policy = TrainerRanks(small_spec(parallel={"world_size": 2, "dp_size": 2}), "policy")
+    policy = TrainerRanks(small_spec(parallel={"dp_size": 2}), "policy")
     try:
         train_once(policy)
         os.kill(ray.get(policy.workers[1].__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
@@ -110,7 +110,7 @@ def test_a_killed_trainer_rank_resumes_from_the_last_checkpoint(ray_session, tmp
     from step 2 in new actors and finishes all 6 steps, each counted once, at the data position of 6 steps."""
     from molt.driver.loop import train
 
-    spec = small_spec(run={"dir": str(tmp_path)}, parallel={"world_size": 2, "dp_size": 2},
+    spec = small_spec(run={"dir": str(tmp_path)}, parallel={"dp_size": 2},
                       train={"steps": 6, "save_every": 2, "prompts_per_step": 2, "max_trainer_restarts": 1},
                       rollout={"engine": {"kv_cache_gib": 0.1}},
                       logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}})

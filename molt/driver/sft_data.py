@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from molt.agents.render import encode, render
-from molt.agents.tools import TOOLS_KEY
 from molt.inputs.data import read_rows
 from molt.spec import DataSpec, HubDataset
+from molt.spec.agent import TOOLS_KEY
 
 
 @dataclass

@@ -1,0 +1,63 @@
+"""Hydra composition → the RunSpec a run starts from: validated by the spec, then checked against what
+the spec names (algo/'s registries, the placement and memory plans), before Ray or any engine starts.
+
+The spec imports none of the code it configures (molt/spec/config.py composes and validates); the checks
+that need that code run here, the one step every command that runs or plans a run goes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from molt.algo import load_plugins
+from molt.plan import memory
+from molt.plan.placement import plan
+from molt.spec import RunSpec, SpecError
+from molt.spec.config import compose_config, validate_config
+
+
+def to_spec(cfg: DictConfig) -> RunSpec:
+    """Validate a composed config, then the checks that need more than the spec: `algo.plugins` imported
+    and the algorithm names found in the registries they extend; on CUDA the placement plan and its
+    memory estimate, so an over-subscribed layout or one that cannot fit a GPU's memory fails before Ray
+    starts (CPU devices are time-shared: nothing to total)."""
+    spec = validate_config(cfg)
+    try:
+        load_plugins(spec)
+        check_agent_kind(spec, OmegaConf.select(cfg, "agent.kind"))
+        if spec.parallel.device == "cuda":
+            plan(spec)
+            memory.check(spec)
+    except ValueError as err:
+        raise SpecError(f"invalid run spec: {err}") from None
+    return spec
+
+
+def check_agent_kind(spec: RunSpec, stated: str | None) -> None:
+    """The agent's kind is its module's (molt/spec/derived.py): the module is imported here only when a
+    rule needs the kind before the run imports it, an old config's `agent.kind` (the spec dropped it; it
+    must be the module's) or algo.turn_credit=turn (per-turn rewards come only from an Env)."""
+    if stated is None and spec.algo.turn_credit != "turn":
+        return
+    from molt.agents import load_agent_runner
+
+    try:
+        runner = load_agent_runner(spec.agent)
+    except (ImportError, TypeError) as err:   # the module is the user's: a one-line refusal, as at launch
+        raise ValueError(str(err)) from None
+    what = f"agent.module={spec.agent.module} is a {type(runner).__name__} (kind {runner.kind})"
+    if stated is not None and stated != runner.kind:
+        raise ValueError(f"agent.kind={stated}, but {what}: the kind is derived from agent.module; remove "
+                         "agent.kind from your config (or name a module of that kind)")
+    if spec.algo.turn_credit == "turn" and runner.kind != "env":
+        raise ValueError(f"algo.turn_credit=turn, but {what}: a ChatAgent returns one reward per rollout, "
+                         "so there are no per-turn rewards to credit; use an Env, or "
+                         "algo.turn_credit=rollout")
+
+
+def compose(overrides: Sequence[str] = ()) -> RunSpec:
+    """Compose conf/ with Hydra overrides (e.g. ["+experiment=qwen30b_tools", "train.lr=1e-5"]) and check
+    the spec as a run would."""
+    return to_spec(compose_config(overrides))
