@@ -267,10 +267,10 @@ def vlm_no_image_rank(spec: Any, timeout_s: float) -> list[str]:
         seconds = time.perf_counter() - t0
         if not thread.is_alive():
             ranks.shutdown()
-    norm = result.get("grad_norm", float("nan"))
+    norm = result.get("train/grad_norm", float("nan"))
     ok = not thread.is_alive() and not errors and math.isfinite(norm) and norm > 0
     what = ("no step within the timeout (a hang)" if thread.is_alive() else
-            f"{errors[0]}" if errors else f"loss {result.get('loss', float('nan')):.4f}, grad norm "
+            f"{errors[0]}" if errors else f"loss {result.get('train/loss', float('nan')):.4f}, grad norm "
             f"{norm:.3g}")
     return report("item5_vlm_rank_without_image", ok, f"{what}; {seconds:.1f} s (timeout {timeout_s:g} s)")
 

@@ -69,7 +69,7 @@ def train_one_step(trainer, rollouts: list, sampler, tok) -> dict:
     assert sampler.training, "train only on rollouts sampled through the TrainingSampler, as a run does"
     check_trainer_scores(trainer, rollouts, tok, sampler.calls)
     spec = RunSpec.model_validate({"train": {"micro_batch_size": 8}})
-    metrics = asyncio.run(learn(spec, rollouts, Trainers(trainer), tok.pad_token_id, 0))
+    metrics = asyncio.run(learn(spec, rollouts, Trainers(trainer, pad_id=tok.pad_token_id), 0))
     assert "train/skipped" not in metrics and metrics["rollout/failed"] == 0
     assert metrics["tokens/trained"] == sum(sum(s.loss_mask) for r in rollouts for s in r.segments)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["train/grad_norm"])

@@ -54,7 +54,7 @@ def test_a_trainer_rank_imports_the_plugins(ray_session, tmp_path):
         metrics = group.update(batch_of(0))
     finally:
         group.shutdown()
-    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
 
 
 def test_opo_end_to_end_through_config_and_registry():

@@ -97,7 +97,7 @@ def test_learn_trains_exactly_the_estimators_advantages(trainer, make, dropped, 
     spec = compose([*SMALL, "algo=grpo"])
     policy = Recording(trainer)
     batch_in = make()
-    metrics = asyncio.run(learn(spec, batch_in, Trainers(policy), 0, 0))
+    metrics = asyncio.run(learn(spec, batch_in, Trainers(policy), 0))
     [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
     kept = [r for r in batch_in if r.group_id != dropped]
     assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == rows
@@ -118,7 +118,7 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainer,
     spec = compose([*SMALL, "algo=gae", "model.critic=true", "algo.lam=0.9"])
     policy, critic = Recording(trainer), Recording(critic)
     batch_in = rollouts()
-    asyncio.run(learn(spec, batch_in, Trainers(policy, critic=critic), 0, 0))
+    asyncio.run(learn(spec, batch_in, Trainers(policy, critic=critic), 0))
     [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
     [(_, values)] = critic.calls["values"]
     [((critic_batch,), _)] = critic.calls["update"]
@@ -139,3 +139,21 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainer,
     assert torch.allclose(batch["advantages"][sampled], (advantages[sampled] - mean) / std, atol=1e-4)
     assert torch.allclose(critic_batch["returns"][sampled], returns[sampled], atol=1e-5)
     assert torch.equal(critic_batch["old_values"], values)
+
+
+def test_learn_logs_the_trainers_metrics_under_the_names_they_produce(trainer, critic):
+    """Each trainer metric is produced once, under its final name, by the rank that computes it: the
+    policy's under train/ (its trainer/engine gap under mismatch/), the critic's under critic/, and `learn`
+    merges them as they are. A loop that renamed them again (train/train/loss) or a rank that returned
+    bare names (loss) fails here."""
+    spec = compose([*SMALL, "algo=gae", "model.critic=true"])
+    policy, critic = Recording(trainer), Recording(critic)
+    metrics = asyncio.run(learn(spec, rollouts(), Trainers(policy, critic=critic), 0))
+    [(_, trained)] = policy.calls["update"]
+    [(_, critic_trained)] = critic.calls["update"]
+    assert {"train/loss", "train/grad_norm", "mismatch/max_abs"} <= trained.keys()
+    assert all(key.startswith(("train/", "mismatch/")) for key in trained), sorted(trained)
+    assert {"critic/loss", "critic/value_error"} <= critic_trained.keys()
+    assert all(key.startswith("critic/") for key in critic_trained), sorted(critic_trained)
+    both = {**trained, **critic_trained}
+    assert {key: metrics.get(key) for key in both} == both

@@ -77,9 +77,9 @@ def test_a_rank_with_small_chunks_trains_like_whole_chunks(tiny_model_path) -> N
     sampled = b["loss_mask"] > 0
     assert (logp5 - logp_all)[sampled].abs().max().item() <= 1e-6
     assert (logp5[~sampled] == 0).all()      # prompt tokens are not scored
-    assert m5["loss"] == pytest.approx(m_all["loss"], abs=1e-6)
-    assert m5["grad_norm"] == pytest.approx(m_all["grad_norm"], abs=1e-6)
-    assert m5["entropy"] == pytest.approx(m_all["entropy"], abs=1e-6)
+    assert m5["train/loss"] == pytest.approx(m_all["train/loss"], abs=1e-6)
+    assert m5["train/grad_norm"] == pytest.approx(m_all["train/grad_norm"], abs=1e-6)
+    assert m5["train/entropy"] == pytest.approx(m_all["train/entropy"], abs=1e-6)
     # AdamW's first step is lr * g / (|g| + eps): rounding in near-zero gradients shows at ~1e-6 in weights
     assert max_diff(w5, w_all) <= 1e-5
 
@@ -113,5 +113,5 @@ def test_two_ranks_with_different_chunk_counts_match_whole_logits(ray_session, t
     padded, _ = reference_run(tiny_model_path, batches, spec)
     assert float((logp - padded[0][1])[batches[0]["loss_mask"] > 0].abs().max()) <= 1e-6
     for m, (loss, _, grad_norm) in zip(metrics, padded, strict=True):
-        assert abs(m["loss"] - loss) <= 1e-6
-        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-6)
+        assert abs(m["train/loss"] - loss) <= 1e-6
+        assert m["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-6)

@@ -232,7 +232,7 @@ def test_a_loss_token_without_an_engine_version_is_refused():
         return Rollout(rollout_id=f"r{i}", group_id="g", segments=[seg], reward=float(i))
 
     with pytest.raises(RuntimeError, match=r"rollout r1 segment 0 token 2 .*refusing to train"):
-        asyncio.run(learn(compose(SMALL), [rollout(0, 0), rollout(1, NO_VERSION)], Trainers(), 0, 0))
+        asyncio.run(learn(compose(SMALL), [rollout(0, 0), rollout(1, NO_VERSION)], Trainers(), 0))
 
 
 @pytest.fixture(autouse=True)

@@ -122,10 +122,10 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
         async def rollout_fn(item: dict, group_id: str, index: int):
             return await runner.run(item, f"{group_id}-{index}", group_id, sampler)
 
-        at = await begin(spec, Trainers(policy), fleet, rollout_fn, None, refit_engines=False)
+        trainers = Trainers(policy, pad_id=tok.pad_token_id)
+        at = await begin(spec, trainers, fleet, rollout_fn, None, refit_engines=False)
         logger = RunLogger(spec)
-        steps = [await rl_step(spec, at, Trainers(policy), fleet, tok.pad_token_id, logger)
-                 for _ in range(3)]
+        steps = [await rl_step(spec, at, trainers, fleet, logger) for _ in range(3)]
         await at.pool.close()
         logger.close()
         held = await loaded(adapters)

@@ -40,8 +40,8 @@ def test_packed_equals_padded(ray_session, tiny_model_path) -> None:
     padded, _ = reference_run(tiny_model_path, batches, spec)
     assert float((logp - padded[0][1])[batches[0]["loss_mask"] > 0].abs().max()) < 1e-6
     for m, (loss, _, grad_norm) in zip(metrics, padded, strict=True):
-        assert abs(m["loss"] - loss) < 1e-6
-        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-6)
+        assert abs(m["train/loss"] - loss) < 1e-6
+        assert m["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-6)
 
 
 def test_packed_critic_values_and_entropy_equal_padded(tiny_model_path) -> None:

@@ -143,9 +143,9 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
     torch.nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=spec.train.betas, weight_decay=0.0)
     opt.step()
-    assert metrics["loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
-    assert metrics["nll"] == pytest.approx(float(loss.detach()), abs=1e-5)
-    assert metrics["tokens"] == float(mask.sum())
+    assert metrics["train/loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
+    assert metrics["train/nll"] == pytest.approx(float(loss.detach()), abs=1e-5)
+    assert metrics["train/tokens"] == float(mask.sum())
     ref = dict(model.named_parameters())
     assert max(float((weights[k] - ref[k].detach()).abs().max()) for k in weights) <= 1e-5
 

@@ -183,14 +183,14 @@ def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp
     group.shutdown()
     assert max_diff(ref_weights, weights) <= 1e-5
     for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
-        assert abs(m["loss"] - loss) < 1e-5
-        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        assert abs(m["train/loss"] - loss) < 1e-5
+        assert m["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     logp, m = ref_losses[0][1], metrics[0]
     gap = (logp - b["behaviour_logp"])[b["loss_mask"] > 0].abs()
     assert abs(m["mismatch/mean_abs"] - float(gap.mean())) < 1e-5
     assert abs(m["mismatch/max_abs"] - float(gap.max())) < 1e-5
-    assert m["lr"] == pytest.approx(1e-4) and m["tokens"] == float(b["loss_mask"].sum())
-    assert loss_normalizer(b["loss_mask"], make_spec(tiny_model_path).algo, 8) == m["tokens"]
+    assert m["train/lr"] == pytest.approx(1e-4) and m["train/tokens"] == float(b["loss_mask"].sum())
+    assert loss_normalizer(b["loss_mask"], make_spec(tiny_model_path).algo, 8) == m["train/tokens"]
 
 
 def test_tensor_parallel_with_optimizer_offload_equals_one_process(ray_session, tiny_model_path) -> None:
@@ -210,8 +210,8 @@ def test_tensor_parallel_with_optimizer_offload_equals_one_process(ray_session, 
     mask = batches[0]["attention_mask"] > 0
     assert float((logp - ref_losses[0][1])[mask].abs().max()) < 1e-5
     for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
-        assert abs(m["loss"] - loss) < 1e-5
-        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        assert abs(m["train/loss"] - loss) < 1e-5
+        assert m["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     assert max_diff(ref_weights, weights) <= 1e-5
 
 
@@ -231,8 +231,8 @@ def test_bfloat16_on_cpu_is_autocast_over_fp32_weights(tiny_model_path) -> None:
     assert float((logp - ref_losses[0][1])[mask].abs().max()) < 1e-5
     assert float((logp - fp32_logp)[mask].abs().max()) > 1e-3
     for m, (loss, _, grad_norm) in zip(metrics, ref_losses, strict=True):
-        assert abs(m["loss"] - loss) < 1e-5
-        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+        assert abs(m["train/loss"] - loss) < 1e-5
+        assert m["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
 
 def test_model_dtype_is_autocast_wherever_fsdp_does_not_cast() -> None:
@@ -280,14 +280,14 @@ def test_resume_is_exact(ray_session, tiny_model_path, tmp_path) -> None:
     spec.parallel.offload, spec.parallel.activation_checkpointing = "optimizer", True
     batches = [batch_of(10 + s) for s in range(4)]
     first = TrainerRanks(spec)
-    lrs = [first.update(b)["lr"] for b in batches[:2]]
+    lrs = [first.update(b)["train/lr"] for b in batches[:2]]
     first.save(str(tmp_path / "mid"), {"data": 2, "note": "x"})
-    lrs += [first.update(b)["lr"] for b in batches[2:]]  # saving must not disturb the run
+    lrs += [first.update(b)["train/lr"] for b in batches[2:]]  # saving must not disturb the run
     first.save(str(tmp_path / "straight"), {"data": 4})
     first.shutdown()
     second = TrainerRanks(spec)  # new actors = new processes
     assert second.load(str(tmp_path / "mid")) == {"data": 2, "note": "x"}
-    resumed_lrs = [second.update(b)["lr"] for b in batches[2:]]
+    resumed_lrs = [second.update(b)["train/lr"] for b in batches[2:]]
     second.save(str(tmp_path / "resumed"), {"data": 4})
     second.shutdown()
     assert resumed_lrs == lrs[2:] and lrs[0] < lrs[1]
@@ -332,7 +332,7 @@ def test_critic_fits_returns_and_reference_is_frozen(critic, tiny_model_path) ->
     errors = []
     for _ in range(6):
         values = critic.values(b)
-        errors.append(critic.update({**batch, "old_values": values})["value_error"])
+        errors.append(critic.update({**batch, "old_values": values})["critic/value_error"])
     assert values.shape == b["input_ids"].shape and values[b["attention_mask"] == 0].abs().sum() == 0
     assert errors[-1] < errors[0] / 2
     with pytest.raises(ValueError, match="critic"):
@@ -421,7 +421,7 @@ def test_minibatches_and_epochs_match_a_single_process_reference(tiny_model_path
     """train.minibatches=2, train.epochs=2: four AdamW steps on one batch with the old logprobs fixed
     before the first, as a single-process reference does (weights, mean loss and gradient norm, the last
     update's ratio and approx KL; fp32, 1e-5). The reference's first update has ratio exactly 1 and the
-    later ones move, so a trainer that took old == current in every update would show ratio_mean_last
+    later ones move, so a trainer that took old == current in every update would show train/ratio_mean_last
     = 1. (minibatches=1, epochs=1 is test_sharding_and_normalization_invariance.)"""
     spec = make_spec(tiny_model_path, mbs=3, lr=1e-4, minibatches=2, epochs=2)
     b = batch_of(7)
@@ -431,12 +431,12 @@ def test_minibatches_and_epochs_match_a_single_process_reference(tiny_model_path
     with one_rank(spec) as rank:
         m = rank.update(b)
         weights = full_weights(rank)
-    assert m["updates"] == 4 and m["tokens"] == float(b["loss_mask"].sum())
+    assert m["train/updates"] == 4 and m["train/tokens"] == float(b["loss_mask"].sum())
     assert max_diff(ref_weights, weights) <= 1e-5
-    assert m["loss"] == pytest.approx(sum(u["loss"] for u in ref) / 4, abs=1e-5)
-    assert m["grad_norm"] == pytest.approx(sum(u["grad_norm"] for u in ref) / 4, rel=1e-5)
-    assert m["ratio_mean_last"] == pytest.approx(ref[-1]["ratio_mean"], abs=1e-6)
-    assert m["approx_kl_last"] == pytest.approx(ref[-1]["approx_kl"], rel=1e-3, abs=1e-9)
+    assert m["train/loss"] == pytest.approx(sum(u["loss"] for u in ref) / 4, abs=1e-5)
+    assert m["train/grad_norm"] == pytest.approx(sum(u["grad_norm"] for u in ref) / 4, rel=1e-5)
+    assert m["train/ratio_mean_last"] == pytest.approx(ref[-1]["ratio_mean"], abs=1e-6)
+    assert m["train/approx_kl_last"] == pytest.approx(ref[-1]["approx_kl"], rel=1e-3, abs=1e-9)
     with pytest.raises(ValueError, match="train.minibatches=9"):
         make_spec(tiny_model_path, minibatches=9)   # 8 rows per rank
 
@@ -455,7 +455,7 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
     rollouts = [Rollout(s.rollout_id, s.group_id, [s], reward=float(i % 2)) for i, s in enumerate(segs)]
     b = make_batch(segs)
     before = critic.values(b)
-    metrics = asyncio.run(learn(spec, rollouts, Trainers(critic=critic), 0, 0, train_policy=False))
+    metrics = asyncio.run(learn(spec, rollouts, Trainers(critic=critic), 0, train_policy=False))
     after = critic.values(b)
     assert metrics["train/critic_warmup"] == 1.0 and "critic/value_loss" in metrics
     assert "train/loss" not in metrics and "mismatch/mean_abs" not in metrics   # no policy step
@@ -468,7 +468,7 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     """rollout.mode=async, parallel.cpu_threads null: a rank computes with its share of the node's cores
     while the engines generate and with all of them while the engines are idle. `set_engines_idle` reaches
     a rank in the middle of a step (its own concurrency group), and the computing thread applies it at the
-    next block of the model: `threads` is the mean of `torch.get_num_threads()` read there."""
+    next block of the model: `train/threads` is the mean of `torch.get_num_threads()` read there."""
     import ray
 
     cores = len(os.sched_getaffinity(0))
@@ -479,14 +479,14 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     segs = [s for seed in range(8) for s in segments(seed)]             # 64 rows: 64 micro-batches
     batch = make_batch(segs, advantages=[[0.5] * len(s.token_ids) for s in segs])
     try:
-        generating = group.update(batch)["threads"]
+        generating = group.update(batch)["train/threads"]
         running = worker.update.remote(batch, None)
         ray.get(worker.set_engines_idle.remote(True))
         assert not ray.wait([running], timeout=0)[0]     # delivered while the step runs
-        switched = ray.get(running)["threads"]
-        idle = group.update(batch)["threads"]
+        switched = ray.get(running)["train/threads"]
+        idle = group.update(batch)["train/threads"]
         ray.get(worker.set_engines_idle.remote(False))
-        again = group.update(batch)["threads"]
+        again = group.update(batch)["train/threads"]
     finally:
         group.shutdown()
     assert (generating, idle, again) == (cores // 2, cores, cores // 2)   # one engine and one rank

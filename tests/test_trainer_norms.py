@@ -54,4 +54,4 @@ def test_seq_norms_with_several_turns_by_hand(tiny_model_path, norm) -> None:
         expected = sum(s / n for s, n in zip(per_row, counts, strict=True)) / 5
     with one_rank(spec) as rank:
         m = rank.update(b)
-    assert m["loss"] == pytest.approx(expected, abs=1e-6)
+    assert m["train/loss"] == pytest.approx(expected, abs=1e-6)

@@ -71,7 +71,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     checkpoint = find_checkpoint(spec)               # a bad run.resume too
     if checkpoint:
         carry_best(spec, checkpoint)
-    fleet, trainers, tokenizer, logger = start_run(spec, policy_path, runner)
+    fleet, trainers, logger = start_run(spec, policy_path, runner)
     # only what the trainer can score, seeded so that a rerun samples the same tokens
     sampler = TrainingSampler(fleet.dispatcher, spec.run.seed, lambda: at.pool.version)
 
@@ -95,7 +95,7 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             logger.log(0, await evaluate(spec, runner, fleet.dispatcher, eval_sets, 0))
         while at.step < spec.train.steps and not stop.is_set():
             try:
-                metrics = await rl_step(spec, at, trainers, fleet, tokenizer.pad_token_id, logger)
+                metrics = await rl_step(spec, at, trainers, fleet, logger)
                 metrics.update(workers.metrics() if workers else {})
                 if eval_sets and (at.step % spec.train.eval_every == 0 or at.step == spec.train.steps):
                     metrics.update(await evaluate(spec, runner, fleet.dispatcher, eval_sets, at.step))
@@ -138,9 +138,10 @@ class Position:
     probe: asyncio.Task | None = None   # async mode: the post-refit probe (molt.driver.probe)
 
 
-def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trainers, Any, RunLogger]:
-    """The engines (a `Fleet`), trainer roles, tokenizer (`runner` set up on it) and run logger. The engines,
-    the longest start (vLLM import, weights, KV cache), load while the rest starts; a failure stops all."""
+def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trainers, RunLogger]:
+    """The engines (a `Fleet`), trainer roles (with the pad token of the tokenizer `runner` is set up on) and
+    run logger. The engines, the longest start (vLLM import, weights, KV cache), load while the rest starts;
+    a failure stops all."""
     engines = [start_engine(spec, policy_path, i) for i in range(spec.rollout.engine.num_engines)]
     trainers, logger, judge = Trainers(), None, None
     try:
@@ -148,7 +149,7 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
         judge = start_judge(spec)
         set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
-        trainers = Trainers.start(spec)
+        trainers = Trainers.start(spec, tokenizer.pad_token_id)
         logger = RunLogger(spec)
         ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
     except BaseException:
@@ -161,7 +162,7 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
         for engine in engines:
             ray.kill(engine)
         raise
-    return Fleet(spec, policy_path, engines), trainers, tokenizer, logger
+    return Fleet(spec, policy_path, engines), trainers, logger
 
 
 async def begin(spec: RunSpec, trainers: Trainers, fleet: Fleet, rollout_fn: Any, checkpoint: Path | None,
@@ -212,7 +213,7 @@ async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trai
         at.probe.cancel()
     await at.pool.close()
     trainers.stop()
-    trainers = Trainers.start(spec)
+    trainers = Trainers.start(spec, trainers.pad_id)
     checkpoint = latest_of(Path(spec.run.dir)) or find_checkpoint(spec)
     at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=True, workers=workers)
     at.trainer_restarts = restarts
@@ -222,8 +223,8 @@ async def restart_trainers(spec: RunSpec, err: BaseException, at: Position, trai
     return trainers, at
 
 
-async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet, pad_id: int,
-                     logger: RunLogger) -> dict[str, float]:
+async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
+                  logger: RunLogger) -> dict[str, float]:
     """One step: a batch from the pool → learn → refit; advances `at` and returns the step's metrics."""
     t_step = time.perf_counter()
     # Async mode: a probe of the current policy measures invariant 3 if the batch cannot, so the pool
@@ -237,8 +238,8 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
     warmup = at.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
     try:
         async with fleet.trainer:
-            metrics = await learn(spec, rollouts, trainers, pad_id, at.version, engines=live,
-                                  kl_coef=at.kl_coef, train_policy=not warmup, probe=probe)
+            metrics = await learn(spec_with_kl_coef(spec, at.kl_coef), rollouts, trainers, at.version,
+                                  engines=live, train_policy=not warmup, probe=probe)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
         logger.dump_rollouts(at.step + 1, rollouts)
     metrics.update(batch_metrics)
@@ -275,17 +276,17 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
     return metrics
 
 
-async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, pad_id: int, version: int, *,
-                engines: list | None = None, kl_coef: float | None = None, train_policy: bool = True,
+async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, version: int, *,
+                engines: list | None = None, train_policy: bool = True,
                 probe: Segment | None = None) -> dict[str, float]:
     """One training step on finished rollouts (also how a dumped batch is replayed).
 
-    With `model.router_replay`, segments without routed experts get them from `engines` (`fill_routes`).
-    `kl_coef` replaces algo.kl.coef (the adaptive controller's value); `train_policy=False` trains only
-    the critic (train.critic_warmup_steps). `probe` (async mode) is scored for invariant 3 when no trained
-    token was sampled by `version`.
+    The KL weight is `spec.algo.kl.coef`: the loop passes the adaptive controller's value in it
+    (`spec_with_kl_coef`). With `model.router_replay`, segments without routed experts get them from `engines`
+    (`fill_routes`). `train_policy=False` trains only the critic (train.critic_warmup_steps). `probe`
+    (async mode) is scored for invariant 3 when no trained token was sampled by `version`.
     """
-    policy, reference, critic = trainers.policy, trainers.reference, trainers.critic
+    policy, reference, critic, pad_id = trainers.policy, trainers.reference, trainers.critic, trainers.pad_id
     metrics = rollout_metrics(spec, rollouts)
     kept, filter_metrics = filter_rollouts(spec, rollouts)
     metrics.update(filter_metrics)
@@ -321,7 +322,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, pad_
     rewards, per_turn = turn_credit(spec, kept, rewards, segments, batch["loss_mask"].shape)
     adv = compute_advantages(
         rewards, groups, torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
-        batch["loss_mask"], with_kl_coef(spec.algo, kl_coef), values=values, logp=old_logp, ref_logp=ref_logp,
+        batch["loss_mask"], spec.algo, values=values, logp=old_logp, ref_logp=ref_logp,
         **per_turn)
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
     batch["advantages"] = adv.advantages
@@ -330,7 +331,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, pad_
 
     t0 = time.perf_counter()
     trained = policy if train_policy else None
-    metrics.update(await update(batch, trained, critic, values, adv.returns, kl_coef))
+    metrics.update(await update(batch, trained, critic, values, adv.returns, spec.algo.kl.coef))
     metrics["time/train"] = time.perf_counter() - t0
     metrics["tokens/trained"] = float(batch["loss_mask"].sum())
     return metrics
@@ -355,22 +356,23 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
 
 async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, critic: TrainerRanks | None,
                  values: torch.Tensor | None, returns: torch.Tensor | None,
-                 kl_coef: float | None) -> dict[str, float]:
+                 kl_coef: float) -> dict[str, float]:
     """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch`; their metrics
-    under train/ and critic/, the trainer/engine gap under its own mismatch/ names."""
+    as the trainers name them (train/, critic/, the trainer/engine gap under mismatch/)."""
     metrics: dict[str, float] = {}
     if policy is not None:
-        # One worker class serves the policy and the critic, so its statistics are namespaced here; the
-        # gap it measures it names mismatch/* itself, as the post-refit probe does (molt.algo.gap_metrics).
-        for key, value in (await asyncio.to_thread(policy.update, batch, kl_coef)).items():
-            metrics[key if key.startswith("mismatch/") else f"train/{key}"] = value
+        metrics.update(await asyncio.to_thread(policy.update, batch, kl_coef))
     else:
         metrics["train/critic_warmup"] = 1.0
     if critic is not None:
         critic_batch = dict(batch, old_values=values, returns=returns)
-        critic_metrics = await asyncio.to_thread(critic.update, critic_batch)
-        metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+        metrics.update(await asyncio.to_thread(critic.update, critic_batch))
     return metrics
+
+
+def spec_with_kl_coef(spec: RunSpec, kl_coef: float | None) -> RunSpec:
+    """`spec` as one step runs it: algo.kl.coef is the adaptive KL controller's weight (None: the spec's)."""
+    return spec.model_copy(update={"algo": with_kl_coef(spec.algo, kl_coef)})
 
 
 def next_kl_coef(spec: RunSpec, kl_coef: float, metrics: dict[str, float]) -> float:

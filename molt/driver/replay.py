@@ -22,7 +22,7 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     import ray
     from transformers import AutoTokenizer
 
-    from molt.driver.loop import learn
+    from molt.driver.loop import learn, spec_with_kl_coef
     from molt.driver.metrics import load_rollouts
     from molt.plan.models import model_path
     from molt.plan.placement import init_ray
@@ -40,14 +40,14 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     pad_id = AutoTokenizer.from_pretrained(model_path(spec), trust_remote_code=trust).pad_token_id
     if not ray.is_initialized():
         init_ray(spec)
-    trainers = Trainers.start(spec)
+    trainers = Trainers.start(spec, pad_id)
     try:
         extra = trainers.load(checkpoint) if checkpoint is not None else {}
         # as the loop ran this step: the adaptive KL weight the checkpoint holds (the spec's without
         # one), and the critic alone while the step was within train.critic_warmup_steps
         warmup = step - 1 < spec.train.critic_warmup_steps
-        return asyncio.run(learn(spec, rollouts, trainers, pad_id, extra.get("version", 0),
-                                 kl_coef=extra.get("kl_coef"), train_policy=not warmup))
+        return asyncio.run(learn(spec_with_kl_coef(spec, extra.get("kl_coef")), rollouts, trainers,
+                                 extra.get("version", 0), train_policy=not warmup))
     finally:
         trainers.stop()
 

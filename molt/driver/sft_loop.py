@@ -80,9 +80,8 @@ async def _train(spec: RunSpec) -> dict[str, float]:
         while step < spec.train.steps and not stop.is_set():
             t0 = time.perf_counter()
             batch = sft_batch(data.take(spec.train.prompts_per_step), pad, ranks)
-            trained = await asyncio.to_thread(policy.update, batch)
+            metrics = await asyncio.to_thread(policy.update, batch)   # named train/* by the trainer
             step += 1
-            metrics = {f"train/{k}": v for k, v in trained.items()}
             metrics.update({"tokens/trained": float(batch["loss_mask"].sum()),
                             "train/pad_frac": 1 - float(batch["attention_mask"].float().mean()),
                             "train/epoch": data.epoch + data.index / len(examples),

@@ -121,7 +121,9 @@ class TrainerRanks:
 
     def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
         """train.minibatches x train.epochs optimizer steps over the batch (policy: policy_loss; critic:
-        value_loss); `kl_coef` replaces algo.kl.coef for this batch."""
+        value_loss); `kl_coef` replaces algo.kl.coef for this batch. Returns the step's metrics as the run
+        logs them: the policy's under train/ (its trainer/engine gap under mismatch/), the critic's under
+        critic/."""
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
         shards, _ = self._shards(batch)
@@ -176,16 +178,18 @@ class TrainerRanks:
 @dataclass
 class Trainers:
     """The run's trainer groups by role: the policy, and the reference and the critic when the spec has
-    them (None otherwise; a test may leave out the policy too, as a critic warm-up step does)."""
+    them (None otherwise; a test may leave out the policy too, as a critic warm-up step does), and the
+    token id their batches are padded with (the policy tokenizer's pad token)."""
 
     policy: TrainerRanks | None = None
     reference: TrainerRanks | None = None
     critic: TrainerRanks | None = None
+    pad_id: int = 0
 
     @classmethod
-    def start(cls, spec: RunSpec) -> Trainers:
+    def start(cls, spec: RunSpec, pad_id: int) -> Trainers:
         return cls(TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference
-                   else None, TrainerRanks(spec, "critic") if spec.model.critic else None)
+                   else None, TrainerRanks(spec, "critic") if spec.model.critic else None, pad_id)
 
     def groups(self) -> list[TrainerRanks]:
         return [group for group in (self.policy, self.reference, self.critic) if group]

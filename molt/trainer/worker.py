@@ -226,8 +226,9 @@ class TrainerWorker:
 
     def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
         """train.epochs passes over this rank's shard split into train.minibatches row chunks, one
-        optimizer step per chunk; returns globally reduced metrics (same on all ranks). `kl_coef` replaces
-        algo.kl.coef for this batch (the adaptive KL controller's current value).
+        optimizer step per chunk; returns globally reduced metrics (same on all ranks) under the names the
+        run logs (`_reduce_metrics`). `kl_coef` replaces algo.kl.coef for this batch (the adaptive KL
+        controller's current value).
 
         With more than one update the policy's old logprobs are computed once here, before the first
         update, unless the batch brings them; with one update they are the update's own forward."""
@@ -315,7 +316,8 @@ class TrainerWorker:
 
     def _reduce_metrics(self, sums: dict[str, float], grad_norms: list[float], lr: float) -> dict[str, float]:
         """Means over the batch's updates: loss and grad_norm per update, the rest token-weighted; `tokens`
-        counts the batch once; `<metric>_last` (several updates) is the last update's alone."""
+        counts the batch once; `<metric>_last` (several updates) is the last update's alone. Named as the
+        run logs them: `critic/*` for the critic, `train/*` for the policy, `mismatch/*` for the gap."""
         keys = sorted(k for k in sums if k != "mismatch/max_abs")
         # every rank must join the same all-reduce even when its shard held no sampled tokens
         objs: list[Any] = [None] * dist.get_world_size()
@@ -325,16 +327,19 @@ class TrainerWorker:
         peak = torch.tensor([sums.get("mismatch/max_abs", 0.0)], device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         updates = len(grad_norms)
-        out = {"loss": total.pop("loss") / updates, "grad_norm": sum(grad_norms) / updates, "lr": lr,
-               "tokens": max(total.pop("tokens", 0.0), 1.0)}
+        # One worker class serves both roles, so its role names the section; the loop logs these as they are.
+        section = "critic/" if self.role == "critic" else "train/"
+        out = {f"{section}loss": total.pop("loss") / updates,
+               f"{section}grad_norm": sum(grad_norms) / updates, f"{section}lr": lr,
+               f"{section}tokens": max(total.pop("tokens", 0.0), 1.0)}
         if self.spec.train.minibatches * self.spec.train.epochs > 1:
-            out["updates"] = float(updates)
+            out[f"{section}updates"] = float(updates)
         weight, last_weight = max(total.pop("weight"), 1.0), max(total.pop("l/weight", 0.0), 1.0)
         for key, value in total.items():
             if key.startswith("w/"):
-                out[key[2:]] = value / weight
+                out[f"{section}{key[2:]}"] = value / weight
             elif key.startswith("l/"):
-                out[f"{key[2:]}_last"] = value / last_weight
+                out[f"{section}{key[2:]}_last"] = value / last_weight
         if "mismatch/abs_sum" in total:   # the trainer/engine gap, under the names the run logs
             out.update(gap_metrics({"tokens": total["mismatch/tokens"], "abs_sum": total["mismatch/abs_sum"],
                                     "k3_sum": total["mismatch/k3_sum"], "max_abs": float(peak)}))

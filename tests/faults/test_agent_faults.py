@@ -80,7 +80,7 @@ def test_on_failure_drops_the_group_or_only_the_rollout(batch):
 def test_training_goes_on_with_the_rest(batch, trainer, tok, on_failure):
     spec = small_spec(agent(on_failure=on_failure))
     kept = drop_failed(spec, batch)
-    metrics = asyncio.run(learn(spec, batch, Trainers(trainer), tok.pad_token_id, 0))
+    metrics = asyncio.run(learn(spec, batch, Trainers(trainer, pad_id=tok.pad_token_id), 0))
     assert "train/skipped" not in metrics and metrics["rollout/failed"] == 5
     # Exactly the sampled tokens of the kept rollouts were trained, none of a failed one.
     assert metrics["tokens/trained"] == sum(sum(s.loss_mask) for r in kept for s in r.segments)
@@ -94,4 +94,4 @@ def test_too_many_failures_stop_the_run_with_a_clear_message(batch, trainer, tok
     with pytest.raises(RuntimeError, match=message):
         rollout_metrics(spec, batch)
     with pytest.raises(RuntimeError, match=message):   # learn stops before any trainer call
-        asyncio.run(learn(spec, batch, Trainers(trainer), tok.pad_token_id, 0))
+        asyncio.run(learn(spec, batch, Trainers(trainer, pad_id=tok.pad_token_id), 0))
