@@ -11,7 +11,7 @@ path's cost. A turn's latency is, for the chat agent, the SDK call; for `Env`, f
 of three. With every session in one process, a turn's latency is mostly its wait behind the other
 sessions' Python work, so the work itself is reported too: the run's wall time per turn (all sessions'
 turns), whose chat − Env difference is what the chat path (the agent's SDK client and the server) costs
-each turn in CPU.
+each turn in CPU, and the process's CPU seconds per turn, which a loaded host does not inflate.
 
     python bench/agentic.py --quick
     python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
@@ -167,7 +167,8 @@ def main() -> None:
         return print(profile(lent, engine, tok, spec, args.sessions, args.turns, run_path))
     latencies: dict[str, list[float]] = {path: [] for path in PATHS}
     runner_of = runners(args.turns, latencies)
-    medians, p99, walls = ({path: [] for path in PATHS} for _ in range(3))   # walls: s per turn of a run
+    # walls / cpus: a run's wall / process CPU seconds per turn (CPU: what a loaded host does not inflate)
+    medians, p99, walls, cpus = ({path: [] for path in PATHS} for _ in range(4))
 
     async def measure() -> None:
         for runner in runner_of.values():
@@ -176,13 +177,15 @@ def main() -> None:
         for r in range(args.repeats):
             for name in PATHS[r % 3:] + PATHS[:r % 3]:   # each path goes first once in three repeats
                 latencies[name].clear()
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 await run_path(runner_of[name], engine, args.sessions)
                 walls[name].append((time.perf_counter() - start) / (args.sessions * args.turns))
+                cpus[name].append((time.process_time() - cpu) / (args.sessions * args.turns))
                 medians[name].append(statistics.median(latencies[name]))
                 p99[name].append(percentile(latencies[name], 0.99))
                 print(f"[agentic] r{r} {name}: median {medians[name][-1] * 1e3:.1f} ms, p99 "
-                      f"{p99[name][-1] * 1e3:.1f} ms over {len(latencies[name])} turns", flush=True)
+                      f"{p99[name][-1] * 1e3:.1f} ms over {len(latencies[name])} turns, CPU per turn "
+                      f"{cpus[name][-1] * 1e3:.3f} ms", flush=True)
         for runner in runner_of.values():
             runner.close()
 
@@ -191,7 +194,8 @@ def main() -> None:
     rows = [[label, *(ms(d[p]) for p in PATHS),
              *(ms([c - e for c, e in zip(d[p], d["env"], strict=True)]) for p in PATHS[1:]), target]
             for label, d, target in [("median", medians, "≤ 2 ms"), ("p99", p99, "≤ 10 ms"),
-                                     ("run wall / turns (work per turn)", walls, "—")]]
+                                     ("run wall / turns (work per turn)", walls, "—"),
+                                     ("run CPU / turns (process CPU per turn)", cpus, "—")]]
     command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
     body = "\n".join([
         "## Agentic path: loopback server vs Env", "", header(),

@@ -1,5 +1,6 @@
-"""Agent workers (`agent.workers`): groups run in Ray actors sample what the driver's loop samples, workers
-are placed by the plan and their cores checked. The killed worker of a real run: faults/test_agent_faults.py.
+"""Agent workers (`agent.workers`): groups run in Ray actors sample what the driver's loop samples, the eval
+sets' rollouts run there too and score what the driver's evaluation scores, workers are placed by the plan
+and their cores checked. The killed worker of a real run: faults/test_agent_faults.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
 from molt.driver.agent_workers import AgentWorkers
+from molt.driver.eval import evaluate
 from molt.driver.judge_engines import judge_engines, start_judge
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.sampling import TrainingSampler
@@ -75,6 +77,56 @@ def assert_same(mine: list[list], theirs: list[list]) -> None:
             assert [s.token_ids for s in a.segments] == [s.token_ids for s in b.segments]
             assert [s.logprobs for s in a.segments] == [s.logprobs for s in b.segments]
             assert [s.loss_mask for s in a.segments] == [s.loss_mask for s in b.segments]
+
+
+PID_ENV = """
+import os
+
+from molt.agents import Env, Result, State, StepEnvRunner
+
+
+class PidEnv(Env):
+    # a reward of the sampled ids alone; each step notes the process the agent's code ran in
+    async def step(self, state: State) -> Result:
+        with open(self.options["pids"], "a") as out:
+            out.write(f"{os.getpid()}\\n")
+        return Result(reward=sum(state.action_ids) % 5 / 4)
+
+
+AgentRunner = StepEnvRunner(PidEnv)
+"""
+
+
+def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_session, tok, tiny_model_path,
+                                                                          engine, tmp_path):
+    """With agent.workers the eval sets' rollouts run in the workers, the agent's code never in the
+    driver's process (it is given no runner), and, greedy, score what the driver's own evaluation does."""
+    import os
+
+    (tmp_path / "pid_env.py").write_text(PID_ENV)
+    pids = tmp_path / "pids"
+    sets = {"a": ROWS, "b": [{"prompt": "Repeat this letter 3 times: z", "label": "z"}]}
+    metrics, ran = {}, {}
+    for workers in (0, 1):
+        spec = make_spec({"module": str(tmp_path / "pid_env.py"), "options": {"pids": str(pids)},
+                          "workers": workers}, eval={"n": 2, "temperature": 0.0})
+        if workers:
+            pool = AgentWorkers(spec, tiny_model_path, Dispatcher([engine]))
+            try:
+                [worker] = pool.ready()
+                metrics[1] = asyncio.run(evaluate(spec, None, Dispatcher([engine]), sets, 5, pool))
+            finally:
+                pool.close()
+        else:
+            runner = load_agent_runner(spec.agent)
+            runner.setup(tok, spec)
+            metrics[0] = asyncio.run(evaluate(spec, runner, Dispatcher([engine]), sets, 5))
+            runner.close()
+        ran[workers] = [int(line) for line in pids.read_text().split()]
+        pids.unlink()
+    assert ran[0] == [os.getpid()] * 6 and ran[1] == [worker] * 6 and worker != os.getpid()
+    assert metrics[1] == metrics[0] and set(metrics[0]) == {
+        f"eval/{name}/{k}" for name in sets for k in ("mean@2", "pass@1", "pass@2")}
 
 
 def test_a_worker_judges_with_the_drivers_judge_engines(ray_session, tok, tiny_model_path, engine):

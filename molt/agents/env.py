@@ -5,7 +5,8 @@ Gymnasium-style: the chat template is rendered once for the prompt, with the rol
 samples, the turn is read with vLLM's tool parser (agent.tool_parser, as on the chat server), and the
 user's `step()` sees the decoded action and its tool calls and returns a `Result`; a further observation
 (a user turn, or tool messages: `Env.call_tools` runs the calls against `Env.tools`) is appended as tokens
-with loss mask 0 until the episode terminates, is truncated, or a turn/token budget runs out. A template
+with loss mask 0 until the episode terminates, is truncated, or a turn/token budget runs out (the
+template's text after the reply, from two renders a turn: the rendering before it is kept). A template
 that renders earlier turns differently once the observation follows (Qwen3 drops old `<think>` blocks)
 seals the segment and the next one starts from the re-rendered conversation.
 """
@@ -124,8 +125,9 @@ class StepEnvRunner(Runner):
         tools = offered_tools(agent.tools, item)
         request = tool_request(tools) if tools else None
         messages, images = normalize(self.messages_of(item))
-        trace.extend_prompt(encode(tok, render(tok, messages, tools, chat_template_kwargs=template_kwargs)),
-                            images)
+        # the conversation's rendering with a generation prompt, kept: the next turn's glue starts from it
+        text = render(tok, messages, tools, chat_template_kwargs=template_kwargs)
+        trace.extend_prompt(encode(tok, text), images)
         with agent_code():
             env = self.env_cls(self.spec.agent.options)
         env.tokenizer, env.judge = tok, self.judge
@@ -164,7 +166,7 @@ class StepEnvRunner(Runner):
             new = _as_messages(result.observation, self.env_cls.__name__)
             errors += sum(m.get("role") == "tool" and text_of(m.get("content")).startswith(ERROR_PREFIX)
                           for m in new)
-            self._observe(trace, messages, new, tools, bool(ids) and ids[-1] == tok.eos_token_id)
+            text = self._observe(trace, text, messages, new, tools, bool(ids) and ids[-1] == tok.eos_token_id)
             observation = text_of(new[-1].get("content"))
             # An override holds for the next turn only (as documented); later turns are back on the run's
             # sampling unless their own step asks again.
@@ -174,18 +176,19 @@ class StepEnvRunner(Runner):
         rollout.tool_calls, rollout.tool_errors = calls, errors
         return rollout
 
-    def _observe(self, trace: Trace, messages: list[dict], new: list[dict], tools: list[dict],
-                 eos_sampled: bool) -> None:
-        """Append the observation's messages `new` to the conversation and, as prompt tokens, to `trace`."""
+    def _observe(self, trace: Trace, text: str, messages: list[dict], new: list[dict], tools: list[dict],
+                 eos_sampled: bool) -> str:
+        """Append the observation's messages `new` to the conversation and, as prompt tokens, to `trace`;
+        `text` is the rendering of the conversation before the reply. Returns the rendering now."""
         tok, template_kwargs = self.tokenizer, self.spec.model.chat_template_kwargs
         new, images = normalize(new)   # image parts -> placeholders + data URLs
-        glue = continuation(tok, messages[:-1], messages[-1], new, tools, eos_sampled, template_kwargs)
+        glue, text = continuation(tok, text, messages, new, tools, eos_sampled, template_kwargs)
         messages += new
         if glue is None:   # the template re-renders earlier turns (Qwen3 drops old <think> blocks)
-            trace.restart(encode(tok, render(tok, messages, tools, chat_template_kwargs=template_kwargs)),
-                          normalize(messages)[1])
+            trace.restart(encode(tok, text), normalize(messages)[1])
         else:
             trace.extend_prompt(encode(tok, glue), images)
+        return text
 
 
 def _as_messages(observation: str | dict | list, env: str) -> list[dict]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from molt.agents.render import encode, glue, render, text_of
+from molt.agents.render import continuation, encode, render, text_of
 from molt.agents.tools import ERROR_PREFIX
 from molt.agents.trace import Trace
 from molt.inputs.vision import normalize
@@ -106,9 +106,8 @@ class ChatSession:
         if chosen is None:
             return None
         ids = list(chosen.out["token_ids"])
-        closed = self._render(messages[:n + 1], tools, generation_prompt=False)
-        full = self._render(messages, tools)
-        tail = glue(tok, self.history_text, closed, full, bool(ids) and ids[-1] == tok.eos_token_id)
+        tail, full = continuation(tok, self.history_text, messages[:n + 1], messages[n + 1:], tools,
+                                  bool(ids) and ids[-1] == tok.eos_token_id, self.chat_template_kwargs)
         return None if tail is None else (chosen, tail, full)
 
     def offer(self, out: dict[str, Any], message: dict) -> None:

@@ -11,7 +11,8 @@ group runs does not change what it samples.
 A worker that dies (killed, OOM) loses only the groups it was running: each is run again whole on another
 worker (the dead one is restarted in its slot, at most `agent.max_worker_restarts` times over the run), and
 the pool receives it once. An engine a worker sees die is reported to the driver's fleet, which restarts it
-and hands the restarted engine to every worker (`follow`). Evaluation still runs in the driver's loop.
+and hands the restarted engine to every worker (`follow`). Evaluation's groups run on the workers too
+(molt.driver.eval), with rollout.eval's sampling.
 """
 
 from __future__ import annotations
@@ -75,10 +76,15 @@ class AgentWorker:
         if fatal:
             self.dispatcher.give_up(fatal)
 
-    async def run_group(self, item: dict, group_id: str, n: int) -> dict[str, Any]:
-        """The `n` rollouts of `item`; `lost`: an engine died under one (the pool restarts the group)."""
+    async def run_group(self, item: dict, group_id: str, n: int,
+                        sampling: dict | None = None) -> dict[str, Any]:
+        """The `n` rollouts of `item`; `lost`: an engine died under one (the pool restarts the group).
+        `sampling`: an evaluation's defaults (rollout.eval's), sampled through the dispatcher itself, as the
+        driver's evaluation without workers does (a training rollout's request seeds are not its)."""
         keys = [f"{group_id}-{i}" for i in range(n)]
-        rollouts = await asyncio.gather(*[self.runner.run(item, key, group_id, self.sampler) for key in keys])
+        sampler = self.sampler if sampling is None else self.dispatcher
+        rollouts = await asyncio.gather(*[self.runner.run(item, key, group_id, sampler, sampling)
+                                          for key in keys])
         deaths, self.deaths = self.deaths, {}
         return {"rollouts": list(rollouts), "lost": self.dispatcher.take_lost(keys), "deaths": deaths}
 
@@ -148,14 +154,16 @@ class AgentWorkers:
         others = [i for i in range(len(self.workers)) if i != avoid] or [avoid]
         return min(others, key=lambda i: self.load[i])
 
-    async def run_group(self, item: dict, group_id: str) -> list[Rollout]:
-        """The group's rollouts, from the least loaded worker; rerun whole on another if that one dies."""
+    async def run_group(self, item: dict, group_id: str, n: int | None = None,
+                        sampling: dict | None = None) -> list[Rollout]:
+        """The group's rollouts (rollout.samples_per_prompt, or `n` of an evaluation with its `sampling`),
+        from the least loaded worker; rerun whole on another if that one dies."""
         avoid = None
         while True:
             i = self._pick(avoid)
             worker = self.workers[i]
             self.load[i] += 1
-            ref = worker.run_group.remote(item, group_id, self.spec.rollout.samples_per_prompt)
+            ref = worker.run_group.remote(item, group_id, n or self.spec.rollout.samples_per_prompt, sampling)
             try:
                 out = await ref
             except asyncio.CancelledError:
@@ -169,7 +177,7 @@ class AgentWorkers:
             finally:
                 self.load[i] -= 1
             self._report_engine_deaths(out["deaths"])
-            if out["lost"]:
+            if out["lost"] and sampling is None:   # an evaluation's rollout on a dead engine scores 0
                 self.lost.update(r.rollout_id for r in out["rollouts"])
             return out["rollouts"]
 

@@ -45,17 +45,23 @@ def set_metrics(name: str, rewards: torch.Tensor, pass_reward: float) -> dict[st
 
 
 async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[str, Any],
-                   step: int) -> dict[str, float]:
-    """Every set's metrics; all prompts of all sets are in flight at once."""
+                   step: int, workers: Any = None) -> dict[str, float]:
+    """Every set's metrics; all prompts of all sets are in flight at once, on the agent workers when the
+    run has them (`AgentWorkers`: the agent's code never runs in the driver), else on `runner` here."""
     e = spec.rollout.eval
     # rollout.eval is the agent's default sampling here, where training's would be (what State /
     # ChatContext.sampling_params report and the chat server starts from), so per-turn overrides and the
     # agent.max_total_tokens cap still apply; training rollouts in flight on `runner` keep theirs.
     sampling = spec.rollout.eval.request()
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
-    results = await asyncio.gather(*[
-        runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher, sampling)
-        for name, i, item in jobs for k in range(e.n)])
+    if workers:   # a prompt's n samples as one group; the same rollout ids as below
+        groups = await asyncio.gather(*[workers.run_group(item, f"eval{step}-{name}-{i}", e.n, sampling)
+                                        for name, i, item in jobs])
+        results = [r for group in groups for r in group]
+    else:
+        results = await asyncio.gather(*[
+            runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher, sampling)
+            for name, i, item in jobs for k in range(e.n)])
     rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
     metrics, start = {}, 0
     for name, items in eval_sets.items():

@@ -92,13 +92,13 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     stop, metrics = install_stop_handler(), {}
     try:
         if eval_sets and at.step == 0:   # the starting model's scores, logged as step 0
-            logger.log(0, await evaluate(spec, runner, fleet.dispatcher, eval_sets, 0))
+            logger.log(0, await evaluate(spec, runner, fleet.dispatcher, eval_sets, 0, workers))
         while at.step < spec.train.steps and not stop.is_set():
             try:
                 metrics = await rl_step(spec, at, trainers, fleet, logger)
                 metrics.update(workers.metrics() if workers else {})
                 if eval_sets and (at.step % spec.train.eval_every == 0 or at.step == spec.train.steps):
-                    metrics.update(await evaluate(spec, runner, fleet.dispatcher, eval_sets, at.step))
+                    metrics |= await evaluate(spec, runner, fleet.dispatcher, eval_sets, at.step, workers)
                 logger.log(at.step, metrics)
                 best = new_best(spec, at.step, metrics)
                 if best is not None or (spec.train.save_every and at.step % spec.train.save_every == 0):

@@ -85,9 +85,10 @@ class AgentSpec(Strict):
         "drop_group", description="a failed rollout drops its whole group, or only itself")
     max_failure_rate: float = Field(0.5, ge=0, le=1, description="stop the run when more of a batch than "
                                     "this fails")
-    workers: int = Field(0, ge=0, description="Ray actors that run the training rollouts, each with its own "
-                         "event loop, chat server and sandboxes (molt.driver.agent_workers); 0 = in the "
-                         "driver's event loop (docs/agents.md, Agent workers)")
+    workers: int = Field(0, ge=0, description="Ray actors that run the training and evaluation rollouts, "
+                         "each with its own event loop, chat server and sandboxes "
+                         "(molt.driver.agent_workers); 0 = in the driver's event loop (docs/agents.md, Agent "
+                         "workers)")
     max_worker_restarts: int = Field(3, ge=0, description="agent workers restarted over the run after a "
                                      "death (their in-flight groups rerun whole); one more stops the run")
 

@@ -1,0 +1,102 @@
+"""The Env path keeps each turn's rendering for the next turn's glue instead of rendering it again
+(molt.agents.env, two renders a turn): after every step the prompt the engine reads must be what three
+fresh renders give — the template's rendering before the reply, with it, and with the observation, glued
+as molt.agents.render.glue glues them — on every template the tests ship (the tiny model's ChatML,
+Qwen3's), over turns of unequal lengths, user turns, a tool chain of two calls and a turn cut at its token
+budget. The kept rendering itself is checked too, as the chat session's is (test_chat_templates.py): a
+stale one that is still a prefix of the new renderings gives the same glue on these templates, but not the
+same check for a rewritten prefix. ChatML never rewrites a prefix, Qwen3 does at most turns here, so both
+branches run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar
+
+import pytest
+from test_agents import Recorder, encode, make_spec
+from test_chat_templates import qwen_tok  # noqa: F401 (the fixture)
+
+from molt.agents import Env, Result, State, StepEnvRunner
+from molt.agents.render import glue, render
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+CALL = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+FIRST = {"structured_outputs": {"regex": "a{3}"}}
+
+
+class UnevenEnv(Env):
+    """reply → long user turn → reasoning and one call → its tool message → two calls → two tool messages →
+    a reply cut at 5 tokens → a short user turn → a last reply. Records each step's conversation and what
+    follows it."""
+
+    tools: ClassVar = {"add": lambda a, b: str(a + b)}
+    seen: ClassVar[list[tuple[list[dict], list[dict]]]] = []
+    NEXT = [("a longer question, with several words in it", "<think>[a-z]{1,6}</think>" + CALL),
+            ("tools", f"({CALL}){{2}}"), ("tools", "[a-z]{40}"), ("y", "b{7}")]
+
+    async def step(self, state: State) -> Result:
+        if state.turn == len(self.NEXT):
+            self.seen.append((state.messages, []))
+            return Result(reward=1.0)
+        observation, regex = self.NEXT[state.turn]
+        new = await self.call_tools(state) if observation == "tools" else \
+            [{"role": "user", "content": observation}]
+        assert len(new) == (2 if state.turn == 2 else 1), (state.finish_reason, state.action)
+        self.seen.append((state.messages, new))
+        params = {"structured_outputs": {"regex": regex}, **({"max_tokens": 5} if state.turn == 2 else {})}
+        return Result(reward=0.0, observation=new, terminated=False, sampling_params=params)
+
+
+class KeptRunner(StepEnvRunner):
+    """The runner, recording the rendering each step's glue starts from and the conversation it stands for."""
+
+    def _observe(self, trace, text: str, messages: list[dict], *rest) -> str:
+        self.kept.append((text, messages[:-1]))   # the conversation before the reply
+        return super()._observe(trace, text, messages, *rest)
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+def test_the_env_path_prompt_after_every_step_is_three_fresh_renders(tok, qwen_tok, engine, template):  # noqa: F811
+    tok = qwen_tok if template == "qwen3" else tok
+    UnevenEnv.seen = []
+    sampler, runner = Recorder(engine, seed=0), KeptRunner(UnevenEnv)
+    runner.kept = []
+    runner.setup(tok, make_spec({"module": "x.py", "max_turns": 5, "max_total_tokens": 1000},
+                                max_tokens=160))
+    first = [{"role": "user", "content": "hi"}]
+    rollout = asyncio.run(runner.run({"messages": first, "label": "", "tools": TOOLS}, "r0", "g0", sampler,
+                                     {**runner.sampling, **FIRST}))
+    calls = sampler.calls
+    requests = [first] + [messages + new for messages, new in UnevenEnv.seen[:-1]]
+    assert rollout.ok, rollout.error
+    assert len(calls) == len(requests) == 5 and rollout.reward == 1.0
+    assert [c["out"]["finish_reason"] for c in calls] == ["stop", "stop", "stop", "length", "stop"]
+    assert calls[0]["prompt_ids"] == encode(tok, render(tok, first, TOOLS))
+    # the kept rendering is the template's rendering of the whole conversation, every step
+    assert [text for text, _ in runner.kept] == [render(tok, m, TOOLS) for _, m in runner.kept]
+    assert [m for _, m in runner.kept] == requests[:-1]
+    seals = []
+    for k in range(1, len(calls)):
+        before, (answered, _) = calls[k - 1], UnevenEnv.seen[k - 1]
+        sampled, full = before["out"]["token_ids"], render(tok, requests[k], TOOLS)
+        tail = glue(tok, render(tok, requests[k - 1], TOOLS), render(tok, answered, TOOLS, False), full,
+                    sampled[-1] == tok.eos_token_id)
+        seals.append(tail is None)
+        expected = encode(tok, full) if tail is None else \
+            before["prompt_ids"] + sampled + encode(tok, tail)
+        assert calls[k]["prompt_ids"] == expected, (template, k)
+    # each segment: its calls laid end to end, the sampled tokens (only they) with loss mask 1
+    starts = [0] + [k for k in range(1, len(calls)) if seals[k - 1]]
+    for segment, start, end in zip(rollout.segments, starts, starts[1:] + [len(calls)], strict=True):
+        last, mask = calls[end - 1], [0] * len(segment.token_ids)
+        for call in calls[start:end]:
+            n = len(call["prompt_ids"])
+            mask[n:n + len(call["out"]["token_ids"])] = [1] * len(call["out"]["token_ids"])
+        assert segment.token_ids == last["prompt_ids"] + last["out"]["token_ids"]
+        assert segment.loss_mask == mask
+    # ChatML never rewrites a prefix; Qwen3 re-renders a reply once anything follows it (it loses the empty
+    # think block of the last turn), except one with reasoning of its own in a tool chain
+    assert seals == ([False] * 4 if template == "chatml" else [True, False, True, True]), seals
