@@ -17,10 +17,12 @@ each turn in CPU, and the process's CPU seconds per turn, which a loaded host do
     python bench/agentic.py --sessions 256 --turns 4 --delay-ms 20 --repeats 3
     python bench/agentic.py --workers 1,2 --sessions 256 --turns 4 --delay-ms 20 --repeats 3
     python bench/agentic.py --profile --sessions 64 --turns 8
+    python bench/agentic.py --workers 1,2 --delay-ms 20,500,2000 --sessions 256 --turns 4 --repeats 1
     python bench/agentic.py --paper
 
 `--workers 1,2` runs the lent-client chat path in agent workers instead (`agent.workers`, one count after
-another; bench/agentic_workers.py), into its own section `agentic_workers`.
+another; bench/agentic_workers.py), into its own section `agentic_workers`; there `--delay-ms` may list
+several answer times (each with every worker count), to see where the workers' CPU stops being the queue.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=256, help="concurrent rollouts")
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--delay-ms", type=float, default=20.0, help="the stand-in engine's answer time")
+    p.add_argument("--delay-ms", default="20", help="the stand-in engine's answer time; with --workers a "
+                   "comma-separated list (e.g. 20,500,2000) runs each")
     p.add_argument("--reply-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="16 sessions, 2 turns, 1 repeat; prints only")
@@ -137,6 +140,9 @@ def parse_args() -> argparse.Namespace:
         args.sessions, args.turns, args.repeats = 16, 2, 1
     if args.tools and not args.workers:
         p.error("--tools runs with --workers")
+    args.delays = [float(d) for d in args.delay_ms.split(",")]
+    if len(args.delays) > 1 and not args.workers:
+        p.error("several --delay-ms values run with --workers")
     return args
 
 
@@ -159,7 +165,7 @@ def main() -> None:
     reply = tok.encode(text, add_special_tokens=False)[:args.reply_tokens - 1] + [tok.eos_token_id]
     if args.workers:
         return workers_axis(args, reply, path)
-    engine = StandInEngine(reply, args.delay_ms / 1000)
+    engine = StandInEngine(reply, args.delays[0] / 1000)
     if args.profile:
         from agentic_profile import profile
 
@@ -200,7 +206,7 @@ def main() -> None:
     body = "\n".join([
         "## Agentic path: loopback server vs Env", "", header(),
         f"- work: {args.sessions} concurrent rollouts x {args.turns} turns, a stand-in engine answering "
-        f"{args.reply_tokens} tokens after {args.delay_ms:g} ms; {args.repeats} repeat(s), each path first "
+        f"{args.reply_tokens} tokens after {args.delays[0]:g} ms; {args.repeats} repeat(s), each path first "
         "in turn",
         f"- command: `{command}`",
         "- ms per turn, median over repeats (min–max); added = chat − Env per repeat. chat: each rollout"
@@ -219,7 +225,7 @@ def workers_axis(args: argparse.Namespace, reply: list[int], path: str) -> None:
     from agentic_workers import run_axis
 
     counts = [int(n) for n in args.workers.split(",")]
-    head, rows = run_axis(counts, args.sessions, args.turns, args.delay_ms, reply, path, args.repeats,
+    head, rows = run_axis(counts, args.sessions, args.turns, args.delays, reply, path, args.repeats,
                           args.tools)
     command = "python " + " ".join(["bench/agentic.py", *sys.argv[1:]])
     body = "\n".join([
@@ -227,7 +233,8 @@ def workers_axis(args: argparse.Namespace, reply: list[int], path: str) -> None:
         "## Agentic path in agent workers (`agent.workers`)", "", header(),
         f"- work: {args.sessions} concurrent chat rollouts (groups of 8) x {args.turns} turns through the "
         f"stock OpenAI SDK (lent client), a stand-in engine actor answering {args.reply_tokens} tokens after "
-        f"{args.delay_ms:g} ms{TOOL_REPLY if args.tools else ''}; {args.repeats} repeat(s) per worker count",
+        f"{args.delay_ms} ms{TOOL_REPLY if args.tools else ''}; {args.repeats} repeat(s) per worker count "
+        "and delay",
         f"- command: `{command}`",
         "- ms, median over repeats (min–max); added = the SDK call's latency − the stand-in's delay; CPU per "
         "turn from each process's user + system seconds over the measured runs",

@@ -102,9 +102,13 @@ def measure(workers: int, sessions: int, turns: int, delay: float, reply: list[i
     return out
 
 
-def run_axis(counts: list[int], sessions: int, turns: int, delay_ms: float, reply: list[int], path: str,
-             repeats: int, tools: bool = False) -> tuple[list[str], list[list[str]]]:
-    """The table (head, rows) of every worker count in `counts`, measured one after another."""
+def run_axis(counts: list[int], sessions: int, turns: int, delays_ms: list[float], reply: list[int],
+             path: str, repeats: int, tools: bool = False) -> tuple[list[str], list[list[str]]]:
+    """The table (head, rows) of every stand-in delay x worker count, measured one after another.
+
+    `load` is what the workers' CPU would need per delay: sessions per worker x CPU per turn / delay. A
+    session's turn is its CPU then the engine's delay, so above 1 the workers' cores are the bottleneck
+    and a turn's added latency is its wait in their queue (Little's law), not the server's work."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private local cluster, as molt.plan.placement's
@@ -114,14 +118,17 @@ def run_axis(counts: list[int], sessions: int, turns: int, delay_ms: float, repl
     ms = lambda x: f"{statistics.median(x) * 1e3:.2f} ({min(x) * 1e3:.2f}–{max(x) * 1e3:.2f})"  # noqa: E731
     rows = []
     try:
-        for workers in counts:
-            m = measure(workers, sessions, turns, delay_ms / 1000, reply, path, repeats, tools)
-            added = [v - delay_ms / 1000 for v in m["median"]]
-            added99 = [v - delay_ms / 1000 for v in m["p99"]]
-            rows.append([str(workers), f"{statistics.median(m['turns_per_s']):.0f}", ms(m["median"]),
-                         ms(added), ms(added99), ms(m["driver"]), ms(m["workers"]), ms(m["engine"])])
+        for delay_ms in delays_ms:
+            for workers in counts:
+                m = measure(workers, sessions, turns, delay_ms / 1000, reply, path, repeats, tools)
+                added = [v - delay_ms / 1000 for v in m["median"]]
+                added99 = [v - delay_ms / 1000 for v in m["p99"]]
+                load = sessions / workers * statistics.median(m["workers"]) / (delay_ms / 1000)
+                rows.append([f"{delay_ms:g}", str(workers), f"{load:.2f}",
+                             f"{statistics.median(m['turns_per_s']):.0f}", ms(m["median"]), ms(added),
+                             ms(added99), ms(m["driver"]), ms(m["workers"]), ms(m["engine"])])
     finally:
         ray.shutdown()
-    head = ["workers", "turns/s", "latency median", "added median", "added p99", "CPU/turn: driver",
-            "workers (all)", "stand-in engine"]
+    head = ["delay ms", "workers", "load", "turns/s", "latency median", "added median", "added p99",
+            "CPU/turn: driver", "workers (all)", "stand-in engine"]
     return head, rows

@@ -11,8 +11,9 @@ template option the rendering it trains on, and a dropped one would go unnoticed
 its own thread; each sampler call is sent back to the event loop of the rollout that owns the session.
 
 Slow or vanished clients cost nothing lasting: a request head or body that is not complete within
-READ_TIMEOUT_S is dropped (408 for a body), and a client that disconnects while its turn is sampled
-cancels the turn, which aborts its engine requests and leaves the session as it was before the request.
+READ_TIMEOUT_S of its start is dropped (408 for a body), a connection idle for IDLE_TIMEOUT_S is closed,
+and a client that disconnects while its turn is sampled cancels the turn, which aborts its engine
+requests and leaves the session as it was before the request.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import select
 import socket
 import threading
 from typing import Any
@@ -47,6 +49,10 @@ from molt.trajectory import Sampler
 
 MAX_BODY_BYTES = 4 << 20
 READ_TIMEOUT_S = 30.0   # for a request's head (request line + headers) and, separately, its body
+# For a connection with no byte of a next request yet (a fresh one, or kept alive after a response):
+# far beyond a client's own keep-alive expiry (httpx: 5 s) and any lag of its event loop, so the client
+# always gives a connection up first (see HeadDeadlineProtocol).
+IDLE_TIMEOUT_S = 300.0
 
 
 class ApiError(Exception):
@@ -67,27 +73,49 @@ class ApiError(Exception):
 
 
 class HeadDeadlineProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request head.
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request head, and a long idle timeout.
 
     uvicorn waits for a request line and headers forever, so a client that trickles them (slowloris)
-    would hold its connection for good. Here the next request's head must be complete READ_TIMEOUT_S
-    after the connection opens or the previous response ends (by then the rest of a refused body has
-    been drained too); otherwise the connection is closed.
+    would hold its connection for good. Here a head must be complete READ_TIMEOUT_S after its first byte
+    arrived, or the connection is closed. A connection that has not started a head (fresh, or idle after
+    a response) closes after IDLE_TIMEOUT_S instead: a client whose event loop runs hundreds of sessions
+    may send its next request (or its first, after connecting) tens of seconds late, and a server that
+    closed the connection meanwhile failed that turn with a connection error (the client's check that a
+    kept-alive connection is still open cannot close the race: it yields to its loop before sending).
     """
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        self._arm_head_deadline()
+        self.head_of: Any = "none yet"   # the cycle after which the pending head's deadline was armed
+        # uvicorn arms its keep-alive timer (IDLE_TIMEOUT_S) after each response only
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_head_deadline()
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        head_pending = self.cycle is None or self.cycle.response_complete
+        if head_pending and self.head_of is not self.cycle:   # these are a next head's first bytes
+            self.head_of = self.cycle
+            self._arm_head_deadline()
+
+    def client_waiting(self) -> bool:
+        """Whether bytes from the client (or its close) wait unread in the socket."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None or sock.fileno() < 0:
+            return False
+        poll = select.poll()   # not select.select: a worker with 1,024 sessions has fds above 1,024
+        poll.register(sock.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
 
     def _arm_head_deadline(self) -> None:
-        cycle = self.cycle   # replaced when the next request's head is complete
+        cycle = self.cycle   # replaced when the head is complete
 
         def expire() -> None:
-            if self.cycle is cycle:   # no new request head since
+            if self.cycle is not cycle:
+                return
+            if self.client_waiting():   # the server is behind on reading (uvloop runs due timers first)
+                self.loop.call_later(READ_TIMEOUT_S, expire)
+            else:
                 self.transport.close()
 
         self.loop.call_later(READ_TIMEOUT_S, expire)
@@ -114,13 +142,11 @@ class LoopbackServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))   # a free port chosen by the OS; loopback only
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        # An idle keep-alive connection closes when the next head's deadline passes (READ_TIMEOUT_S), not
-        # sooner: with a thousand sessions in one process an agent may take seconds to send its next turn,
-        # and a connection closed meanwhile fails that turn (the SDK sees a connection error). A head over
+        # Idle connections close after IDLE_TIMEOUT_S (HeadDeadlineProtocol says why so late); a head over
         # 16 KiB is answered 400 (h11's limit).
         self._server = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
-            http=HeadDeadlineProtocol, timeout_keep_alive=READ_TIMEOUT_S + 1,
+            http=HeadDeadlineProtocol, timeout_keep_alive=IDLE_TIMEOUT_S,
             h11_max_incomplete_event_size=16 << 10))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()

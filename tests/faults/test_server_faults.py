@@ -249,6 +249,34 @@ def test_slow_malformed_and_oversized_requests_do_not_block_other_sessions(tok, 
     assert out["a_untouched"]
 
 
+def test_a_late_client_keeps_its_connection_until_the_idle_timeout(tok, monkeypatch):
+    """A client whose event loop runs hundreds of sessions may send its first request after connecting, or
+    its next after a reply, many seconds late: the head deadline starts at a head's first byte, so only
+    IDLE_TIMEOUT_S closes such a connection (before, the turn failed with a connection error)."""
+    monkeypatch.setattr(server_module, "READ_TIMEOUT_S", 0.4)
+    monkeypatch.setattr(server_module, "IDLE_TIMEOUT_S", 2.5)
+    server = started(tok)
+    request = b"POST /s/nobody/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+
+    async def main() -> list:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        seen = []
+        for _ in range(2):   # connected, then kept alive after a reply: 3x READ_TIMEOUT_S before sending
+            await asyncio.sleep(1.2)
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(re.search(rb"content-length: (\d+)", head, re.I)[1]))
+            seen.append(head.split(b"\r\n")[0])
+        await asyncio.sleep(3.0)   # past IDLE_TIMEOUT_S: closed by the server
+        seen.append(await reader.read())
+        return seen
+
+    try:
+        assert asyncio.run(main()) == [b"HTTP/1.1 404 Not Found"] * 2 + [b""]
+    finally:
+        server.stop()
+
+
 def test_a_client_disconnect_aborts_its_engine_request(tok, engine):
     """vLLM's own record of the request says it was aborted, early: 480 tokens would take seconds, the
     disconnect comes as soon as the engine has started it."""
