@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -79,12 +78,6 @@ def payload_sizes() -> Iterator[list[int]]:
         refit._broadcast = broadcast
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(spec: Any, path: Path) -> Any:
     import ray
 
@@ -113,12 +106,13 @@ def refit_engine(engine: Any, tensors: dict[str, torch.Tensor], chunk_bytes: int
     from molt import refit
     from molt.rollout.dispatch import Dispatcher
 
-    port, dispatcher = _port(), Dispatcher([engine])
+    dispatcher = Dispatcher([engine])
 
     async def connect() -> Any:
         size = await dispatcher.refit_size()
-        opened = asyncio.to_thread(refit.open_group, "127.0.0.1", port, 0, size, device)
-        return (await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", port)))[0]
+        store = refit.listen("127.0.0.1", size)
+        opened = asyncio.to_thread(refit.host_group, store, size, device)
+        return (await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", store.port)))[0]
 
     group = asyncio.run(connect())
     receiving = engine.update_weights.remote(1)
@@ -211,7 +205,7 @@ def refit_ranges(spec: Any) -> list[str]:
     errors: list[BaseException] = []
     with cluster(2):
         ranks = TrainerRanks(spec)
-        host, port = ranks.refit_address()
+        host, port = ranks.host_refit(2)
 
         def receive() -> None:
             try:
@@ -225,7 +219,7 @@ def refit_ranges(spec: Any) -> list[str]:
         receiver = threading.Thread(target=receive, daemon=True)
         with payload_sizes() as sizes:
             receiver.start()
-            ranks.join_refit(host, port, 2)
+            ranks.join_refit(2)
             ranks.send_weights()
             receiver.join(timeout=600)
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0   # (not measured on the host)

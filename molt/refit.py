@@ -28,9 +28,25 @@ TIMEOUT = timedelta(minutes=10)
 _ALIGN = 16  # bytes; each tensor starts aligned, so a byte view can be reinterpreted as any dtype
 
 
+def listen(host: str, world_size: int) -> dist.TCPStore:
+    """Rank 0: the refit group's rendezvous store, on a port the OS assigns as it binds (`.port`). A port
+    found free and bound later can be taken meanwhile (seen in CI: EADDRINUSE, and a receiver that joined
+    another process's port waited TIMEOUT), so the host binds first and hands out the port it holds."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+
+
+def host_group(store: dist.TCPStore, world_size: int, device: torch.device) -> dist.ProcessGroup:
+    """Rank 0: open the refit group on `store` (from `listen`); returns once all ranks joined."""
+    return _group(store, 0, world_size, device)
+
+
 def open_group(host: str, port: int, rank: int, world_size: int, device: torch.device) -> dist.ProcessGroup:
-    """Join the refit group (rank 0 hosts the store at host:port and returns once all ranks joined)."""
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=TIMEOUT)
+    """A receiver (rank >= 1): join the refit group rank 0 listens for at host:port (`listen`)."""
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=TIMEOUT)
+    return _group(store, rank, world_size, device)
+
+
+def _group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> dist.ProcessGroup:
     store = dist.PrefixStore("molt-refit", store)
     if device.type == "cuda":
         from torch.distributed import ProcessGroupNCCL

@@ -154,7 +154,6 @@ def push_weights(ray_session):
     each engine's result.
     """
     import asyncio
-    import socket
 
     import torch
 
@@ -172,15 +171,13 @@ def push_weights(ray_session):
         yield chunk
 
     def push(engines: list, state_dict: dict, version: int | None, chunk_bytes: int = 64 << 10) -> list:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         dispatcher, cpu = Dispatcher(engines), torch.device("cpu")
 
         async def connect():
             size = await dispatcher.refit_size()
-            opened = asyncio.to_thread(refit.open_group, "127.0.0.1", port, 0, size, cpu)
-            group, _ = await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", port))
+            store = refit.listen("127.0.0.1", size)
+            opened = asyncio.to_thread(refit.host_group, store, size, cpu)
+            group, _ = await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", store.port))
             return group
 
         group = asyncio.run(connect())

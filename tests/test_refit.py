@@ -11,17 +11,11 @@ import torch
 from molt import refit
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) -> tuple[list[list], list[int]]:
     """Send each refit's chunks from rank 0 to ranks 1 and 2 of one gloo group (threads); returns what
     each receiver got (name, tensor), and the bytes each refit sent. With `reform`, every rank closes its
     group after each refit and joins a new one (as when the engine set changes)."""
-    ports = [_port() for _ in refits] if reform else [_port()] * len(refits)
+    stores = [refit.listen("127.0.0.1", 3) for _ in (refits if reform else refits[:1])]
     cpu = torch.device("cpu")
     got: list[list] = [[], []]
     sent: list[int] = []
@@ -32,7 +26,7 @@ def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) ->
         for k, _ in enumerate(refits):
             if k == 0 or reform:
                 refit.close_group(group)
-                group = refit.open_group("127.0.0.1", ports[k], rank, 3, cpu)
+                group = refit.open_group("127.0.0.1", stores[k].port, rank, 3, cpu)
             for name, tensor in refit.receive(group, cpu):
                 got[rank - 1].append((name, tensor.clone()))
 
@@ -41,7 +35,7 @@ def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) ->
         for k, chunks in enumerate(refits):
             if k == 0 or reform:
                 refit.close_group(group)
-                group = refit.open_group("127.0.0.1", ports[k], 0, 3, cpu)
+                group = refit.host_group(stores[k], 3, cpu)
             sent.append(refit.send(group, chunks, cpu, chunk_bytes))
 
     def guarded(fn, *args) -> None:
@@ -119,6 +113,23 @@ def test_a_re_formed_group_closes_the_one_it_replaces():
     assert sent == [48] * 3
     for received in got:
         assert [float(t[0, 0]) for _, t in received] == [0.0, 1.0, 2.0]
+
+
+def test_hosts_hold_the_port_they_hand_out(tiny_model_path):
+    """The refit group's host (`refit.listen`) and trainer rank 0's rendezvous (`TrainerWorker.address`)
+    are bound to their port when they hand it out: a port found free and bound later was taken meanwhile
+    in CI (EADDRINUSE, then an engine waiting on another process's port for 10 minutes)."""
+    from molt.spec import RunSpec
+    from molt.trainer.worker import TrainerWorker
+
+    spec = RunSpec.model_validate({"model": {"path": tiny_model_path}})
+    worker = TrainerWorker(spec, "policy", 0, tiny_model_path)
+    store = refit.listen("127.0.0.1", 2)
+    for port in (store.port, worker.address()[1]):
+        with socket.socket() as s, pytest.raises(OSError, match="in use"):
+            s.bind(("", port))
+
+
 def test_trainer_stream_carries_every_tensor_of_the_model(tiny_model_path):
     """A trainer rank's refit (`send_weights`, chunks of `rollout.refit_chunk_mb`) on a model many chunks
     long delivers every tensor of the checkpoint once, equal to it, and passes the engine's completeness
@@ -136,22 +147,19 @@ def test_trainer_stream_carries_every_tensor_of_the_model(tiny_model_path):
     checkpoint = load_file(f"{tiny_model_path}/model.safetensors")
     size = sum(t.numel() * t.element_size() for t in checkpoint.values())
     assert size > 10 * chunk_mb * 2**20            # spans many chunks (the last one partial)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cpu, got, errors = torch.device("cpu"), [], []
 
-    def receiver() -> None:
+    def receiver(host: str, port: int) -> None:
         try:
-            group = refit.open_group("127.0.0.1", port, 1, 2, cpu)
+            group = refit.open_group(host, port, 1, 2, cpu)
             got.extend((name, tensor.clone()) for name, tensor in refit.receive(group, cpu))
         except BaseException as err:  # surfaced below
             errors.append(err)
 
-    thread = threading.Thread(target=receiver, daemon=True)
-    thread.start()
     with one_rank(spec) as rank:
-        rank.join_refit("127.0.0.1", port, 2)
+        thread = threading.Thread(target=receiver, args=rank.host_refit(2), daemon=True)
+        thread.start()
+        rank.join_refit(2)
         sent = rank.send_weights()
     thread.join(timeout=60)
     assert not errors and not thread.is_alive(), errors

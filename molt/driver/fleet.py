@@ -53,9 +53,9 @@ class Fleet:
 
     async def _connect(self, members: list[int]) -> None:
         self.members = []
-        host, port = await asyncio.to_thread(self.policy.refit_address)
         size = await self.dispatcher.refit_size(members)
-        await asyncio.gather(asyncio.to_thread(self.policy.join_refit, host, port, size),
+        host, port = await asyncio.to_thread(self.policy.host_refit, size)
+        await asyncio.gather(asyncio.to_thread(self.policy.join_refit, size),
                              self.dispatcher.join_refit(host, port, members))
         self.members = [self.dispatcher.engines[i] for i in members]   # the actors: a restart changes them
 

@@ -139,13 +139,13 @@ class TrainerRanks:
         for w in self.workers:
             w.set_engines_idle.remote(idle)
 
-    def refit_address(self) -> tuple[str, int]:
-        """Where rank 0 will host the refit group: its node's IP and a free port."""
-        return ray.get(self.workers[0].address.remote())
+    def host_refit(self, world_size: int) -> tuple[str, int]:
+        """Rank 0 listens for a refit group of `world_size` ranks; returns where the engine workers join."""
+        return ray.get(self.workers[0].host_refit.remote(world_size))
 
-    def join_refit(self, host: str, port: int, world_size: int) -> None:
+    def join_refit(self, world_size: int) -> None:
         """Open the refit group on rank 0; blocks until all `world_size - 1` engine workers joined."""
-        ray.get(self.workers[0].join_refit.remote(host, port, world_size))
+        ray.get(self.workers[0].join_refit.remote(world_size))
 
     def abort_refit(self) -> None:
         """Abort rank 0's refit group while a transfer to receivers that died still waits in it."""

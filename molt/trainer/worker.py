@@ -8,13 +8,13 @@ rank's row shard of the batch, and rank 0's return value is the group's answer.
 from __future__ import annotations
 
 import os
-import socket
 from functools import partial
 from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -74,16 +74,19 @@ class TrainerWorker:
         self.threads = RankThreads(self.spec, role, rank)   # CPU: follows set_engines_idle
         self.step = 0
         self.refit_group: dist.ProcessGroup | None = None   # rank 0: the group to the engine workers
+        self.refit_store: dist.TCPStore | None = None        # rank 0: where the next group meets
+        self.store: dist.TCPStore | None = None              # rank 0: where the ranks meet (`address`)
 
     @ray.method(concurrency_group="control")   # runs while `update` holds the default group
     def set_engines_idle(self, idle: bool) -> None:
         self.threads.engines_idle = idle
 
     def address(self) -> tuple[str, int]:
-        """Rank 0's rendezvous address: this node's IP and a free port."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        """Rank 0: listen for the ranks' rendezvous on a port the OS assigns as it binds (a port found free
+        and bound later can be taken meanwhile: `molt.refit.listen`); returns this node's IP and the port."""
+        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.spec.parallel.world_size,
+                                   is_master=True, timeout=default_pg_timeout, wait_for_workers=False)
+        return ray.util.get_node_ip_address(), self.store.port
 
     def setup(self, host: str, port: int) -> None:
         par = self.spec.parallel
@@ -91,8 +94,10 @@ class TrainerWorker:
             torch.cuda.set_device(0)  # Ray gives each rank actor exactly one visible GPU
         os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(self.rank),
                           WORLD_SIZE=str(par.world_size), LOCAL_RANK="0")
-        dist.init_process_group("nccl" if self.cuda else "gloo", init_method=f"tcp://{host}:{port}",
-                                rank=self.rank, world_size=par.world_size)
+        store = self.store if self.rank == 0 else dist.TCPStore(host, port, par.world_size, is_master=False,
+                                                                timeout=default_pg_timeout)
+        dist.init_process_group("nccl" if self.cuda else "gloo", store=store, rank=self.rank,
+                                world_size=par.world_size)
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         torch.manual_seed(self.spec.run.seed)
         setup = distributed_setup(self.spec)
@@ -346,10 +351,17 @@ class TrainerWorker:
         return out
 
     # -- weights and checkpoints -----------------------------------------------------------------------
-    def join_refit(self, host: str, port: int, world_size: int) -> None:
-        """Rank 0: host the refit group (`molt.refit`) in place of the last one; returns once all joined."""
+    def host_refit(self, world_size: int) -> tuple[str, int]:
+        """Rank 0: close the last refit group and listen for the next one's `world_size` ranks
+        (`molt.refit.listen`); returns the address the engine workers join at."""
         refit.close_group(self.refit_group)
-        self.refit_group = refit.open_group(host, port, 0, world_size, self.device)
+        self.refit_group = None
+        self.refit_store = refit.listen(ray.util.get_node_ip_address(), world_size)
+        return ray.util.get_node_ip_address(), self.refit_store.port
+
+    def join_refit(self, world_size: int) -> None:
+        """Rank 0: open the refit group `host_refit` listens for; returns once all `world_size` joined."""
+        self.refit_group = refit.host_group(self.refit_store, world_size, self.device)
 
     @ray.method(concurrency_group="control")   # runs while `send_weights` waits in the default group
     def abort_refit(self) -> None:
