@@ -1,6 +1,7 @@
 """Agent workers (`agent.workers`): groups run in Ray actors sample what the driver's loop samples, the eval
-sets' rollouts run there too and score what the driver's evaluation scores, workers are placed by the plan
-and their cores checked. The killed worker of a real run: faults/test_agent_faults.py.
+sets' rollouts run there too (a run's evaluation and `python -m molt.eval`) and score what the driver's
+evaluation scores, workers are placed by the plan and their cores checked (molt.eval's too). The killed
+worker of a real run: faults/test_agent_faults.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
 from molt.driver.agent_workers import AgentWorkers
-from molt.driver.eval import evaluate
+from molt.driver.eval import ROLES, evaluate_on
 from molt.driver.judge_engines import judge_engines, start_judge
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.sampling import TrainingSampler
@@ -97,10 +98,11 @@ AgentRunner = StepEnvRunner(PidEnv)
 """
 
 
-def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_session, tok, tiny_model_path,
+def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_session, tiny_model_path,
                                                                           engine, tmp_path):
-    """With agent.workers the eval sets' rollouts run in the workers, the agent's code never in the
-    driver's process (it is given no runner), and, greedy, score what the driver's own evaluation does."""
+    """`python -m molt.eval` (`evaluate_on`, the run's `evaluate` on the agent workers it starts): with
+    agent.workers the eval sets' rollouts run in the worker, the agent's code never in this process, and,
+    greedy, score what the agent in this process does."""
     import os
 
     (tmp_path / "pid_env.py").write_text(PID_ENV)
@@ -110,23 +112,23 @@ def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_se
     for workers in (0, 1):
         spec = make_spec({"module": str(tmp_path / "pid_env.py"), "options": {"pids": str(pids)},
                           "workers": workers}, eval={"n": 2, "temperature": 0.0})
-        if workers:
-            pool = AgentWorkers(spec, tiny_model_path, Dispatcher([engine]))
-            try:
-                [worker] = pool.ready()
-                metrics[1] = asyncio.run(evaluate(spec, None, Dispatcher([engine]), sets, 5, pool))
-            finally:
-                pool.close()
-        else:
-            runner = load_agent_runner(spec.agent)
-            runner.setup(tok, spec)
-            metrics[0] = asyncio.run(evaluate(spec, runner, Dispatcher([engine]), sets, 5))
-            runner.close()
+        metrics[workers] = evaluate_on(spec, tiny_model_path, [engine], sets)
         ran[workers] = [int(line) for line in pids.read_text().split()]
         pids.unlink()
-    assert ran[0] == [os.getpid()] * 6 and ran[1] == [worker] * 6 and worker != os.getpid()
+    assert ran[0] == [os.getpid()] * 6 and len(ran[1]) == 6 and len(set(ran[1])) == 1
+    assert ran[1][0] != os.getpid()
     assert metrics[1] == metrics[0] and set(metrics[0]) == {
         f"eval/{name}/{k}" for name in sets for k in ("mean@2", "pass@1", "pass@2")}
+
+
+def test_molt_eval_refuses_workers_the_cluster_cannot_hold(ray_session, tiny_model_path):
+    """molt.eval checks the nodes' cores against the plan's engines and workers (no trainer) before any
+    actor starts: the session's Ray has 16 CPUs, 16 workers and an engine need 16.01."""
+    from molt.driver.eval import main
+
+    with pytest.raises(RuntimeError, match=r"node 0 \(.*\): the plan puts 16.01 CPU there, the node has 16"):
+        main([f"model.path={tiny_model_path}", "agent.workers=16",
+              f"data.eval=[{EXAMPLES.parent / 'data' / 'math_eval.jsonl'}]"])
 
 
 def test_a_worker_judges_with_the_drivers_judge_engines(ray_session, tok, tiny_model_path, engine):
@@ -170,6 +172,10 @@ def test_workers_that_do_not_fit_a_nodes_cores_are_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"node 0 \(10.0.0.1, abababab\): the plan puts 5.01 CPU there, "
                                            r"the node has 4"):
         placement.bind(RunSpec.model_validate({"agent": {"workers": 4}}))
+    # molt.eval starts no trainer rank: 3 workers fit there, 4 do not
+    placement.bind(RunSpec.model_validate({"agent": {"workers": 3}}), ROLES)
+    with pytest.raises(RuntimeError, match=r"the plan puts 4.01 CPU there, the node has 4"):
+        placement.bind(RunSpec.model_validate({"agent": {"workers": 4}}), ROLES)
 
 
 @pytest.mark.slow

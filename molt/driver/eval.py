@@ -5,7 +5,8 @@ Each prompt gets `rollout.eval.n` samples through the run's agent, whose samplin
 each turn's max_tokens as in training). Per set NAME (a file's stem):
 `eval/NAME/mean@n` is the mean reward over all samples, and `eval/NAME/pass@k` (k = 1, 2, 4, ... and n)
 the unbiased estimate of the chance that k samples hold a correct one (reward >= 1), from the c correct
-of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0.
+of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0. With agent.workers > 0 the
+rollouts run on the agent workers (a prompt's n samples as one group), here as in a run.
 
     python -m molt.eval [+experiment=NAME] [key=value ...] model.path=PATH
 
@@ -70,18 +71,20 @@ async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[
     return metrics
 
 
+# What `python -m molt.eval` starts of a run's plan: no trainer, so only these roles' cores and GPUs count.
+ROLES = ("engine", "judge", "agent")
+
+
 def evaluate_model(spec: RunSpec) -> dict[str, float]:
     """Start engines on model.path (a checkpoint folder is exported first) and evaluate every set."""
     import ray
-    from transformers import AutoTokenizer
 
     from molt.agents import load_agent_runner
     from molt.driver.export import as_hf_folder
-    from molt.driver.judge_engines import set_up, start_judge, stop_engines
+    from molt.driver.judge_engines import stop_engines
     from molt.inputs.data import load_eval_sets
     from molt.plan.models import model_path
-    from molt.plan.placement import init_ray
-    from molt.rollout.dispatch import Dispatcher
+    from molt.plan.placement import bind, init_ray
     from molt.rollout.engine import start_engines
 
     if spec.model.path is not None:
@@ -90,27 +93,52 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     eval_sets = load_eval_sets(spec.data)
     if not eval_sets:
         raise ValueError("data.eval is empty: nothing to evaluate")
-    runner = load_agent_runner(spec.agent)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+    load_agent_runner(spec.agent)   # a module that fails to import fails before anything starts
     own_ray = not ray.is_initialized()   # a caller's Ray (a notebook, a test session) is left running
     if own_ray:
         init_ray(spec)
     try:
-        judge = start_judge(spec)   # its engines start in the Ray just initialised; close() stops them
+        bind(spec, ROLES)   # the nodes hold the engines and agent workers the plan puts there, as for a run
+        engines = start_engines(spec, path)
         try:
-            set_up(runner, tokenizer, spec, judge)
-            engines = start_engines(spec, path)
-            try:
-                return asyncio.run(evaluate(spec, runner, Dispatcher(engines), eval_sets, 0))
-            finally:
-                stop_engines(engines)
+            return evaluate_on(spec, path, engines, eval_sets)
         finally:
-            if judge is not None:   # also when the runner's set-up failed before it took the judge
-                judge.shutdown()
-            runner.close()
+            stop_engines(engines)
     finally:
         if own_ray:
             ray.shutdown()
+
+
+def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, Any]) -> dict[str, float]:
+    """Every set's metrics on `engines` (serving the model at `path`), the agent set up as for a run: in
+    this process, or on `agent.workers` workers (`evaluate` as the run's periodic evaluation calls it)."""
+    from transformers import AutoTokenizer
+
+    from molt.agents import load_agent_runner
+    from molt.driver.agent_workers import start_agent_workers
+    from molt.driver.judge_engines import judge_engines, set_up, start_judge
+    from molt.rollout.dispatch import Dispatcher
+
+    async def run(runner: Any, judge: Any) -> dict[str, float]:
+        dispatcher = Dispatcher(engines)
+        workers = await start_agent_workers(spec, path, dispatcher, judge_engines(judge))
+        try:   # with workers the agent's code never runs here: this process sets no runner up
+            return await evaluate(spec, None if workers else runner, dispatcher, eval_sets, 0, workers)
+        finally:
+            if workers:
+                workers.close()
+
+    runner = load_agent_runner(spec.agent)
+    judge = start_judge(spec)   # its engines start in the caller's Ray; close() stops them
+    try:
+        if not spec.agent.workers:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
+            set_up(runner, tokenizer, spec, judge)
+        return asyncio.run(run(runner, judge))
+    finally:
+        if judge is not None:   # also when the runner's set-up failed before it took the judge
+            judge.shutdown()
+        runner.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,8 +11,9 @@ does not fit is a spec error, so it fails before Ray starts. On CPU devices are 
 plan only maps roles to nodes.
 
 Binding, once Ray is up: plan node i is the i-th alive Ray node (with GPUs, on CUDA), the driver's node
-first, then the others by address and id. Each node's total resources must hold what the plan puts on it,
-or the run stops with the numbers. Actors are pinned with the label Ray gives every node (`ray.io/node-id`):
+first, then the others by address and id. Each node's total resources must hold what the plan puts on it
+(`python -m molt.eval`: its engines, judge engines and agent workers, placed as for a run), or the run
+stops with the numbers. Actors are pinned with the label Ray gives every node (`ray.io/node-id`):
 placement-group bundles for trainer ranks, a label selector for engines. `init_ray` starts Ray here or
 attaches to `ray.address`.
 """
@@ -25,6 +26,8 @@ from itertools import groupby
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from molt.spec import RunSpec
 
 NODE_LABEL = "ray.io/node-id"
@@ -200,11 +203,13 @@ def cluster_nodes(spec: RunSpec) -> list[dict]:
 ENGINE_CPUS = {"cpu": 0.01, "cuda": 1}
 
 
-def bind(spec: RunSpec) -> list[dict]:
-    """`cluster_nodes`, after checking that each one's total resources hold what the plan puts on it;
-    raises RuntimeError with the numbers otherwise. Call it before any actor starts."""
+def bind(spec: RunSpec, roles: Collection[str] | None = None) -> list[dict]:
+    """`cluster_nodes`, after checking that each one's total resources hold what the plan puts on it (its
+    `roles` only, when given: `python -m molt.eval` starts no trainer); raises RuntimeError with the numbers
+    otherwise. Call it before any actor starts."""
     engine_cpus = ENGINE_CPUS[spec.parallel.device]
     nodes, slots, problems = cluster_nodes(spec), plan(spec), []
+    slots = [s for s in slots if roles is None or s.role in roles]
     for i, node in enumerate(nodes):
         here = [s for s in slots if s.node == i]
         need = {"GPU": sum(s.gpus for s in here),
