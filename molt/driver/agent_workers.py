@@ -99,7 +99,11 @@ async def start_agent_workers(spec: RunSpec, policy_path: str, dispatcher: Dispa
     if not spec.agent.workers:
         return None
     workers = AgentWorkers(spec, policy_path, dispatcher, judge_engines)
-    await asyncio.to_thread(workers.ready)
+    try:
+        await asyncio.to_thread(workers.ready)
+    except BaseException:
+        workers.close()   # those that did set up (one that failed is dead already)
+        raise
     return workers
 
 

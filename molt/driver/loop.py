@@ -12,6 +12,7 @@ on Ray, so they run in a worker thread and the pool's rollouts keep going on the
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -60,7 +61,10 @@ from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
 
 def train(spec: RunSpec) -> dict[str, float]:
     """Run the whole training described by `spec`; returns the last step's metrics."""
-    return asyncio.run(_train(spec))
+    try:
+        return asyncio.run(_train(spec))
+    finally:
+        gc.unfreeze()   # start_run froze start-up's objects for this run: collectable again after it
 
 
 async def _train(spec: RunSpec) -> dict[str, float]:
@@ -78,19 +82,20 @@ async def _train(spec: RunSpec) -> dict[str, float]:
     async def rollout_fn(item: dict, group_id: str, sample_index: int) -> Rollout:
         return await runner.run(item, f"{group_id}-{sample_index}", group_id, sampler)
 
-    workers = await start_agent_workers(spec, policy_path, fleet.dispatcher, judge_engines(runner.judge))
-    at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=checkpoint is not None,
-                     workers=workers)
-    if checkpoint:
-        print(f"molt: resumed from {checkpoint} at step {at.step} (policy version {at.version})")
     def save(best: float | None = None) -> None:
         extra = {"step": at.step, "version": at.version, "data": at.data.state_dict(),
                  "pending": at.pool.pending_items(), "groups_started": at.pool.started, "kl_coef": at.kl_coef}
         save_checkpoint(spec, at.step, {"policy": trainers.policy, "critic": trainers.critic}, extra, best)
         at.saved = at.step
 
-    stop, metrics = install_stop_handler(), {}
-    try:
+    workers, at = None, None
+    try:   # from here a failure (a worker's agent set-up, a bad checkpoint) stops what start_run started
+        workers = await start_agent_workers(spec, policy_path, fleet.dispatcher, judge_engines(runner.judge))
+        at = await begin(spec, trainers, fleet, rollout_fn, checkpoint, refit_engines=checkpoint is not None,
+                         workers=workers)
+        if checkpoint:
+            print(f"molt: resumed from {checkpoint} at step {at.step} (policy version {at.version})")
+        stop, metrics = install_stop_handler(), {}
         if eval_sets and at.step == 0:   # the starting model's scores, logged as step 0
             logger.log(0, await evaluate(spec, runner, fleet.dispatcher, eval_sets, 0, workers))
         while at.step < spec.train.steps and not stop.is_set():
@@ -113,16 +118,23 @@ async def _train(spec: RunSpec) -> dict[str, float]:
             print(f"molt: stopped by signal at step {at.step}; checkpoint written, resume with "
                   f"run.resume={spec.run.dir} (or run.resume=auto)")
     finally:
+        await stop_run(at, workers, runner, logger, trainers, fleet)
+    return metrics
+
+
+async def stop_run(at: Position | None, workers: AgentWorkers | None, runner: Any, logger: RunLogger,
+                   trainers: Trainers, fleet: Fleet) -> None:
+    """Stop everything a run started, also one that failed before its pool (`at`) or workers existed."""
+    if at is not None:
         if at.probe:
             at.probe.cancel()
         await at.pool.close()
-        if workers:
-            workers.close()
-        runner.close()
-        logger.close()
-        trainers.stop()
-        await fleet.close()
-    return metrics
+    if workers:
+        workers.close()
+    runner.close()
+    logger.close()
+    trainers.stop()
+    await fleet.close()
 
 
 @dataclass
@@ -148,7 +160,13 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
         judge = start_judge(spec)
-        set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
+        if spec.agent.workers:
+            # The workers run every rollout on runners of their own: the driver's only holds the judge
+            # whose engines they share (its close() stops them). Set up, a chat agent's would keep an idle
+            # chat server ticking in the driver (≈2 ms of CPU a second, ≈0.15 s of a 75 s step).
+            runner.judge = judge
+        else:
+            set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
         trainers = Trainers.start(spec, tokenizer.pad_token_id)
         logger = RunLogger(spec)
         ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
@@ -162,6 +180,11 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
         for engine in engines:
             ray.kill(engine)
         raise
+    # Start-up leaves ~1M long-lived objects (torch, vLLM, Ray, the tokenizer). Frozen, the collector
+    # never scans them again: the steps' rollouts trigger full collections, which scanned them all
+    # (≈0.5 s of the driver's CPU every second or third step at 1,024 rollouts, bench/RESULTS.md).
+    gc.collect()
+    gc.freeze()
     return Fleet(spec, policy_path, engines), trainers, logger
 
 

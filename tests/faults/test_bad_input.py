@@ -66,13 +66,16 @@ AgentRunner = NoKey(Noop)
 """
 
 
-def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_path, workers):
     """The engines are asked for before the agent's set-up, so that they load while the rest starts
-    (`molt.driver.loop.start_run`): a failure then must stop them, not leave them in the caller's cluster."""
+    (`molt.driver.loop.start_run`): a failure then must stop them, not leave them in the caller's cluster.
+    With agent workers the set-up that fails is a worker's (the driver's runner is not set up)."""
     (tmp_path / "setup_fails.py").write_text(SETUP_FAILS)
-    spec = small_spec({"module": str(tmp_path / "setup_fails.py")}, run={"dir": str(tmp_path / "run")})
+    spec = small_spec({"module": str(tmp_path / "setup_fails.py"), "workers": workers},
+                      run={"dir": str(tmp_path / "run")})
     before = live_actor_classes()
-    with pytest.raises(RuntimeError, match="agent set-up failed: no API key"):
+    with pytest.raises(Exception, match="agent set-up failed: no API key"):
         train(spec)
     assert live_actor_classes() == before
 
