@@ -18,6 +18,7 @@ and hands the restarted engine to every worker (`follow`). Evaluation's groups r
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,10 @@ class AgentWorker:
         self.dispatcher.live = set(live)
         self.sampler = TrainingSampler(self.dispatcher, spec.run.seed, lambda: self.version)
         self.deaths: dict[int, tuple[str, str]] = {}   # engine -> (actor id, why), not yet reported
+        # Out of the collector's scans, as in the driver (molt.driver.loop.start_run): the set-up's
+        # long-lived objects made each full collection a pause of every session here.
+        gc.collect()
+        gc.freeze()
 
     def ready(self) -> int:
         return os.getpid()
