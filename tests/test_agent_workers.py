@@ -112,7 +112,7 @@ def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_se
     for workers in (0, 1):
         spec = make_spec({"module": str(tmp_path / "pid_env.py"), "options": {"pids": str(pids)},
                           "workers": workers}, eval={"n": 2, "temperature": 0.0})
-        metrics[workers] = evaluate_on(spec, tiny_model_path, [engine], sets)
+        metrics[workers] = evaluate_on(spec, tiny_model_path, [engine], sets, load_agent_runner(spec.agent))
         ran[workers] = [int(line) for line in pids.read_text().split()]
         pids.unlink()
     assert ran[0] == [os.getpid()] * 6 and len(ran[1]) == 6 and len(set(ran[1])) == 1

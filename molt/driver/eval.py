@@ -93,7 +93,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     eval_sets = load_eval_sets(spec.data)
     if not eval_sets:
         raise ValueError("data.eval is empty: nothing to evaluate")
-    load_agent_runner(spec.agent)   # a module that fails to import fails before anything starts
+    runner = load_agent_runner(spec.agent)   # a module that fails to import fails before anything starts
     own_ray = not ray.is_initialized()   # a caller's Ray (a notebook, a test session) is left running
     if own_ray:
         init_ray(spec)
@@ -101,7 +101,7 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
         bind(spec, ROLES)   # the nodes hold the engines and agent workers the plan puts there, as for a run
         engines = start_engines(spec, path)
         try:
-            return evaluate_on(spec, path, engines, eval_sets)
+            return evaluate_on(spec, path, engines, eval_sets, runner)
         finally:
             stop_engines(engines)
     finally:
@@ -109,17 +109,18 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
             ray.shutdown()
 
 
-def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, Any]) -> dict[str, float]:
-    """Every set's metrics on `engines` (serving the model at `path`), the agent set up as for a run: in
-    this process, or on `agent.workers` workers (`evaluate` as the run's periodic evaluation calls it)."""
+def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, Any],
+                runner: Any) -> dict[str, float]:
+    """Every set's metrics on `engines` (serving the model at `path`), the agent (`runner`, not set up yet;
+    closed here) set up as for a run: in this process, or on `agent.workers` workers (`evaluate` as the
+    run's periodic evaluation calls it)."""
     from transformers import AutoTokenizer
 
-    from molt.agents import load_agent_runner
     from molt.driver.agent_workers import start_agent_workers
     from molt.driver.judge_engines import judge_engines, set_up, start_judge
     from molt.rollout.dispatch import Dispatcher
 
-    async def run(runner: Any, judge: Any) -> dict[str, float]:
+    async def run() -> dict[str, float]:
         dispatcher = Dispatcher(engines)
         workers = await start_agent_workers(spec, path, dispatcher, judge_engines(judge))
         try:   # with workers the agent's code never runs here: this process sets no runner up
@@ -128,13 +129,12 @@ def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, An
             if workers:
                 workers.close()
 
-    runner = load_agent_runner(spec.agent)
     judge = start_judge(spec)   # its engines start in the caller's Ray; close() stops them
     try:
         if not spec.agent.workers:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
             set_up(runner, tokenizer, spec, judge)
-        return asyncio.run(run(runner, judge))
+        return asyncio.run(run())
     finally:
         if judge is not None:   # also when the runner's set-up failed before it took the judge
             judge.shutdown()
