@@ -92,7 +92,6 @@ def test_bad_type_is_reported_with_key_and_value():
          "applied nowhere; set algo.kl.in_reward=false"),
         (["algo.correction.low=1.5", "algo.correction.high=1.0"], "must be below"),
         # layouts the trainer cannot run, refused with the reason (docs/parallelism.md)
-        (["parallel=cpu2", "parallel.dp_size=1", "parallel.cp_size=2"], "cp_size > 1 is not supported"),
         (["parallel=cpu2", "parallel.ep_size=2"], "ep_size > 1 needs parallel.device=cuda"),
         (["+experiment=qwen30b_tools", "parallel.ep_size=8"], "router_replay with parallel.ep_size=8"),
         # vLLM's GPU capture keeps a kept request's pre-refit routes (docs/generator.md)
@@ -100,8 +99,6 @@ def test_bad_type_is_reported_with_key_and_value():
          "router_replay=true with rollout.partial_rollout=true on parallel.device=cuda"),
         (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*tp_size > 1"),
         (["parallel.nodes=2", "parallel.trainer_nodes=2"], "trainer_nodes=2 must leave the engines"),
-        # an engine actor holds one vLLM engine core, in its own process (molt/rollout/engine.py)
-        (["+experiment=qwen30b_tools", "rollout.engine.dp_size=2"], "raise rollout.engine.num_engines"),
         # combinations peers refuse
         (["+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
          "speculative_config with enable_prefix_caching=true"),
@@ -227,14 +224,17 @@ def test_multirun_dry_run_prints_each_plan_and_writes_nothing(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
-def test_renamed_key_names_its_replacement():
+def test_an_old_key_fails_like_any_unknown_key():
+    """Keys the spec no longer has (renamed, or now derived from others) get no compatibility layer: the
+    unknown-key message with the nearest valid key, on the command line and in a config file."""
     from molt.spec import validate_spec
 
-    with pytest.raises(SpecError, match=r"offload_optimizer' was renamed: use parallel.offload"):
+    with pytest.raises(SpecError, match=r"unknown key 'parallel.offload_optimizer' \(did you mean "
+                                        r"'parallel.offload'\?\)"):
         compose(["parallel.offload_optimizer=true"])
     data = compose([]).model_dump(mode="json")
-    data["parallel"]["offload_optimizer"] = True  # an old config file
-    with pytest.raises(SpecError, match=r"parallel.offload_optimizer: renamed, use parallel.offload"):
+    data["parallel"]["world_size"] = 1   # an old config file
+    with pytest.raises(SpecError, match=r"parallel.world_size: unknown key"):
         validate_spec(data)
 
 
@@ -555,86 +555,3 @@ def test_the_driver_imports_the_loop_without_the_model_stacks():
     code = f"import sys, molt.driver.loop; print(sorted(m for m in sys.modules if m.startswith({heavy})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-
-
-
-# Keys that are derived now (molt/spec/derived.py), each: the key at the value it takes, what that value
-# is; the key at another value, the refusal. The message: "KEY is derived (WHAT); remove it from your config".
-REPLICA = "1: an engine actor runs one vLLM replica"
-DERIVED = {
-    "parallel.world_size": (["parallel=cpu2", "parallel.world_size=2"], "dp_size*tp_size = 2*1 = 2",
-                            ["parallel=cpu2", "parallel.world_size=4"],
-                            r"world_size=4, but it is derived \(dp_size\*tp_size = 2\*1 = 2\); set "
-                            "parallel.dp_size"),
-    "parallel.cp_size": (["parallel.cp_size=1"], "1: the trainer does not shard sequences",
-                         ["parallel.cp_size=2"], "parallel.cp_size=2, but .*cp_size > 1 is not supported"),
-    "rollout.engine.dp_size": (["rollout.engine.dp_size=1"], REPLICA,
-                               ["rollout.engine.dp_size=2"], "dp_size=2, but .*raise rollout.engine.num_"),
-    "agent.judge.engine.dp_size": (["agent.judge.engine.dp_size=1"], REPLICA,
-                                   ["agent.judge.engine.dp_size=2"], "raise agent.judge.engine.num_engines"),
-    "agent.kind": (["agent=chat_minimal", "agent.kind=chat"],
-                   "the kind of agent.module's AgentRunner: env (StepEnvRunner) or chat (ChatAgentRunner)",
-                   ["agent.kind=chat"], r"agent.kind=chat, but agent.module=examples/agents/repeat.py is a "
-                   r"StepEnvRunner \(kind env\): the kind is derived"),
-}
-
-
-def _said(key: str) -> str:
-    return f"{key} is derived ({DERIVED[key][1]}); remove it from your config"
-
-
-def _derived_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "molt" and "is derived" in r.getMessage()]
-
-
-@pytest.mark.parametrize("key", DERIVED)
-def test_a_derived_key_at_its_value_is_accepted_with_a_message(key, caplog):
-    accepted = DERIVED[key][0]
-    caplog.set_level("WARNING", logger="molt")
-    assert compose(accepted) == compose(accepted[:-1])   # the old key changes nothing
-    assert _derived_messages(caplog) == [_said(key)]     # one line, naming the key and its value
-
-
-@pytest.mark.parametrize("key", DERIVED)
-def test_a_derived_key_at_another_value_is_refused(key):
-    _, _, refused, refusal = DERIVED[key]
-    with pytest.raises(SpecError, match=refusal):
-        compose(refused)
-
-
-def test_derived_keys_in_an_experiment_file(tmp_path, caplog):
-    from molt.driver.compose import to_spec
-    from molt.spec.config import compose_config
-
-    (tmp_path / "experiment").mkdir()
-    old = tmp_path / "experiment" / "old.yaml"
-    old.write_text("# @package _global_\n"
-                   "defaults: [{override /parallel: cpu2}, {override /agent: chat_minimal}]\n"
-                   "parallel: {world_size: 2, cp_size: 1}\nrollout: {engine: {dp_size: 1}}\n"
-                   "agent: {kind: chat, judge: {engine: {dp_size: 1}}}\n")
-    caplog.set_level("WARNING", logger="molt")
-    spec = to_spec(compose_config(["+experiment=old"], search_path=tmp_path))
-    assert spec == compose(["parallel=cpu2", "agent=chat_minimal"])
-    assert sorted(_derived_messages(caplog)) == sorted(map(_said, DERIVED))
-    text = old.read_text()
-    old.write_text(text.replace("world_size: 2", "world_size: 4"))
-    with pytest.raises(SpecError, match=DERIVED["parallel.world_size"][3]):
-        to_spec(compose_config(["+experiment=old"], search_path=tmp_path))
-    old.write_text(text.replace("kind: chat", "kind: env"))
-    with pytest.raises(SpecError, match="agent.kind=env, but agent.module=examples/agents/chat_minimal.py "
-                       r"is a ChatAgentRunner \(kind chat\)"):
-        to_spec(compose_config(["+experiment=old"], search_path=tmp_path))
-
-
-def test_derived_keys_on_the_command_line():
-    """Hydra's app (`--cfg hydra`) and the print path take the old keys (no "Key not in struct"): the
-    messages, then the spec; another value is the one-line refusal, before anything starts."""
-    assert _molt("parallel.world_size=1", "--cfg", "hydra").returncode == 0
-    ok = _molt("parallel.world_size=1", "rollout.engine.dp_size=1", "--cfg", "job")
-    assert ok.returncode == 0 and "world_size" not in yaml.safe_load(ok.stdout)["parallel"], ok.stderr
-    shown = ok.stderr.splitlines()
-    assert "parallel.world_size is derived (dp_size*tp_size = 1*1 = 1); remove it from your config" in shown
-    assert _said("rollout.engine.dp_size") in shown
-    bad = _molt("parallel.world_size=2", "run.dry_run=true")
-    assert bad.returncode != 0 and "parallel.world_size=2, but it is derived" in bad.stderr
-    assert "Ray" not in bad.stderr and not bad.stdout

@@ -15,7 +15,7 @@ from datalib import RECIPE_DATASETS, png, with_local_hub, write_hub_layout
 from molt.driver.compose import compose
 from molt.inputs.data import PromptDataset, load_eval_sets
 from molt.spec import DataSpec, HubDataset, SpecError
-from molt.spec.plugins import import_user_module
+from molt.spec.user_modules import import_user_module
 
 DATA = DataSpec()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"

@@ -4,11 +4,10 @@
     python tools/import_graph.py --modules  # every module-level edge as well
 
 A module's floor is 0 when it imports nothing of Molt and one more than the highest floor it imports
-otherwise (imports inside functions count: they still make one file depend on another; a deprecated
-alias in a module-level __getattr__ does not, see DEPRECATED_ALIASES). The wings (agents, rollout,
-trainer, algo) meet only through the contract and never import each other; the spec imports none of
-them nor plan/ nor inputs/, so no two folders import each other: tests/test_codebase.py checks both
-with `wing_crossings` and `circles`.
+otherwise (imports inside functions count: they still make one file depend on another). The wings
+(agents, rollout, trainer, algo) meet only through the contract and never import each other; the spec
+imports none of them nor plan/ nor inputs/, so no two folders import each other: tests/test_codebase.py
+checks both with `wing_crossings` and `circles`.
 """
 
 from __future__ import annotations
@@ -33,16 +32,6 @@ KNOWN_CROSSINGS = {
 }
 
 
-# Old import paths of names that moved up, kept by a module-level __getattr__ that warns; only these
-# modules' __getattr__ imports are left out of the graph (a lazy import anywhere else is an edge).
-DEPRECATED_ALIASES = {
-    "molt.spec.config": "to_spec and compose moved to molt.driver.compose (they check the plans and "
-                        "algo/'s registries)",
-    "molt.spec.plugins": "load_plugins moved to molt.algo.plugins (it checks names against algo/'s "
-                         "registries)",
-}
-
-
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(REPO).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -53,8 +42,6 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     found = set()
     tree = ast.parse(path.read_text(), filename=str(path))
     own = module_name(path) if path.resolve().is_relative_to(REPO) else ""
-    if own in DEPRECATED_ALIASES:   # the alias points where the names moved: not this module's dependency
-        tree.body = [node for node in tree.body if getattr(node, "name", None) != "__getattr__"]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
@@ -62,12 +49,6 @@ def imports(path: Path, modules: set[str]) -> set[str]:
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return {name for name in found if name in modules and name != own}
-
-
-def has_alias(module: str) -> bool:
-    """Whether `module` defines a module-level __getattr__."""
-    path = REPO / (module.replace(".", "/") + ".py")
-    return any(getattr(node, "name", None) == "__getattr__" for node in ast.parse(path.read_text()).body)
 
 
 def graph() -> dict[str, set[str]]:

@@ -16,15 +16,11 @@ ignores the optional inputs it does not need. Its fields, for R rollouts and S s
                              return from its first turn (its baseline is taken over those)
 
 Output: `Advantages(advantages [S, T], returns [S, T] or None, metrics {name: 0-dim tensor})`.
-A plugin estimator written against the earlier signature, `fn(rewards, group_ids, segment_rollout,
-loss_mask, algo, values=None, logp=None, ref_logp=None[, turn_returns])`, is still accepted:
-`register_estimator` adapts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -88,22 +84,13 @@ def register_estimator(name: str, group_baseline: bool = False,
     def add(fn: Callable[..., Advantages]) -> Callable[..., Advantages]:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = fn if len(inspect.signature(fn).parameters) == 1 else _from_tensors(fn)
+        ESTIMATORS[name] = fn
         if group_baseline:
             GROUP_BASELINE.add(name)
         if turn_credit:
             TURN_CREDIT.add(name)
         return fn
     return add
-
-
-def _from_tensors(fn: Callable[..., Advantages]) -> Estimator:
-    """An estimator written against the earlier signature (tensors as positional arguments)."""
-    def call(x: EstimatorInputs) -> Advantages:
-        turns = {} if x.turn_returns is None else {"turn_returns": x.turn_returns}
-        return fn(x.rewards, x.group_ids, x.segment_rollout, x.loss_mask, x.algo, x.values, x.logp,
-                  x.ref_logp, **turns)
-    return call
 
 
 def _returns(r: Tensor, segment_rollout: Tensor, loss_mask: Tensor, turn_returns: Tensor | None) -> Tensor:

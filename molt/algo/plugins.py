@@ -13,8 +13,8 @@ from typing import Any
 from molt.algo.estimators import ESTIMATORS, GROUP_BASELINE, TURN_CREDIT
 from molt.algo.surrogates import POLICY_LOSSES
 from molt.spec import RunSpec
-from molt.spec.plugins import import_user_module
 from molt.spec.strict import did_you_mean
+from molt.spec.user_modules import import_user_module
 
 _LOADED: set[str] = set()   # plugins this process imported: a second import would register twice
 

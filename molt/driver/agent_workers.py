@@ -26,7 +26,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from molt.driver.judge_engines import set_up, start_judge
+from molt.driver.judge_engines import start_judge
 from molt.rollout.dispatch import Dispatcher
 from molt.spec import RunSpec
 from molt.trajectory import Rollout
@@ -49,7 +49,7 @@ class AgentWorker:
         self.runner = load_agent_runner(spec.agent)
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
         # the driver's judge engines (never a second set, never stopped here), or agent.judge.url
-        set_up(self.runner, tokenizer, spec, start_judge(spec, judge_engines))
+        self.runner.setup(tokenizer, spec, start_judge(spec, judge_engines))
         self.dispatcher = Dispatcher(list(engines), on_death=self._engine_died)
         self.dispatcher.live = set(live)
         self.sampler = TrainingSampler(self.dispatcher, spec.run.seed, lambda: self.version)

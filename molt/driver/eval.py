@@ -117,7 +117,7 @@ def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, An
     from transformers import AutoTokenizer
 
     from molt.driver.agent_workers import start_agent_workers
-    from molt.driver.judge_engines import judge_engines, set_up, start_judge
+    from molt.driver.judge_engines import judge_engines, start_judge
     from molt.rollout.dispatch import Dispatcher
 
     async def run() -> dict[str, float]:
@@ -133,7 +133,7 @@ def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, An
     try:
         if not spec.agent.workers:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
-            set_up(runner, tokenizer, spec, judge)
+            runner.setup(tokenizer, spec, judge)
         return asyncio.run(run())
     finally:
         if judge is not None:   # also when the runner's set-up failed before it took the judge

@@ -8,12 +8,9 @@ fleet (molt/driver/fleet.py) owns only the policy's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 
 from molt.agents.judge import Judge
-from molt.agents.runner import Runner
 from molt.plan.models import model_path
 from molt.plan.placement import plan
 from molt.rollout.dispatch import Dispatcher
@@ -61,12 +58,3 @@ def judge_engines(judge: Judge | None) -> list:
     """The engine actors a judge from `start_judge` scores on, to share with agent workers ([] for none
     or a judge at agent.judge.url)."""
     return list(judge.sampler.engines) if judge is not None and judge.sampler is not None else []
-
-
-def set_up(runner: Runner, tokenizer: Any, spec: RunSpec, judge: Judge | None) -> None:
-    """`runner.setup`, handed `judge` when there is one: an agent module's own `setup` may take only
-    (tokenizer, spec), as before runners were handed judges."""
-    if judge is None:
-        runner.setup(tokenizer, spec)
-    else:
-        runner.setup(tokenizer, spec, judge)

@@ -36,7 +36,7 @@ from molt.driver.checkpoints import (
 )
 from molt.driver.eval import evaluate
 from molt.driver.fleet import Fleet
-from molt.driver.judge_engines import judge_engines, set_up, start_judge
+from molt.driver.judge_engines import judge_engines, start_judge
 from molt.driver.metrics import RunLogger
 from molt.driver.probe import probe_gap, probe_prompt, sample_probe
 from molt.driver.select import (
@@ -166,7 +166,7 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
             # chat server ticking in the driver (≈2 ms of CPU a second, ≈0.15 s of a 75 s step).
             runner.judge = judge
         else:
-            set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
+            runner.setup(tokenizer, spec, judge)   # the runner's close() stops the judge's engines
         trainers = Trainers.start(spec, tokenizer.pad_token_id)
         logger = RunLogger(spec)
         ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)

@@ -78,7 +78,7 @@ def _image(value: Any) -> Any:
 
 
 def _transform(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    from molt.spec.plugins import import_user_module
+    from molt.spec.user_modules import import_user_module
 
     module_name, _, function = name.rpartition(":")
     try:

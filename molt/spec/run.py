@@ -17,7 +17,6 @@ from pydantic import Field, ValidationError, model_validator
 from molt.spec.agent import AgentSpec
 from molt.spec.algo import AlgoSpec, LossSpec
 from molt.spec.data import DataSpec, eval_names, pass_ks
-from molt.spec.derived import DERIVED_KEYS, drop_derived_keys
 from molt.spec.logging import LoggingSpec
 from molt.spec.model import ModelSpec
 from molt.spec.parallel import ParallelSpec
@@ -66,11 +65,6 @@ class RunSpec(Strict):
         """The most response tokens one rollout can sample: rollout.max_tokens per turn, agent.max_turns
         turns (seq-mean-token-sum-norm divides by it; the overlong penalty's band sits below it)."""
         return self.rollout.max_tokens * self.agent.max_turns
-
-    @model_validator(mode="before")
-    @classmethod
-    def _derived(cls, data: Any) -> Any:
-        return drop_derived_keys(data)
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunSpec:
@@ -323,12 +317,6 @@ class SpecError(ValueError):
     """A config that does not validate; the message lists every problem at once."""
 
 
-# Keys that were renamed: an old key is an error that names its replacement.
-RENAMED = {"parallel.offload_optimizer": "parallel.offload: none | optimizer | full "
-                                         "(offload_optimizer=true used to mean full)",
-           "data.eval_path": "data.eval: [PATH, ...] (eval sets named by file stem; metrics eval/STEM/...)"}
-
-
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     """Valid field names of the model that holds the key at `loc`."""
     model: Any = RunSpec
@@ -342,10 +330,6 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
 
 def unknown_key_message(dotted: str) -> str | None:
     """None if `dotted` names a spec key (or lies inside a free-form dict), else an error with a hint."""
-    if dotted in RENAMED:
-        return f"'{dotted}' was renamed: use {RENAMED[dotted]}"
-    if dotted in DERIVED_KEYS:   # no longer a key: RunSpec accepts the derived value (molt/spec/derived.py)
-        return None
     model: Any = RunSpec
     parts = dotted.split(".")
     for i, part in enumerate(parts):
@@ -368,9 +352,7 @@ def validate_spec(data: dict[str, Any]) -> RunSpec:
         for e in err.errors():
             loc = tuple(p for p in e["loc"] if not isinstance(p, int))
             dotted = ".".join(str(p) for p in e["loc"])
-            if e["type"] == "extra_forbidden" and dotted in RENAMED:
-                lines.append(f"  {dotted}: renamed, use {RENAMED[dotted]}")
-            elif e["type"] == "extra_forbidden":
+            if e["type"] == "extra_forbidden":
                 hint = did_you_mean(str(loc[-1]), _fields_at(loc), "".join(f"{p}." for p in loc[:-1]))
                 lines.append(f"  {dotted}: unknown key{hint}")
             else:

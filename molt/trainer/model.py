@@ -62,7 +62,7 @@ def distributed_setup(spec: RunSpec) -> Any:
         offload_policy=offload,
         activation_checkpointing=par.activation_checkpointing,
     )
-    # cp_size=1: the trainer does not shard sequences (molt/spec/derived.py says why)
+    # cp_size=1: the trainer does not shard sequences
     sizes = ParallelismSizes(dp_size=par.dp_size, tp_size=par.tp_size, cp_size=1, ep_size=par.ep_size)
     return DistributedSetup.build(strategy=strategy, parallelism_sizes=sizes, world_size=par.world_size,
                                   activation_checkpointing=par.activation_checkpointing)

@@ -59,7 +59,7 @@ class Noop(Env):
         return Result(reward=0.0)
 
 class NoKey(StepEnvRunner):
-    def setup(self, tokenizer, spec):
+    def setup(self, tokenizer, spec, judge=None):
         raise RuntimeError("agent set-up failed: no API key")
 
 AgentRunner = NoKey(Noop)

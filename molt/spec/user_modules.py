@@ -7,10 +7,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 
 def import_user_module(name: str, prefix: str) -> ModuleType:
@@ -26,15 +24,3 @@ def import_user_module(name: str, prefix: str) -> ModuleType:
     sys.modules[spec.name] = module   # dataclasses and pickling look the module up by name
     spec.loader.exec_module(module)
     return module
-
-
-def __getattr__(name: str) -> Any:
-    # load_plugins checks names against algo/'s registries, so it lives there (the spec imports no wing);
-    # the old import keeps working. tools/import_graph.py leaves such aliases out of the graph.
-    if name == "load_plugins":
-        warnings.warn("molt.spec.plugins.load_plugins moved: import it from molt.algo.plugins",
-                      DeprecationWarning, stacklevel=2)
-        from molt.algo.plugins import load_plugins
-
-        return load_plugins
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
