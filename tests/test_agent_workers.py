@@ -14,6 +14,7 @@ from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
 from molt.driver.agent_workers import AgentWorkers
+from molt.driver.compose import Inputs
 from molt.driver.eval import ROLES, evaluate_on
 from molt.driver.judge_engines import judge_engines, start_judge
 from molt.rollout.dispatch import Dispatcher
@@ -99,7 +100,7 @@ AgentRunner = StepEnvRunner(PidEnv)
 
 
 def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_session, tiny_model_path,
-                                                                          engine, tmp_path):
+                                                                          tok, engine, tmp_path):
     """`python -m molt.eval` (`evaluate_on`, the run's `evaluate` on the agent workers it starts): with
     agent.workers the eval sets' rollouts run in the worker, the agent's code never in this process, and,
     greedy, score what the agent in this process does."""
@@ -112,7 +113,9 @@ def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_se
     for workers in (0, 1):
         spec = make_spec({"module": str(tmp_path / "pid_env.py"), "options": {"pids": str(pids)},
                           "workers": workers}, eval={"n": 2, "temperature": 0.0})
-        metrics[workers] = evaluate_on(spec, tiny_model_path, [engine], sets, load_agent_runner(spec.agent))
+        inputs = Inputs(policy_path=tiny_model_path, tokenizer=tok, runner=load_agent_runner(spec.agent),
+                        eval_sets=sets)
+        metrics[workers] = evaluate_on(spec, inputs, [engine])
         ran[workers] = [int(line) for line in pids.read_text().split()]
         pids.unlink()
     assert ran[0] == [os.getpid()] * 6 and len(ran[1]) == 6 and len(set(ran[1])) == 1

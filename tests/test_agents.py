@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from poollib import FnGroups
 
 from molt.agents import Env, Result, State, StepEnvRunner, load_agent_runner
 from molt.rollout.pool import RolloutPool
@@ -288,9 +289,8 @@ def test_a_bug_in_molt_stops_the_run_instead_of_failing_a_rollout(tok):
     assert not isinstance(raised.value, AgentError)
 
     async def one_batch() -> None:
-        pool = RolloutPool(iter([row]), lambda item, group, i: runner.run(item, f"{group}-{i}", group,
-                                                                          BrokenSampler()),
-                           2, 1, 0, refill_during_batch=False)
+        pool = RolloutPool(iter([row]), FnGroups(lambda item, group, i: runner.run(
+            item, f"{group}-{i}", group, BrokenSampler()), 2), 1, 0, refill_during_batch=False)
         await asyncio.wait_for(pool.next_batch(1), 60)
 
     with pytest.raises(ValueError, match="sampler returned 2 tokens"):

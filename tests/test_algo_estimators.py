@@ -341,15 +341,17 @@ def test_turn_credit_gives_a_group_of_equal_returns_no_advantage(dtype, d):
 
 
 def test_turn_credit_is_refused_where_it_cannot_act():
-    from molt.algo import load_plugins
+    from molt.driver.compose import check_algorithm, prepare
     from molt.spec import RunSpec
 
     with pytest.raises(SpecError, match="turn_discount=0.9 discounts turns only with algo.turn_credit=turn"):
         compose(["algo.turn_discount=0.9"])
-    with pytest.raises(SpecError, match=r"ChatAgentRunner \(kind chat\): a ChatAgent returns one reward"):
-        compose(["agent=chat_minimal", "algo.turn_credit=turn"])
+    # the agent's kind is its module's: checked where the run builds its runner, once
+    [problem] = prepare(compose(["agent=chat_minimal", "algo.turn_credit=turn", "run.dry_run=true"])).problems
+    assert "ChatAgentRunner (kind chat): a ChatAgent returns" in str(problem)
     with pytest.raises(SpecError, match="act on whole-rollout rewards"):
         compose(["algo.turn_credit=turn", "algo.reward.clip=1.0"])
     with pytest.raises(ValueError, match="estimator=reinforce_pp: per-turn returns feed only .*grpo, rloo"):
-        load_plugins(RunSpec.model_validate({"algo": {"estimator": "reinforce_pp", "turn_credit": "turn"}}))
-    load_plugins(RunSpec.model_validate({"algo": {"estimator": "rloo", "turn_credit": "turn"}}))
+        check_algorithm(RunSpec.model_validate({"algo": {"estimator": "reinforce_pp",
+                                                         "turn_credit": "turn"}}))
+    check_algorithm(RunSpec.model_validate({"algo": {"estimator": "rloo", "turn_credit": "turn"}}))

@@ -12,6 +12,7 @@ import torch
 from test_agents import EXAMPLES, Recorder, chat_ids
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, load_agent_runner
+from molt.driver.agent_workers import LocalAgents
 from molt.driver.eval import evaluate, pass_at_k, set_metrics
 from molt.spec import RunSpec
 
@@ -67,11 +68,12 @@ def test_eval_sampling_is_the_agents_default_capped_by_the_token_budget(tok, eng
     runner.setup(tok, spec)
     sampler = Recorder(engine)
     # The label is the token the greedy policy repeats most after this prompt, so the reward is high.
-    asyncio.run(evaluate(spec, runner, sampler, {"probe": [{"prompt": "a", "label": "a"}]}, 0))
+    groups = LocalAgents(spec, runner, sampler)
+    asyncio.run(evaluate(spec, groups, {"probe": [{"prompt": "a", "label": "a"}]}, 0))
     ids = sampler.calls[0]["out"]["token_ids"]
     label = tok.decode([max(set(ids), key=ids.count)])
     sampler.calls.clear()
-    metrics = asyncio.run(evaluate(spec, runner, sampler, {"set": [{"prompt": "a", "label": label}]}, 0))
+    metrics = asyncio.run(evaluate(spec, groups, {"set": [{"prompt": "a", "label": label}]}, 0))
     [call] = sampler.calls
     hits, mean = sum(tok.decode([t]) == label for t in call["out"]["token_ids"]), metrics["eval/set/mean@1"]
     assert 0 <= mean <= 1, (mean, hits, call["sampling"])
@@ -97,7 +99,8 @@ def test_eval_sampling_is_a_chat_agents_default_and_requests_still_override_it(t
     runner.setup(tok, spec)
     sampler = Recorder(engine)
     try:
-        asyncio.run(evaluate(spec, runner, sampler, {"set": [{"prompt": "b", "label": "b"}]}, 0))
+        groups = LocalAgents(spec, runner, sampler)
+        asyncio.run(evaluate(spec, groups, {"set": [{"prompt": "b", "label": "b"}]}, 0))
     finally:
         runner.close()
     assert seen == [{"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 16}]

@@ -20,11 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
-    "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
-                           "helpers already live beside it (select, probe, fleet, checkpoints, "
-                           "agent_workers)",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
+    "tests/test_docs.py": "every sentence kind the pages hold checked against the code, one checker each "
+                          "(links, cited files and tests, sizes, embedded files, pasted outputs, code names)",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "
                              "second file would build again",
     "tests/test_agents_chat.py": "one subject, the loopback chat server over the OpenAI SDK, on one "

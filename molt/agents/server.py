@@ -42,7 +42,7 @@ from molt.agents import responses, wire
 from molt.agents.render import text_of
 from molt.agents.session import ChatSession
 from molt.agents.tools import FORCEABLE_PARSERS, forced_call_regex, make_parser, parse_reply
-from molt.agents.trace import Trace
+from molt.agents.trace import Trace, mark_context_cut
 from molt.inputs.vision import normalize
 from molt.spec import AgentSpec
 from molt.trajectory import Sampler
@@ -324,8 +324,8 @@ class LoopbackServer:
                     raise ApiError(400, f"the conversation has {len(ids)} tokens: no room left under "
                                         f"agent.max_total_tokens={session.max_total_tokens}")
                 turn_sampling = {**sampling, "max_tokens": budget}
-                outs = await asyncio.gather(*[self._sample(session, ids, turn_sampling, i)
-                                              for i in range(chat.n or 1)])
+                outs = [mark_context_cut(out, sampling["max_tokens"]) for out in await asyncio.gather(
+                    *[self._sample(session, ids, turn_sampling, i) for i in range(chat.n or 1)])]
             except BaseException:
                 undo()
                 raise

@@ -4,8 +4,8 @@ Every registry maps a config name (from the `algo` group) to one function, so th
 looks functions up by name and never branches on the algorithm:
 
     ESTIMATORS        algo.estimator          -> advantage estimator (compute_advantages calls it)
-    GROUP_BASELINE    the estimators that need several samples per prompt
-    TURN_CREDIT       the estimators that take per-turn returns (algo.turn_credit=turn)
+    ESTIMATOR_NEEDS   algo.estimator          -> what it needs of the run (EstimatorNeeds: a critic, a
+                                                 reference, several samples per prompt, per-turn returns)
     POLICY_LOSSES     algo.loss.policy        -> per-token policy surrogate (policy_loss calls it)
     LOSS_NORMS        algo.loss.norm          -> aggregation: normalizer and per-token scale
     CORRECTIONS       algo.correction.level   -> gated importance statistic (importance_weights)
@@ -14,16 +14,17 @@ looks functions up by name and never branches on the algorithm:
     FILTERS           algo.filters.<name>     -> rollout filter (apply_filters)
     REWARD_TRANSFORMS algo.reward.<key>       -> reward transform after the filters (shape_rewards)
 
-`load_plugins` imports `algo.plugins` into them and checks the spec's names against them.
+`load_plugins` imports `algo.plugins` into them; the driver checks the spec's names and needs against them
+(molt.driver.compose.check_algorithm).
 """
 
 from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, gap_metrics, gap_sums, importance_weights
 from molt.algo.estimators import (
+    ESTIMATOR_NEEDS,
     ESTIMATORS,
-    GROUP_BASELINE,
-    TURN_CREDIT,
     Advantages,
     EstimatorInputs,
+    EstimatorNeeds,
     compute_advantages,
     kl_penalty,
     register_estimator,
@@ -39,8 +40,8 @@ from molt.algo.rewards import REWARD_TRANSFORMS, shape_rewards
 from molt.algo.surrogates import POLICY_LOSSES
 
 __all__ = [
-    "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
-    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "TURN_CREDIT", "Advantages", "EstimatorInputs",
+    "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "ESTIMATOR_NEEDS", "FILTERS", "KL_ESTIMATORS",
+    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "Advantages", "EstimatorInputs", "EstimatorNeeds",
     "adaptive_kl_coef", "apply_filters", "compute_advantages", "gap_metrics", "gap_sums", "group_mean",
     "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "load_plugins", "loss_normalizer",

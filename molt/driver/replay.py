@@ -22,6 +22,7 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     import ray
     from transformers import AutoTokenizer
 
+    from molt.driver.checkpoints import load_checkpoint
     from molt.driver.loop import learn, spec_with_kl_coef
     from molt.driver.metrics import load_rollouts
     from molt.plan.models import model_path
@@ -42,7 +43,7 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
         init_ray(spec)
     trainers = Trainers.start(spec, pad_id)
     try:
-        extra = trainers.load(checkpoint) if checkpoint is not None else {}
+        extra = load_checkpoint(checkpoint, trainers.roles()) if checkpoint is not None else {}
         # as the loop ran this step: the adaptive KL weight the checkpoint holds (the spec's without
         # one), and the critic alone while the step was within train.critic_warmup_steps
         warmup = step - 1 < spec.train.critic_warmup_steps

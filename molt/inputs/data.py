@@ -31,6 +31,9 @@ def resolve_path(path: str | Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    folders = [c for c in candidates if c.is_dir()]
+    if folders:
+        raise IsADirectoryError(f"dataset '{path}' is a folder ({folders[0]}), not a .jsonl or .parquet file")
     raise FileNotFoundError(f"dataset file not found: '{path}' (looked at {', '.join(map(str, candidates))})")
 
 
@@ -78,6 +81,12 @@ def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, 
               data: DataSpec) -> list[dict[str, Any]]:
     """Every row of a JSONL or Parquet file, or of a hub dataset, through `check` (which raises ValueError on
     a bad row; the error then names the file and line, or row); a source without rows is an error too."""
+    return [row for row, _ in placed_rows(source, check, data)]
+
+
+def placed_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, Any]],
+                data: DataSpec) -> list[tuple[dict[str, Any], str]]:
+    """`read_rows`, each row with where it is ("FILE:LINE", "FILE: row N", "hub dataset ...: row N")."""
     if isinstance(source, HubDataset):
         from molt.inputs.data_hub import describe, hub_rows
 
@@ -106,13 +115,13 @@ def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, 
 
 
 def _checked(name: str, rows: list[tuple[str, Any]], check: Callable[[Any], dict[str, Any]]
-             ) -> list[dict[str, Any]]:
+             ) -> list[tuple[dict[str, Any], str]]:
     if not rows:
         raise ValueError(f"{name}: dataset has no rows")
     items = []
     for where, row in rows:
         try:
-            items.append(check(row))
+            items.append((check(row), f"{name}{where}"))
         except ValueError as err:  # json.JSONDecodeError is a ValueError too
             raise ValueError(f"{name}{where}: malformed row: {err}") from None
     return items
@@ -124,7 +133,9 @@ class PromptDataset:
     def __init__(self, source: str | Path | HubDataset, data: DataSpec) -> None:
         source = source if isinstance(source, HubDataset) else resolve_path(source)
         base = None if isinstance(source, HubDataset) else source.parent   # image paths: relative to the file
-        self.items = read_rows(source, lambda row: _check_row(row, data, base), data)
+        placed = placed_rows(source, lambda row: _check_row(row, data, base), data)
+        self.items = [row for row, _ in placed]
+        self.places = [where for _, where in placed]   # each row's file and line, for messages
 
     def __len__(self) -> int:
         return len(self.items)

@@ -305,6 +305,6 @@ def describe(spec: RunSpec) -> list[str]:
     head = (f"per GPU, of parallel.gpu_memory_gib={spec.parallel.gpu_memory_gib:g}" if cuda else
             "per process, host memory (CPU: not checked; processes share the host's RAM)")
     lines = [f"estimate {head}"] + [e.line() for e in ests]
-    lines += [f"{role}: no estimate (model.path is a hub id: set model.arch from its config.json)"
+    lines += [f"{role}: no estimate (no config.json of its model on this machine, and no model.arch)"
               for role in unknown]
     return lines

@@ -66,7 +66,7 @@ class ModelSpec(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="compute dtype of engines and trainer (master weights stay float32; CPU: "
         "the trainer under CPU autocast); float16 is refused: the trainer has no loss scaling")
-    max_model_len: int = Field(256, description="context length in tokens: the prompt plus every turn")
+    max_model_len: int = Field(256, ge=2, description="context length in tokens: the prompt plus every turn")
     reference: str | None = Field(
         None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "
         "a frozen copy of the start; 'tiny' = built offline from reference_tiny")

@@ -3,14 +3,13 @@
 The group places one `TrainerWorker` per rank (one GPU each on CUDA) on the node the placement plan gives
 it (molt/plan/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
 the same collective call on every rank: rows of a batch are padded to a multiple of dp_size and split
-into equal contiguous shards (tp/cp ranks of one data shard get the same rows), and rank 0's answer is
+into equal contiguous shards (the tp ranks of one data shard get the same rows), and rank 0's answer is
 returned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,7 +18,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from molt.plan.models import check_same_tokenizer, model_path
+from molt.plan.models import model_path
 from molt.plan.placement import cluster_nodes, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
@@ -51,8 +50,6 @@ class TrainerRanks:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
         self.spec, self.role = spec, role
-        if role == "reference":
-            check_same_tokenizer(spec)
         path = model_path(spec, role)   # resolved here, once: ranks only read the folder
         par = spec.parallel
         bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
@@ -191,16 +188,11 @@ class Trainers:
         return cls(TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference
                    else None, TrainerRanks(spec, "critic") if spec.model.critic else None, pad_id)
 
-    def groups(self) -> list[TrainerRanks]:
-        return [group for group in (self.policy, self.reference, self.critic) if group]
+    def roles(self) -> dict[str, TrainerRanks]:
+        """The groups the run has, by role (a checkpoint holds one folder per role that trains)."""
+        return {role: group for role, group in (("policy", self.policy), ("reference", self.reference),
+                                                 ("critic", self.critic)) if group}
 
     def stop(self) -> None:
-        for group in self.groups():
+        for group in self.roles().values():
             group.shutdown()
-
-    def load(self, checkpoint: Path) -> dict[str, Any]:
-        """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
-        extra = self.policy.load(str(checkpoint / "policy"))
-        if self.critic:
-            self.critic.load(str(checkpoint / "critic"))
-        return extra
