@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -201,7 +200,7 @@ def test_cli_typo_fails_before_anything_starts():
 
 COUNTING_AGENT = """
 import os
-with open(os.environ["MOLT_TEST_EXECUTIONS"], "a") as f:
+with open(__file__ + ".executions", "a") as f:   # each execution of this module, by process
     f.write(f"{os.getpid()}\\n")
 from molt.agents import Env, Result, StepEnvRunner
 
@@ -227,11 +226,11 @@ def test_multirun_writes_one_resolved_spec_per_job(tmp_path):
     """Each job writes its resolved spec and logs the async warning in its run log, and the loop gets the
     inputs built before the first job started: the agent module executed once per job, never again."""
     (tmp_path / "counting.py").write_text(COUNTING_AGENT)
-    executions = tmp_path / "executions"
+    executions = tmp_path / "counting.py.executions"
     proc = subprocess.run([sys.executable, "-c", STUBBED_MOLT, "-m", "algo=grpo,rloo,reinforce_pp",
                            "rollout.mode=async", f"agent.module={tmp_path / 'counting.py'}",
                            f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "MOLT_TEST_EXECUTIONS": str(executions)})
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     reached = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("reached ")]
     assert [kind for _, kind in reached] == ["StepEnvRunner"] * 3

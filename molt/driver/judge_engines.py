@@ -37,10 +37,8 @@ def start_judge(spec: RunSpec, engines: list | None = None) -> Judge | None:
     # The judge is never refitted: it serves its model as is, without the policy's LoRA adapters, and
     # nothing trains on its tokens, so it captures no MoE routes for replay (a dense judge has none).
     model = spec.model.model_copy(update={"lora": LoRASpec(), "router_replay": False})
-    own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": settings.engine}),
-                                  "parallel": spec.parallel.model_copy(update={"cpu_threads": threads}),
-                                  "model": model})
-    started = start_engines(own, path, [s for s in plan(spec) if s.role == "judge"])
+    rollout = spec.rollout.model_copy(update={"engine": settings.engine})
+    started = start_engines(spec, path, [s for s in plan(spec) if s.role == "judge"], rollout, model, threads)
     try:
         return Judge.start(spec, Dispatcher(started), on_close=lambda: stop_engines(started))
     except BaseException:

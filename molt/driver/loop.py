@@ -36,7 +36,7 @@ from molt.driver.select import (
 )
 from molt.inputs.vision import processor
 from molt.plan.models import model_path
-from molt.spec import RunSpec
+from molt.spec import AlgoSpec, RunSpec
 from molt.trainer.batch import add_images, check_token_first, make_batch
 from molt.trainer.ranks import TrainerRanks, Trainers
 from molt.trajectory import NO_VERSION, Rollout, Segment, pad_routes
@@ -75,8 +75,9 @@ async def rl_step(run: Run) -> dict[str, float]:
     warmup = run.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
     try:
         async with fleet.trainer:
-            metrics = await learn(spec_with_kl_coef(spec, run.kl_coef), rollouts, run.trainers, run.version,
-                                  engines=live, train_policy=not warmup, probe=probe)
+            metrics = await learn(spec, rollouts, run.trainers, run.version,
+                                  algo=with_kl_coef(spec.algo, run.kl_coef), engines=live,
+                                  train_policy=not warmup, probe=probe)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
         run.logger.dump_rollouts(run.step + 1, rollouts)
     metrics.update(batch_metrics)
@@ -118,16 +119,18 @@ async def rl_step(run: Run) -> dict[str, float]:
 
 
 async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, version: int, *,
-                engines: list | None = None, train_policy: bool = True,
+                algo: AlgoSpec | None = None, engines: list | None = None, train_policy: bool = True,
                 probe: Segment | None = None) -> dict[str, float]:
     """One training step on finished rollouts (also how a dumped batch is replayed).
 
-    The KL weight is `spec.algo.kl.coef`: the loop passes the adaptive controller's value in it
-    (`spec_with_kl_coef`). With `model.router_replay`, segments without routed experts get them from `engines`
-    (`fill_routes`). `train_policy=False` trains only the critic (train.critic_warmup_steps). `probe`
-    (async mode) is scored for invariant 3 when no trained token was sampled by `version`.
+    `algo` is the step's (None: the spec's): the loop passes the adaptive KL controller's weight in
+    algo.kl.coef, and the advantages and the trainers' updates use it. With `model.router_replay`, segments
+    without routed experts get them from `engines` (`fill_routes`). `train_policy=False` trains only the
+    critic (train.critic_warmup_steps). `probe` (async mode) is scored for invariant 3 when no trained
+    token was sampled by `version`.
     """
     policy, reference, critic, pad_id = trainers.policy, trainers.reference, trainers.critic, trainers.pad_id
+    algo = algo or spec.algo
     metrics = rollout_metrics(spec, rollouts)
     kept, filter_metrics = filter_rollouts(spec, rollouts)
     metrics.update(filter_metrics)
@@ -163,8 +166,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, vers
     rewards, per_turn = turn_credit(spec, kept, rewards, segments, batch["loss_mask"].shape)
     adv = compute_advantages(
         rewards, groups, torch.tensor([rollout_of[s.rollout_id] for s in segments], dtype=torch.long),
-        batch["loss_mask"], spec.algo, values=values, logp=old_logp, ref_logp=ref_logp,
-        **per_turn)
+        batch["loss_mask"], algo, values=values, logp=old_logp, ref_logp=ref_logp, **per_turn)
     metrics.update({f"adv/{k}": float(v) for k, v in adv.metrics.items()})
     batch["advantages"] = adv.advantages
     if reference is not None:
@@ -172,7 +174,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, vers
 
     t0 = time.perf_counter()
     trained = policy if train_policy else None
-    metrics.update(await update(batch, trained, critic, values, adv.returns, spec.algo.kl.coef))
+    metrics.update(await update(batch, trained, critic, values, adv.returns, algo))
     metrics["time/train"] = time.perf_counter() - t0
     metrics["tokens/trained"] = float(batch["loss_mask"].sum())
     return metrics
@@ -197,23 +199,19 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
 
 async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, critic: TrainerRanks | None,
                  values: torch.Tensor | None, returns: torch.Tensor | None,
-                 kl_coef: float) -> dict[str, float]:
-    """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch`; their metrics
-    as the trainers name them (train/, critic/, the trainer/engine gap under mismatch/)."""
+                 algo: AlgoSpec) -> dict[str, float]:
+    """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch` with the step's
+    `algo`; their metrics as the trainers name them (train/, critic/, the trainer/engine gap under
+    mismatch/)."""
     metrics: dict[str, float] = {}
     if policy is not None:
-        metrics.update(await asyncio.to_thread(policy.update, batch, kl_coef))
+        metrics.update(await asyncio.to_thread(policy.update, batch, algo))
     else:
         metrics["train/critic_warmup"] = 1.0
     if critic is not None:
         critic_batch = dict(batch, old_values=values, returns=returns)
-        metrics.update(await asyncio.to_thread(critic.update, critic_batch))
+        metrics.update(await asyncio.to_thread(critic.update, critic_batch, algo))
     return metrics
-
-
-def spec_with_kl_coef(spec: RunSpec, kl_coef: float | None) -> RunSpec:
-    """`spec` as one step runs it: algo.kl.coef is the adaptive KL controller's weight (None: the spec's)."""
-    return spec.model_copy(update={"algo": with_kl_coef(spec.algo, kl_coef)})
 
 
 def next_kl_coef(spec: RunSpec, kl_coef: float, metrics: dict[str, float]) -> float:

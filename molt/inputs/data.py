@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from molt.inputs.data_hub import describe, hub_rows, without_null_fields
 from molt.inputs.vision import normalize
 from molt.spec import DataSpec, HubDataset, eval_names
 
@@ -67,16 +68,6 @@ def _check_row(row: Any, data: DataSpec, base_dir: Path | None = None) -> dict[s
                      f"keys present: {sorted(row)}")
 
 
-def without_null_fields(row: Any, messages_key: str) -> Any:
-    """An Arrow row (Parquet, a hub dataset) with the null fields of its messages dropped: a struct column
-    gives every message every field."""
-    messages = row.get(messages_key) if isinstance(row, dict) else None
-    if isinstance(messages, list):
-        row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
-                             if isinstance(m, dict) else m for m in messages]
-    return row
-
-
 def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, Any]],
               data: DataSpec) -> list[dict[str, Any]]:
     """Every row of a JSONL or Parquet file, or of a hub dataset, through `check` (which raises ValueError on
@@ -88,8 +79,6 @@ def placed_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str
                 data: DataSpec) -> list[tuple[dict[str, Any], str]]:
     """`read_rows`, each row with where it is ("FILE:LINE", "FILE: row N", "hub dataset ...: row N")."""
     if isinstance(source, HubDataset):
-        from molt.inputs.data_hub import describe, hub_rows
-
         return _checked(describe(source), [(f": row {i}", row) for i, row in
                                            enumerate(hub_rows(source, data))], check)
     path = resolve_path(source)

@@ -9,7 +9,7 @@ from molt.spec.data import DataSpec, HubDataset, eval_names, pass_ks
 from molt.spec.logging import LoggingSpec, WandbSpec
 from molt.spec.model import LoRASpec, ModelSpec
 from molt.spec.parallel import ParallelSpec
-from molt.spec.rollout import GREEDY_BELOW, LOGPROBS_MODE, EngineSpec, RolloutSpec, SamplingSpec
+from molt.spec.rollout import GREEDY_BELOW, LOGPROBS_MODE, EngineSpec, EvalSamplingSpec, RolloutSpec
 from molt.spec.rules import spec_warnings
 from molt.spec.run import RaySpec, RunSection, RunSpec, SpecError, unknown_key_message, validate_spec
 from molt.spec.strict import Strict
@@ -18,7 +18,7 @@ from molt.spec.train import TrainSpec
 __all__ = [
     "GREEDY_BELOW", "LOGPROBS_MODE", "AgentSpec", "AlgoSpec", "CorrectionSpec", "DataSpec", "EngineSpec",
     "FilterSpec", "HubDataset", "JudgeSpec", "KLSpec", "LoRASpec", "LoggingSpec", "LossSpec", "ModelSpec",
-    "ParallelSpec", "RaySpec", "RewardSpec", "RolloutSpec", "RunSection", "RunSpec", "SamplingSpec",
+    "ParallelSpec", "RaySpec", "RewardSpec", "RolloutSpec", "RunSection", "RunSpec", "EvalSamplingSpec",
     "SpecError", "Strict", "TrainSpec", "WandbSpec", "eval_names", "pass_ks", "spec_warnings",
     "unknown_key_message", "validate_spec",
 ]

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.plan.models import model_path
 from molt.plan.placement import cluster_nodes, node_selector, plan
-from molt.spec import RunSpec
+from molt.spec import AlgoSpec, RunSpec
 from molt.trainer.batch import pad_rows
 
 ROLES = ("policy", "reference", "critic")
@@ -116,15 +116,15 @@ class TrainerRanks:
             raise ValueError(f"values() needs the critic, this group is the {self.role}")
         return self._forward(batch)
 
-    def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+    def update(self, batch: dict[str, torch.Tensor], algo: AlgoSpec | None = None) -> dict[str, float]:
         """train.minibatches x train.epochs optimizer steps over the batch (policy: policy_loss; critic:
-        value_loss); `kl_coef` replaces algo.kl.coef for this batch. Returns the step's metrics as the run
-        logs them: the policy's under train/ (its trainer/engine gap under mismatch/), the critic's under
+        value_loss) with the step's `algo` (None: the spec's). Returns the step's metrics as the run logs
+        them: the policy's under train/ (its trainer/engine gap under mismatch/), the critic's under
         critic/."""
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
         shards, _ = self._shards(batch)
-        return gather([w.update.remote(s, kl_coef) for w, s in zip(self.workers, shards, strict=True)])[0]
+        return gather([w.update.remote(s, algo) for w, s in zip(self.workers, shards, strict=True)])[0]
 
     def _all(self, method: str, *args: Any) -> Any:
         return gather([getattr(w, method).remote(*args) for w in self.workers])[0]
