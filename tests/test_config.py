@@ -421,6 +421,26 @@ def test_the_dry_run_builds_the_inputs_and_reports_every_problem():
     assert "dataset file not found: 'nope_eval.jsonl'" in str(problems[2])
 
 
+GPU_RECIPES = ["dsv3_ep256", "qwen30b_tools", "qwen3_4b_math", "qwen_vl_geo3k"]
+
+
+def test_a_dry_run_of_every_gpu_recipe_prints_its_memory_plan_then_its_problems(monkeypatch, capsys):
+    """Offline (the tests' HF_HUB_OFFLINE), a GPU recipe's hub data and hub model cannot be read: the dry
+    run still prints the whole plan, every role's memory line included, then each problem as one line,
+    and exits 2 (a missing hub dataset used to stop it before the memory lines)."""
+    assert sorted(n for n in EXPERIMENTS if compose([f"+experiment={n}"]).parallel.device == "cuda") == \
+        GPU_RECIPES
+    for name in GPU_RECIPES:
+        code, out, err = _main(monkeypatch, capsys, f"+experiment={name}", "run.dry_run=true")
+        memory = [line for line in out.splitlines() if line.startswith("memory: ")]
+        roles = [line.split(":")[1].split()[:2] for line in memory[1:3]]
+        assert roles == [["policy", "rank"], ["engine", "GPU"]], (name, out)
+        assert "no estimate" not in out and "loop: " in out, name
+        problems = [line for line in err.splitlines()
+                    if line.startswith("molt: ") and "not checked" not in line]
+        assert (code, bool(problems)) in ((0, False), (2, True)), (name, code, err)
+
+
 def test_cli_dry_run_writes_nothing_and_over_subscription_fails_before_ray():
     runs = REPO / "runs" / "qwen30b_tools"   # where its run would go (other tests may write beside it)
     before = sorted(runs.rglob("*")) if runs.exists() else []

@@ -31,7 +31,8 @@ class RunSection(Strict):
     resume: str | None = Field(
         None, description="'auto': continue the newest run of this experiment that has a checkpoint (none: "
                           "start fresh); or a run dir or a checkpoint dir")
-    dry_run: bool = Field(False, description="validate, print the placement plan and exit; starts nothing")
+    dry_run: bool = Field(False, description="validate, build the inputs as a run would, print the plan, "
+                          "then every problem found (exit 2 if any); starts nothing")
 
 
 class RaySpec(Strict):
