@@ -98,7 +98,7 @@ def test_learn_trains_exactly_the_estimators_advantages(trainer, make, dropped, 
     policy = Recording(trainer)
     batch_in = make()
     metrics = asyncio.run(learn(spec, batch_in, Trainers(policy), 0))
-    [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
+    [((batch, *_), _)] = policy.calls["update"]   # (batch, algo)
     kept = [r for r in batch_in if r.group_id != dropped]
     assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == rows
     rows = rows_by_rollout(batch, kept)
@@ -119,9 +119,9 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainer,
     policy, critic = Recording(trainer), Recording(critic)
     batch_in = rollouts()
     asyncio.run(learn(spec, batch_in, Trainers(policy, critic=critic), 0))
-    [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
+    [((batch, *_), _)] = policy.calls["update"]   # (batch, algo)
     [(_, values)] = critic.calls["values"]
-    [((critic_batch,), _)] = critic.calls["update"]
+    [((critic_batch, *_), _)] = critic.calls["update"]
     kept = [r for r in batch_in if r.group_id != "g1"]
     rows = rows_by_rollout(batch, kept)
     advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
@@ -156,7 +156,7 @@ def test_a_plugin_estimator_with_a_critic_gets_its_values_and_trains_it_on_its_r
     metrics = asyncio.run(learn(spec, batch_in, Trainers(policy, critic=critic), 0))
     [((batch, *_), _)] = policy.calls["update"]
     [(_, values)] = critic.calls["values"]
-    [((critic_batch,), _)] = critic.calls["update"]
+    [((critic_batch, *_), _)] = critic.calls["update"]
     kept = [r for r in batch_in if r.group_id != "g1"]
     rows = rows_by_rollout(batch, kept)
     returns = torch.zeros_like(values)
