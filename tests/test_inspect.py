@@ -9,6 +9,8 @@ rollout and reads the decoded tokens and the mismatch numbers from the DOM again
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -21,16 +23,13 @@ import torch
 
 from molt.algo import filter_drops
 from molt.driver.compose import compose
-from molt.driver.inspect import build_page
+from molt.driver.inspect import HEADLESS_CHROMIUM_ARGS, build_page
 from molt.driver.metrics import TRAINER_KEY, load_rollouts
 from molt.spec import CorrectionSpec
 from molt.trainer.token_record import CLIPPED, KEPT, MASKED, NOT_TRAINED, TokenRecord
 
 REPO = Path(__file__).resolve().parents[1]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-# Chromium headless on a machine without network: no sandbox (root), no GPU, no background traffic.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"   # Debian's package (install.sh)
 RUN = ["agent=chat_minimal", "+agent.options.turns=2", "agent.max_turns=2", "model.max_model_len=512",
        "train.steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=8",
        "train.micro_batch_size=4", "train.save_every=0", "train.eval_every=0", "rollout.temperature=0.8",
@@ -39,13 +38,23 @@ RUN = ["agent=chat_minimal", "+agent.options.turns=2", "agent.max_turns=2", "mod
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, ray_session) -> Path:
+def run(tmp_path_factory, ray_session) -> tuple[Path, str]:
+    """The run's directory (with its spec.yaml, as the command writes it) and what it printed."""
     from molt.driver.loop import train
+    from molt.spec.config import spec_yaml
 
     spec = compose(RUN)
     spec.run.dir = str(tmp_path_factory.mktemp("inspect_run"))
-    train(spec)
-    return Path(spec.run.dir)
+    (Path(spec.run.dir) / "spec.yaml").write_text(spec_yaml(spec))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train(spec)
+    return Path(spec.run.dir), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run_dir(run) -> Path:
+    return run[0]
 
 
 def dumped(run_dir: Path, step: int) -> list[dict]:
@@ -142,9 +151,10 @@ def shown(text: str) -> str:
     return text[:-1] + "↵" if text.endswith("\n") else text.replace("\n", "↵\n")
 
 
-def test_the_page_in_a_headless_browser(run_dir, tmp_path, tok):
+def test_the_page_in_a_headless_browser(run, run_dir, tmp_path, tok):
     from playwright.sync_api import sync_playwright
 
+    assert f"python -m molt.inspect {run_dir}" in run[1]   # the end of the run says how to read it
     out = subprocess.run([sys.executable, "-m", "molt.inspect", str(run_dir)], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout
     page_file = run_dir / "inspect.html"
@@ -157,7 +167,7 @@ def test_the_page_in_a_headless_browser(run_dir, tmp_path, tok):
 
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
-                                                       args=CHROMIUM_ARGS, headless=True,
+                                                       args=list(HEADLESS_CHROMIUM_ARGS), headless=True,
                                                        viewport={"width": 1500, "height": 900})
         page = context.new_page()
         page.goto(page_file.resolve().as_uri())

@@ -27,6 +27,10 @@ TEMPLATE = Path(__file__).with_name("inspect.html")
 # The step metrics the Steps view shows (a missing one is left blank).
 STEP_METRICS = ("reward/mean", "mismatch/max_abs", "adv/zero_std_frac", "filter/kept_frac", "policy/lag_mean",
                 "policy/lag_max", "reward/std", "mismatch/mean_abs", "tokens/sampled", "time/step")
+# Opening the page in Debian's headless chromium (the browser test, bench/inspect_page.py) on a machine
+# without network: no sandbox (root), no GPU, no background traffic; with a fresh --user-data-dir.
+HEADLESS_CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync")
 MAX_TOKENS = 4_000_000   # tokens embedded in one page by default: the newest steps that fit
 WORST = 25               # worst-mismatch tokens listed per step
 
