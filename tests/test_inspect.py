@@ -113,8 +113,7 @@ def test_token_record_decisions_follow_the_correction():
           "attention_mask": torch.tensor([[1, 1, 1, 1, 0]])}
     for mode, expected in (("mask", [NOT_TRAINED, KEPT, MASKED, KEPT]),
                            ("clip", [NOT_TRAINED, KEPT, CLIPPED, KEPT])):
-        record = TokenRecord(1, 5)
-        record.start_part(1)
+        record = TokenRecord(1, 5).part(1)
         record.add(mb, old, None, CorrectionSpec(level="token", mode=mode, low=0.9, high=1.1))
         out = record.tensors()
         assert out["decisions"][0, :4].tolist() == expected and "entropy" not in out

@@ -264,7 +264,10 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
     rollouts = [r for g in groups for r in g]
     live = [fleet.dispatcher.engines[i] for i in sorted(fleet.dispatcher.live)]
     warmup = at.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
-    record = {} if spec.logging.dump_rollouts else None   # the trainer's side of the dump
+    record = None   # the trainer's side of the dump: why each rollout is trained or not, what the loss saw
+    if spec.logging.dump_rollouts:
+        record = {rollout_id: {"decision": why, "version": at.version}
+                  for rollout_id, why in filter_decisions(spec, rollouts).items()}
     try:
         async with fleet.trainer:
             metrics = await learn(spec_with_kl_coef(spec, at.kl_coef), rollouts, trainers, at.version,
@@ -313,14 +316,9 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, vers
     The KL weight is `spec.algo.kl.coef`: the loop passes the adaptive controller's value in it
     (`spec_with_kl_coef`). With `model.router_replay`, segments without routed experts get them from `engines`
     (`fill_routes`). `train_policy=False` trains only the critic (train.critic_warmup_steps). `probe`
-    (async mode) is scored for invariant 3 when no trained token was sampled by `version`. `record`, for the
-    dump, is filled with the trainer's side of each rollout by id: why it was trained or not, the policy
-    version, and with logging.dump_trainer what the policy's loss computed on each token of its segments.
-    """
+    (async mode) is scored for invariant 3 when no trained token was sampled by `version`. `record` (the
+    dump's, by rollout id) gets what the policy's loss saw of each token (logging.dump_trainer)."""
     policy, reference, critic, pad_id = trainers.policy, trainers.reference, trainers.critic, trainers.pad_id
-    if record is not None:
-        record.update({r.rollout_id: {"decision": why, "version": version}
-                       for r, why in zip(rollouts, filter_decisions(spec, rollouts), strict=True)})
     metrics = rollout_metrics(spec, rollouts)
     kept, filter_metrics = filter_rollouts(spec, rollouts)
     metrics.update(filter_metrics)
@@ -365,11 +363,9 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, vers
 
     t0 = time.perf_counter()
     trained = policy if train_policy else None
-    tokens = record is not None and trained is not None and spec.logging.dump_trainer
-    metrics.update(await update(batch, trained, critic, values, adv.returns, spec.algo.kl.coef, tokens))
+    metrics.update(await update(batch, trained, critic, values, adv.returns, spec.algo.kl.coef,
+                                record if spec.logging.dump_trainer else None, segments))
     metrics["time/train"] = time.perf_counter() - t0
-    if tokens:
-        add_token_record(record, segments, await asyncio.to_thread(policy.token_record))
     metrics["tokens/trained"] = float(batch["loss_mask"].sum())
     return metrics
 
@@ -393,13 +389,16 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
 
 async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, critic: TrainerRanks | None,
                  values: torch.Tensor | None, returns: torch.Tensor | None,
-                 kl_coef: float, record: bool = False) -> dict[str, float]:
+                 kl_coef: float, record: dict[str, dict] | None = None,
+                 segments: list[Segment] = ()) -> dict[str, float]:
     """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch`; their metrics
-    as the trainers name them (train/, critic/, the trainer/engine gap under mismatch/). `record`: the
-    policy keeps its per-token record (`TrainerRanks.token_record`)."""
+    as the trainers name them (train/, critic/, the trainer/engine gap under mismatch/). `record` gets what
+    the policy's loss saw of each token of `segments` (the batch's rows) under their rollout ids."""
     metrics: dict[str, float] = {}
     if policy is not None:
-        metrics.update(await asyncio.to_thread(policy.update, batch, kl_coef, record))
+        metrics.update(await asyncio.to_thread(policy.update, batch, kl_coef, record is not None))
+        if record is not None:
+            add_token_record(record, segments, await asyncio.to_thread(policy.token_record))
     else:
         metrics["train/critic_warmup"] = 1.0
     if critic is not None:

@@ -71,14 +71,14 @@ def filter_inputs(rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, 
     return rewards, scores, group_ids(rollouts), truncated
 
 
-def filter_decisions(spec: RunSpec, rollouts: list[Rollout]) -> list[str]:
-    """Why each rollout is trained or not, as `filter_rollouts` decides: "kept", "failed" (its agent
+def filter_decisions(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, str]:
+    """Rollout id -> why it is trained or not, as `filter_rollouts` decides: "kept", "failed" (its agent
     failed), "group failed" (agent.on_failure=drop_group: another rollout of its group failed) or the
     name of the `algo.filters` filter that dropped it. For the dump (the inspector's groups view)."""
     ok = drop_failed(spec, rollouts)
     drops = dict(zip((r.rollout_id for r in ok), filter_drops(*filter_inputs(ok), spec.algo), strict=True))
-    return [("failed" if not r.ok else "group failed") if r.rollout_id not in drops
-            else drops[r.rollout_id] or "kept" for r in rollouts]
+    return {r.rollout_id: ("failed" if not r.ok else "group failed") if r.rollout_id not in drops
+            else drops[r.rollout_id] or "kept" for r in rollouts}
 
 
 def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, dict[str, float]]:

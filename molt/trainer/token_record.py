@@ -27,8 +27,10 @@ class TokenRecord:
         self.rows: list[dict[str, torch.Tensor]] = []
         self.room = 0   # rows of the current part still to come (inert padding micro-batches come after)
 
-    def start_part(self, rows: int) -> None:
+    def part(self, rows: int) -> TokenRecord:
+        """The next `rows` rows come (one minibatch); micro-batches past them are padding."""
         self.room = rows
+        return self
 
     def add(self, mb: dict[str, torch.Tensor], old_logp: torch.Tensor, entropy: torch.Tensor | None,
             correction: CorrectionSpec) -> None:

@@ -236,8 +236,7 @@ class TrainerWorker:
         """train.epochs passes over this rank's shard split into train.minibatches row chunks, one
         optimizer step per chunk; returns globally reduced metrics (same on all ranks) under the names the
         run logs (`_reduce_metrics`). `kl_coef` replaces algo.kl.coef for this batch (the adaptive KL
-        controller's current value). `record`: keep what the policy loss computed on each token
-        (`token_record`).
+        controller's current value). `record`: keep what the policy loss saw of each token (`token_record`).
 
         With more than one update the policy's old logprobs are computed once here, before the first
         update, unless the batch brings them; with one update they are the update's own forward."""
@@ -249,8 +248,7 @@ class TrainerWorker:
         # equal row shards on every rank give equal chunks, so every rank steps (or skips) together
         bounds = [rows * i // spec.train.minibatches for i in range(spec.train.minibatches + 1)]
         self.model.train()
-        self.record = TokenRecord(*shard["input_ids"].shape) if record and self.role == "policy" and \
-            not self.sft else None
+        self.record = TokenRecord(*shard["input_ids"].shape) if record and self.role == "policy" else None
         sums: dict[str, float] = {}
         grad_norms = []
         for epoch in range(spec.train.epochs):
@@ -280,9 +278,7 @@ class TrainerWorker:
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + float(value)
-        record = self.record if first_pass else None
-        if record:
-            record.start_part(part["input_ids"].shape[0])
+        record = self.record.part(part["input_ids"].shape[0]) if self.record and first_pass else None
         for mb in mbs:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
