@@ -10,6 +10,7 @@ rollout and reads the decoded tokens and the mismatch numbers from the DOM again
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -143,6 +144,32 @@ def old_dump(run_dir: Path, out: Path) -> Path:
     return out
 
 
+def vlm_dump(root: Path, spec, path: str) -> tuple[Path, str, int]:
+    """A run folder of the tiny VLM with one dumped rollout whose prompt holds an image (4 placeholders)."""
+    import base64
+
+    from PIL import Image
+    from transformers import AutoConfig
+
+    from molt.spec.config import spec_yaml
+    from molt.trajectory import Rollout, Segment
+
+    image_token = AutoConfig.from_pretrained(path).image_token_id
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (200, 30, 30)).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    ids = [5, 6, *[image_token] * 4, 7, 8, 9, 10]
+    mask = [0] * 7 + [1] * 3
+    segment = Segment(ids, mask, [-1.0 * m for m in mask], [0 if m else -1 for m in mask], "r0", "g0",
+                      prompt_len=7, images=[url])
+    (root / "rollouts").mkdir(parents=True)
+    (root / "spec.yaml").write_text(spec_yaml(spec))
+    rollout = Rollout("r0", "g0", [segment], 1.0)
+    (root / "rollouts" / "step_000001.jsonl").write_text(
+        json.dumps(dataclasses.asdict(rollout), default=lambda a: a.tolist()) + "\n")
+    return root, url, ids.index(image_token)
+
+
 def shown(text: str) -> str:
     """A token's text as the page writes it in a span: line breaks as ↵, the empty string as ∅."""
     if text == "":
@@ -150,7 +177,7 @@ def shown(text: str) -> str:
     return text[:-1] + "↵" if text.endswith("\n") else text.replace("\n", "↵\n")
 
 
-def test_the_page_in_a_headless_browser(run, run_dir, tmp_path, tok):
+def test_the_page_in_a_headless_browser(run, run_dir, tmp_path, tok, vlm_spec, vlm_path):
     from playwright.sync_api import sync_playwright
 
     assert f"python -m molt.inspect {run_dir}" in run[1]   # the end of the run says how to read it
@@ -159,6 +186,7 @@ def test_the_page_in_a_headless_browser(run, run_dir, tmp_path, tok):
     page_file = run_dir / "inspect.html"
     assert out.strip() == page_file.resolve().as_uri()
     old = build_page(old_dump(run_dir, tmp_path / "old"))
+    vlm, image_url, first_placeholder = vlm_dump(tmp_path / "vlm", vlm_spec, vlm_path)
     records = dumped(run_dir, 2)
     # the rollout with the most sampled tokens, not the first one the page opens
     pick = max(range(1, len(records)), key=lambda i: sum(records[i]["segments"][0]["loss_mask"]))
@@ -209,10 +237,21 @@ def test_the_page_in_a_headless_browser(run, run_dir, tmp_path, tok):
         for channel in ("gap", "adv", "w", "ent"):
             assert page.is_disabled(f'button[data-channel="{channel}"]'), channel
         assert page.is_enabled('button[data-channel="lp"]')
+
+        # a VLM rollout shows its image where its placeholder tokens start
+        page.goto(build_page(vlm).resolve().as_uri())
+        page.wait_for_function("window.moltReady !== undefined")
+        assert page.get_attribute("#tokens img", "src") == image_url
+        after = page.eval_on_selector("#tokens img", "img => img.nextElementSibling.dataset.i")
+        assert int(after) == first_placeholder
         context.close()
 
 
 def test_inspect_refuses_a_folder_without_dumps(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "molt.inspect", str(tmp_path)], capture_output=True,
-                         text=True, cwd=REPO)
-    assert run.returncode == 1 and "no rollout dumps" in run.stderr
+    from molt.driver.inspect import main
+
+    with pytest.raises(SystemExit, match="no rollout dumps"):
+        main([str(tmp_path)])
+    (tmp_path / "rollouts").mkdir()
+    with pytest.raises(SystemExit, match=r"no dump of step\(s\) \[3\]"):
+        main([str(tmp_path), "--step", "3"])
