@@ -177,74 +177,87 @@ def shown(text: str) -> str:
     return text[:-1] + "↵" if text.endswith("\n") else text.replace("\n", "↵\n")
 
 
-def test_the_page_in_a_headless_browser(run, run_dir, tmp_path, tok, vlm_spec, vlm_path):
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One headless Chromium (Debian's package, a fresh profile) for the module's page tests."""
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("profile")), executable_path=CHROMIUM, headless=True,
+            args=list(HEADLESS_CHROMIUM_ARGS), viewport={"width": 1500, "height": 900})
+        yield context
+        context.close()
+
+
+def opened(browser, page_file: Path):
+    page = browser.new_page()
+    page.goto(page_file.resolve().as_uri())
+    page.wait_for_function("window.moltReady !== undefined")
+    return page
+
+
+def test_the_page_shows_a_rollouts_tokens_and_their_mismatch(run, run_dir, browser, tmp_path, tok):
+    """The command the run printed writes the page; clicked to a rollout, the DOM holds every token's text
+    (the tokenizer's decoding of the dumped id) and, in the mismatch channel, trainer − engine of the dump."""
     assert f"python -m molt.inspect {run_dir}" in run[1]   # the end of the run says how to read it
     out = subprocess.run([sys.executable, "-m", "molt.inspect", str(run_dir)], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout
-    page_file = run_dir / "inspect.html"
-    assert out.strip() == page_file.resolve().as_uri()
-    old = build_page(old_dump(run_dir, tmp_path / "old"))
-    vlm, image_url, first_placeholder = vlm_dump(tmp_path / "vlm", vlm_spec, vlm_path)
+    assert out.strip() == (run_dir / "inspect.html").resolve().as_uri()
     records = dumped(run_dir, 2)
     # the rollout with the most sampled tokens, not the first one the page opens
     pick = max(range(1, len(records)), key=lambda i: sum(records[i]["segments"][0]["loss_mask"]))
     seg, trained = records[pick]["segments"][0], records[pick][TRAINER_KEY]["segments"][0]
+    page = opened(browser, run_dir / "inspect.html")
+    assert page.locator("#step-title").inner_text().startswith("Step 2")
+    page.click(f'.chips button[data-rollout="{pick}"]')
+    assert records[pick]["rollout_id"] in page.locator("#rollout-head").inner_text()
+    page.click('button[data-channel="gap"]')
+    spans = page.eval_on_selector_all("#tokens .t", "els => els.map(e => [+e.dataset.i, e.textContent, "
+                                                    "e.dataset.v === undefined ? null : +e.dataset.v])")
+    assert [i for i, _, _ in spans] == list(range(len(seg["token_ids"])))
+    for i, text, value in spans:
+        assert text == shown(tok.decode([seg["token_ids"][i]], skip_special_tokens=False)), i
+        if seg["loss_mask"][i]:
+            gap = trained["logprobs"][i] - seg["logprobs"][i]
+            assert value == pytest.approx(float(f"{gap:.3g}"), rel=1e-6, abs=1e-12), i
+        else:
+            assert value is None, i
+    sampled = seg["loss_mask"].index(1)
+    page.hover(f'#tokens .t[data-i="{sampled}"]')
+    tip = page.locator("#tip").inner_text()
+    assert f"id {seg['token_ids'][sampled]}" in tip
+    assert f"logprob {round(seg['logprobs'][sampled], 4)}" in tip
+    page.screenshot(path=str(tmp_path / "rollout.png"))
+    assert (tmp_path / "rollout.png").stat().st_size > 10_000
 
-    with sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
-                                                       args=list(HEADLESS_CHROMIUM_ARGS), headless=True,
-                                                       viewport={"width": 1500, "height": 900})
-        page = context.new_page()
-        page.goto(page_file.resolve().as_uri())
-        page.wait_for_function("window.moltReady !== undefined")
-        assert page.locator("#step-title").inner_text().startswith("Step 2")
-        page.click(f'.chips button[data-rollout="{pick}"]')
-        assert records[pick]["rollout_id"] in page.locator("#rollout-head").inner_text()
-        page.click('button[data-channel="gap"]')
-        spans = page.eval_on_selector_all("#tokens .t", "els => els.map(e => [+e.dataset.i, e.textContent, "
-                                                        "e.dataset.v === undefined ? null : +e.dataset.v])")
-        assert [i for i, _, _ in spans] == list(range(len(seg["token_ids"])))
-        for i, text, value in spans:
-            assert text == shown(tok.decode([seg["token_ids"][i]], skip_special_tokens=False)), i
-            if seg["loss_mask"][i]:
-                gap = trained["logprobs"][i] - seg["logprobs"][i]
-                assert value == pytest.approx(float(f"{gap:.3g}"), rel=1e-6, abs=1e-12), i
-            else:
-                assert value is None, i
-        sampled = seg["loss_mask"].index(1)
-        page.hover(f'#tokens .t[data-i="{sampled}"]')
-        tip = page.locator("#tip").inner_text()
-        assert f"id {seg['token_ids'][sampled]}" in tip
-        assert f"logprob {round(seg['logprobs'][sampled], 4)}" in tip
-        page.screenshot(path=str(tmp_path / "rollout.png"))
-        assert (tmp_path / "rollout.png").stat().st_size > 10_000
+    # the keyboard: next rollout, channel 1, the token cursor's numbers in the detail line
+    page.locator("#tokens").focus()
+    page.keyboard.press("j")
+    following = records[min(pick + 1, len(records) - 1)]["rollout_id"]
+    assert following in page.locator("#rollout-head").inner_text()
+    page.keyboard.press("1")
+    assert page.get_attribute('button[data-channel="mask"]', "aria-pressed") == "true"
+    page.keyboard.press("ArrowRight")
+    assert "position 0" in page.locator("#detail").inner_text()
+    page.close()
 
-        # the keyboard: next rollout, channel 1, the token cursor's numbers in the detail line
-        page.locator("#tokens").focus()
-        page.keyboard.press("j")
-        assert records[pick + 1 if pick + 1 < len(records) else pick]["rollout_id"] in \
-            page.locator("#rollout-head").inner_text()
-        page.keyboard.press("1")
-        assert page.get_attribute('button[data-channel="mask"]', "aria-pressed") == "true"
-        page.keyboard.press("ArrowRight")
-        assert "position 0" in page.locator("#detail").inner_text()
 
-        # a dump without the trainer side opens, with the trainer's channels greyed
-        page.goto(old.resolve().as_uri())
-        page.wait_for_function("window.moltReady !== undefined")
-        for channel in ("gap", "adv", "w", "ent"):
-            assert page.is_disabled(f'button[data-channel="{channel}"]'), channel
-        assert page.is_enabled('button[data-channel="lp"]')
+def test_a_dump_without_the_trainer_side_opens_with_its_channels_greyed(run_dir, browser, tmp_path):
+    page = opened(browser, build_page(old_dump(run_dir, tmp_path / "old")))
+    for channel in ("gap", "adv", "w", "ent"):
+        assert page.is_disabled(f'button[data-channel="{channel}"]'), channel
+    assert page.is_enabled('button[data-channel="lp"]')
+    page.close()
 
-        # a VLM rollout shows its image where its placeholder tokens start
-        page.goto(build_page(vlm).resolve().as_uri())
-        page.wait_for_function("window.moltReady !== undefined")
-        assert page.get_attribute("#tokens img", "src") == image_url
-        after = page.eval_on_selector("#tokens img", "img => img.nextElementSibling.dataset.i")
-        assert int(after) == first_placeholder
-        context.close()
+
+def test_a_vlm_rollout_shows_its_image_at_its_placeholders(browser, tmp_path, vlm_spec, vlm_path):
+    vlm, image_url, first_placeholder = vlm_dump(tmp_path / "vlm", vlm_spec, vlm_path)
+    page = opened(browser, build_page(vlm))
+    assert page.get_attribute("#tokens img", "src") == image_url
+    assert int(page.eval_on_selector("#tokens img", "img => img.nextElementSibling.dataset.i")) == \
+        first_placeholder
+    page.close()
 
 
 def test_inspect_refuses_a_folder_without_dumps(tmp_path):
