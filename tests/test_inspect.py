@@ -15,8 +15,6 @@ import io
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,6 @@ from molt.driver.metrics import TRAINER_KEY, load_rollouts
 from molt.spec import CorrectionSpec
 from molt.trainer.token_record import CLIPPED, KEPT, MASKED, NOT_TRAINED, TokenRecord
 
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"   # Debian's package (install.sh)
 RUN = ["agent=chat_minimal", "+agent.options.turns=2", "agent.max_turns=2", "model.max_model_len=512",
        "train.steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=8",
@@ -197,13 +194,14 @@ def opened(browser, page_file: Path):
     return page
 
 
-def test_the_page_shows_a_rollouts_tokens_and_their_mismatch(run, run_dir, browser, tmp_path, tok):
+def test_the_page_shows_a_rollouts_tokens_and_their_mismatch(run, run_dir, browser, tmp_path, tok, capsys):
     """The command the run printed writes the page; clicked to a rollout, the DOM holds every token's text
     (the tokenizer's decoding of the dumped id) and, in the mismatch channel, trainer − engine of the dump."""
+    from molt.driver.inspect import main
+
     assert f"python -m molt.inspect {run_dir}" in run[1]   # the end of the run says how to read it
-    out = subprocess.run([sys.executable, "-m", "molt.inspect", str(run_dir)], capture_output=True, text=True,
-                         cwd=REPO, check=True).stdout
-    assert out.strip() == (run_dir / "inspect.html").resolve().as_uri()
+    assert main([str(run_dir)]) == 0
+    assert capsys.readouterr().out.strip() == (run_dir / "inspect.html").resolve().as_uri()
     records = dumped(run_dir, 2)
     # the rollout with the most sampled tokens, not the first one the page opens
     pick = max(range(1, len(records)), key=lambda i: sum(records[i]["segments"][0]["loss_mask"]))
