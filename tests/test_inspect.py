@@ -131,10 +131,10 @@ def test_filter_drops_names_the_filter_that_dropped_each_rollout():
         "drop_equal_rewards"]
 
 
-def old_dump(run_dir: Path, out: Path) -> Path:
-    """A copy of the run whose dumps lack the trainer side, as runs before it was recorded wrote them."""
+def copy_run(run_dir: Path, out: Path, trainer_side: bool = True) -> Path:
+    """A copy of the run; without `trainer_side` its dumps are as runs before it was recorded wrote them."""
     shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("inspect.html", "checkpoints"))
-    for path in (out / "rollouts").glob("step_*.jsonl"):
+    for path in (out / "rollouts").glob("step_*.jsonl") if not trainer_side else ():
         lines = [json.loads(line) for line in path.read_text().splitlines()]
         path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != TRAINER_KEY}) + "\n"
                                 for r in lines))
@@ -242,10 +242,29 @@ def test_the_page_shows_a_rollouts_tokens_and_their_mismatch(run, run_dir, brows
 
 
 def test_a_dump_without_the_trainer_side_opens_with_its_channels_greyed(run_dir, browser, tmp_path):
-    page = opened(browser, build_page(old_dump(run_dir, tmp_path / "old")))
+    page = opened(browser, build_page(copy_run(run_dir, tmp_path / "old", trainer_side=False)))
     for channel in ("gap", "adv", "w", "ent"):
         assert page.is_disabled(f'button[data-channel="{channel}"]'), channel
     assert page.is_enabled('button[data-channel="lp"]')
+    page.close()
+
+
+def test_tokens_the_trainer_trained_but_the_engine_did_not_sample_are_flagged(run_dir, browser, tmp_path):
+    """A copy of the run whose trainer side trained the user's message between the two turns (mask 1 where
+    the engine's is 0, the fault the page exists for, written into the dump: no code path makes it): the
+    rollout's header says so and exactly those tokens are dashed in the loss-mask channel."""
+    copy = copy_run(run_dir, tmp_path / "bug")
+    path = copy / "rollouts" / "step_000002.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    seg, trained = records[0]["segments"][0], records[0][TRAINER_KEY]["segments"][0]
+    between = [t for t in range(seg["turns"][0][1], seg["turns"][1][1]) if not seg["loss_mask"][t]]
+    for t in between:
+        trained["loss_mask"][t] = 1
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    page = opened(browser, build_page(copy))
+    assert "the trainer's loss mask differs from the engine's" in page.locator("#rollout-head").inner_text()
+    dashed = page.eval_on_selector_all("#tokens .t.bug", "els => els.map(e => +e.dataset.i)")
+    assert dashed == between and between
     page.close()
 
 
