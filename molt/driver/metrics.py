@@ -63,7 +63,7 @@ def add_token_record(record: dict[str, dict], segments: list[Segment], tokens: d
         fields = {k: v[row, :n].tolist() for k, v in tokens.items()}
         for key in ("input_ids", "loss_mask", "decisions"):
             fields[key] = [int(x) for x in fields[key]]
-        record[segment.rollout_id].setdefault("segments", []).append(
+        record.setdefault(segment.rollout_id, {}).setdefault("segments", []).append(
             {"segment_index": segment.segment_index, **fields})
 
 
