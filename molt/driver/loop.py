@@ -18,15 +18,18 @@ import asyncio
 import gc
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from molt.algo import adaptive_kl_coef, compute_advantages, with_kl_coef
 from molt.driver.compose import Inputs, prepare
+from molt.driver.metrics import add_token_record
 from molt.driver.probe import probe_gap, probe_prompt, sample_probe
 from molt.driver.run import Run, train_steps
 from molt.driver.select import (
     context_warning,
+    filter_decisions,
     filter_rollouts,
     group_ids,
     rollout_metrics,
@@ -54,6 +57,10 @@ def train(spec: RunSpec, inputs: Inputs | None = None) -> dict[str, float]:
             return await train_steps(run, rl_step)
         finally:
             await run.stop()
+            if spec.logging.dump_rollouts and any((Path(spec.run.dir) / "rollouts").glob("step_*.jsonl")):
+                from molt.driver.inspect import inspect_command
+
+                print(f"molt: read the rollouts token by token: {inspect_command(spec.run.dir)}", flush=True)
 
     try:
         return asyncio.run(main())
@@ -73,13 +80,17 @@ async def rl_step(run: Run) -> dict[str, float]:
     rollouts = [r for g in groups for r in g]
     live = [fleet.dispatcher.engines[i] for i in sorted(fleet.dispatcher.live)]
     warmup = run.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
+    record = None   # the trainer's side of the dump: why each rollout is trained or not, what the loss saw
+    if spec.logging.dump_rollouts:
+        record = {rollout_id: {"decision": why, "version": run.version}
+                  for rollout_id, why in filter_decisions(spec, rollouts).items()}
     try:
         async with fleet.trainer:
             metrics = await learn(spec, rollouts, run.trainers, run.version,
                                   algo=with_kl_coef(spec.algo, run.kl_coef), engines=live,
-                                  train_policy=not warmup, probe=probe)
+                                  train_policy=not warmup, probe=probe, record=record)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
-        run.logger.dump_rollouts(run.step + 1, rollouts)
+        run.logger.dump_rollouts(run.step + 1, rollouts, record)
     metrics.update(batch_metrics)
     if metrics["rollout/context_truncated"] and not run.context_warned:   # said once; the metric counts
         run.context_warned = True
@@ -120,15 +131,14 @@ async def rl_step(run: Run) -> dict[str, float]:
 
 async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, version: int, *,
                 algo: AlgoSpec | None = None, engines: list | None = None, train_policy: bool = True,
-                probe: Segment | None = None) -> dict[str, float]:
+                probe: Segment | None = None, record: dict[str, dict] | None = None) -> dict[str, float]:
     """One training step on finished rollouts (also how a dumped batch is replayed).
 
-    `algo` is the step's (None: the spec's): the loop passes the adaptive KL controller's weight in
-    algo.kl.coef, and the advantages and the trainers' updates use it. With `model.router_replay`, segments
-    without routed experts get them from `engines` (`fill_routes`). `train_policy=False` trains only the
-    critic (train.critic_warmup_steps). `probe` (async mode) is scored for invariant 3 when no trained
-    token was sampled by `version`.
-    """
+    `algo` is the step's (None: the spec's): the loop's carries the adaptive KL weight in algo.kl.coef. With
+    `model.router_replay`, segments without routed experts get them from `engines` (`fill_routes`).
+    `train_policy=False` trains only the critic (train.critic_warmup_steps). `probe` (async mode) is scored
+    for invariant 3 when no trained token was sampled by `version`. `record` (the dump's, by rollout id)
+    gets what the policy's loss saw of each token (logging.dump_trainer)."""
     policy, reference, critic, pad_id = trainers.policy, trainers.reference, trainers.critic, trainers.pad_id
     algo = algo or spec.algo
     metrics = rollout_metrics(spec, rollouts)
@@ -174,7 +184,8 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, vers
 
     t0 = time.perf_counter()
     trained = policy if train_policy else None
-    metrics.update(await update(batch, trained, critic, values, adv.returns, algo))
+    metrics.update(await update(batch, trained, critic, values, adv.returns, algo,
+                                record if spec.logging.dump_trainer else None, segments))
     metrics["time/train"] = time.perf_counter() - t0
     metrics["tokens/trained"] = float(batch["loss_mask"].sum())
     return metrics
@@ -198,14 +209,17 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
 
 
 async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, critic: TrainerRanks | None,
-                 values: torch.Tensor | None, returns: torch.Tensor | None,
-                 algo: AlgoSpec) -> dict[str, float]:
+                 values: torch.Tensor | None, returns: torch.Tensor | None, algo: AlgoSpec,
+                 record: dict[str, dict] | None = None, segments: list[Segment] = ()) -> dict[str, float]:
     """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch` with the step's
     `algo`; their metrics as the trainers name them (train/, critic/, the trainer/engine gap under
-    mismatch/)."""
+    mismatch/). `record` gets what the policy's loss saw of each token of `segments` (the batch's rows)
+    under their rollout ids."""
     metrics: dict[str, float] = {}
     if policy is not None:
-        metrics.update(await asyncio.to_thread(policy.update, batch, algo))
+        metrics.update(await asyncio.to_thread(policy.update, batch, algo, record is not None))
+        if record is not None:
+            add_token_record(record, segments, await asyncio.to_thread(policy.token_record))
     else:
         metrics["train/critic_warmup"] = 1.0
     if critic is not None:
