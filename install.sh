@@ -12,7 +12,7 @@ case "$TARGET" in cpu|gpu) ;; *) echo "install.sh: target must be cpu or gpu, no
 case "$MODE" in install|--resolve) ;; *) echo "install.sh: unknown option '$MODE' (--resolve)" >&2; exit 2;; esac
 # agents / verifiers: the third-party agent frameworks and MCP (docs/agents.md), which the tests exercise;
 # tasks: procedural task libraries (reasoning-gym).
-EXTRAS="$TARGET,dev,tasks,agents,verifiers"
+EXTRAS="$TARGET,dev,tasks,agents,verifiers,tinker"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 if [ "$MODE" = install ]; then

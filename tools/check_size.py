@@ -37,6 +37,9 @@ REVIEWED: dict[str, str] = {
         "one scenario told in order (kill, restart, refit, restart groups); its steps share every local",
     "tests/faults/test_engine_faults.py::scenario":
         "the same scenario's driver, read top to bottom beside the test that asserts on it",
+    "molt/trainer/worker.py": "one trainer rank: each public method is one collective its group calls "
+                              "(forward, update, the client-driven accumulate and apply_gradients of "
+                              "molt.tinker, refit, save, load)",
     "tests/test_lora.py::test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model":
         "one end-to-end check whose steps share the run's state",
 }
