@@ -35,7 +35,6 @@ def build_app(service: Service) -> FastAPI:
         expiry = service.loop.create_task(service.expire_sessions())
         yield
         expiry.cancel()
-        await service.close()
 
     app = FastAPI(title="molt.tinker", lifespan=lifespan)
     app.state.service = service

@@ -10,6 +10,7 @@ trainer ranks start when a client creates its training model, with the LoRA it a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import threading
 from collections.abc import Iterator
@@ -81,8 +82,9 @@ def serving(service, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     try:
         yield f"http://{host}:{bound}"
     finally:
-        server.should_exit = True   # its shutdown closes the service (the trainer ranks stop)
-        thread.join(timeout=120)
+        asyncio.run_coroutine_threadsafe(service.close(), service.loop).result(timeout=120)
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def main(argv: list[str]) -> None:
@@ -107,13 +109,16 @@ def main(argv: list[str]) -> None:
         sys.exit(f"molt.tinker: {err}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_ray(spec)
+    service = None
     try:
         bind(spec)
         service = start_service(spec)
         print(f"molt.tinker: serving {service.base_model} at http://{args.host}:{args.port} (tinker SDK "
               f"{tinker_version()}); checkpoints in {service.checkpoints}", flush=True)
         uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
-    finally:
+    finally:   # (Ray's shutdown stops every engine and trainer rank)
+        if service is not None:
+            service.logger.close()
         ray.shutdown()
 
 
