@@ -1,0 +1,152 @@
+"""A tinker-cookbook RL recipe through `python -m molt.tinker serve` beside `python -m molt` on the same
+task, model, batch, LoRA and cores: seconds per step.
+
+    python bench/tinker_vs_loop.py --model PATH [--steps 12] [--modes sync,async] [--quick] [--no-results]
+
+The recipe is the cookbook's own `tinker_cookbook.recipes.math_rl.train` (its `arithmetic` env), run
+unmodified from .venv-tinker-client (`bash install.sh tinker-client`) against a service this script starts;
+Molt's loop runs the same task (bench/tinker_arith_agent.py, the cookbook's prompt and reward) with the
+same groups x samples, max tokens, LoRA rank (refit merged, as the service refits) and learning rate. Each
+side reports its own step time: the cookbook's `time/total`, Molt's `time/step`; the first `--warmup` steps
+are left out. Writes the `tinker` section of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import OUT, REPO, header, table, write_section
+from molt_run import QUIET, run_molt
+from tinker_arith_agent import FEW_SHOT
+
+CLIENT = REPO / ".venv-tinker-client" / "bin" / "python"
+RECIPE = "tinker_cookbook.recipes.math_rl.train"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(args: argparse.Namespace, out: Path) -> dict:
+    """The service in one process, the cookbook's recipe in another; their metrics read back."""
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+                              "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
+    serve = [sys.executable, "-m", "molt.tinker", "serve", "--port", str(port), f"model.path={args.model}",
+             f"run.dir={out / 'service'}", *QUIET]
+    client = [str(CLIENT), "-m", RECIPE, f"base_url=http://127.0.0.1:{port}", f"model_name={args.model}",
+              "renderer_name=qwen3_instruct", f"log_path={out / 'recipe'}", f"max_steps={args.steps}",
+              f"groups_per_batch={args.groups}", f"group_size={args.group_size}", f"lora_rank={args.lora}",
+              f"learning_rate={args.lr}", "eval_every=0", "save_every=0", "behavior_if_log_dir_exists=delete"]
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "service.log").open("w") as log:
+        service = subprocess.Popen(serve, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while "molt.tinker: serving" not in (out / "service.log").read_text():
+                if service.poll() is not None:
+                    raise SystemExit(f"the service exited: {(out / 'service.log').read_text()[-2000:]}")
+                time.sleep(1)
+            with (out / "recipe.log").open("w") as recipe_log:
+                rc = subprocess.run(client, cwd=out, env=env, stdout=recipe_log, stderr=subprocess.STDOUT,
+                                    timeout=args.timeout).returncode
+        finally:
+            service.send_signal(signal.SIGINT)
+            try:
+                service.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                service.kill()
+    rows = [json.loads(line) for line in (out / "recipe" / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "recipe" / "metrics.jsonl").exists() else []
+    return {"rc": rc, "command": " ".join(client[1:]), "serve": " ".join(serve[1:]), "steps": [
+        {"time": r["time/total"], "sampling": r.get("time/sampling", float("nan")),
+         "train": r.get("time/train_step", float("nan")),
+         "refit": r.get("time/save_checkpoint_and_get_sampling_client", float("nan")),
+         "reward": r["env/all/reward/total"]} for r in rows if "time/total" in r]}
+
+
+def run_loop(args: argparse.Namespace, mode: str, out: Path) -> dict:
+    """`python -m molt` on the cookbook's task: the same prompts, reward, batch, LoRA and learning rate."""
+    data = out / "arithmetic.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    import random
+    rng = random.Random(0)
+    with data.open("w") as f:
+        for _ in range(args.groups * (args.steps + 2)):
+            x, y = rng.randint(0, 100), rng.randint(0, 100)
+            f.write(json.dumps({"messages": [*FEW_SHOT, {"role": "user", "content": f"What is {x} + {y}?"}],
+                                "label": str(x + y)}) + "\n")
+    overrides = [f"model.path={args.model}", f"model.lora.rank={args.lora}", "model.lora.refit=merged",
+                 "model.lora.target_modules=[*_proj,lm_head]", f"data.train_path={data}", "data.eval=[]",
+                 f"agent.module={REPO}/bench/tinker_arith_agent.py", "rollout.max_tokens=5",
+                 f"rollout.mode={mode}", f"rollout.samples_per_prompt={args.group_size}",
+                 f"train.prompts_per_step={args.groups}", f"rollout.groups_in_flight={args.groups}",
+                 f"train.steps={args.steps}", f"train.lr={args.lr}", "train.save_every=0", *QUIET]
+    result = run_molt(overrides, out / mode, timeout=args.timeout)
+    return {"rc": result["rc"], "command": result["cmd"], "log": result["log"], "steps": [
+        {"time": r["time/step"], "sampling": r.get("time/generate", float("nan")),
+         "train": r.get("time/train", float("nan")) + r.get("time/logprobs", 0.0),
+         "refit": r.get("time/refit", float("nan")), "reward": r["reward/mean"]} for r in result["rows"]
+        if "time/step" in r]}
+
+
+def row(name: str, run: dict, warmup: int) -> list[str]:
+    timed = run["steps"][warmup:]
+    if run["rc"] or not timed:
+        return [name, f"failed (rc {run['rc']})", "", "", "", ""]
+    med = {k: statistics.median(s[k] for s in timed) for k in ("time", "sampling", "train", "refit")}
+    rewards = [s["reward"] for s in run["steps"]]
+    return [name, *(f"{med[k]:.2f}" for k in ("time", "sampling", "train", "refit")),
+            f"{rewards[0]:.3f} → {statistics.fmean(rewards[-3:]):.3f}"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="the served model's folder (a model.path)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--groups", type=int, default=100, help="prompts per step (the recipe's groups_per_batch)")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--lora", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--modes", default="sync,async", help="Molt's rollout.mode(s) to run")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--quick", action="store_true", help="3 steps of 8 groups; prints, writes nothing")
+    p.add_argument("--no-results", action="store_true", help="print the table only")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.groups, args.warmup, args.no_results = 3, 8, 1, True
+    if not CLIENT.exists():
+        raise SystemExit("no .venv-tinker-client: run `bash install.sh tinker-client` first")
+    out = OUT / "tinker" / time.strftime("%Y%m%d-%H%M%S")
+    head = header()
+    runs = {"cookbook recipe → molt.tinker": run_recipe(args, out / "recipe")}
+    for mode in args.modes.split(","):
+        runs[f"python -m molt ({mode})"] = run_loop(args, mode, out / "loop")
+    body = "\n".join([
+        "## A tinker-cookbook recipe through molt.tinker vs python -m molt (same task, model, cores)", "",
+        head, f"- model: {args.model}; {args.groups} groups x {args.group_size} samples x 5 tokens per step, "
+        f"LoRA rank {args.lora} (merged refits), lr {args.lr}; {args.steps} steps, the first {args.warmup} "
+        "left out", f"- command: `python bench/tinker_vs_loop.py --model {args.model} --steps {args.steps}`",
+        "", table(["run", "s / step", "sampling s", "train s", "refit s", "reward first → last 3"],
+                  [row(name, run, args.warmup) for name, run in runs.items()]), "",
+        "Sampling / train / refit: the recipe's `time/sampling`, `time/train_step` and "
+        "`time/save_checkpoint_and_get_sampling_client`; Molt's `time/generate` (the engine's busy seconds), "
+        "`time/logprobs + time/train`, `time/refit`."])
+    print(body)
+    (out / "runs.json").write_text(json.dumps(runs, indent=1))
+    if not args.no_results:
+        write_section("tinker", body)
+
+
+if __name__ == "__main__":
+    main()
