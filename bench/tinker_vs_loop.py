@@ -1,14 +1,16 @@
 """A tinker-cookbook RL recipe through `python -m molt.tinker serve` beside `python -m molt` on the same
 task, model, batch, LoRA and cores: seconds per step.
 
-    python bench/tinker_vs_loop.py --model PATH [--steps 12] [--modes sync,async] [--quick] [--no-results]
+    python bench/tinker_vs_loop.py [--model PATH] [--steps 12] [--modes sync,async] [--quick] [--no-results]
+    python bench/tinker_vs_loop.py --steps 100 --modes none --curve docs/tinker_cookbook.png --no-results
 
 The recipe is the cookbook's own `tinker_cookbook.recipes.math_rl.train` (its `arithmetic` env), run
 unmodified from .venv-tinker-client (`bash install.sh tinker-client`) against a service this script starts;
 Molt's loop runs the same task (bench/tinker_arith_agent.py, the cookbook's prompt and reward) with the
 same groups x samples, max tokens, LoRA rank (refit merged, as the service refits) and learning rate. Each
 side reports its own step time: the cookbook's `time/total`, Molt's `time/step`; the first `--warmup` steps
-are left out. Writes the `tinker` section of RESULTS.md.
+are left out. Writes the `tinker` section of RESULTS.md; `--curve` draws the recipe's reward per step. The
+model defaults to the tiny one with its output head untied (the recipe adapts the head: train_unembed).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def run_recipe(args: argparse.Namespace, out: Path) -> dict:
         {"time": r["time/total"], "sampling": r.get("time/sampling", float("nan")),
          "train": r.get("time/train_step", float("nan")),
          "refit": r.get("time/save_checkpoint_and_get_sampling_client", float("nan")),
-         "reward": r["env/all/reward/total"]} for r in rows if "time/total" in r]}
+         "reward": r["env/all/reward/total"], "format": r["env/all/format"], "correct": r["env/all/correct"]}
+        for r in rows if "time/total" in r]}
 
 
 def run_loop(args: argparse.Namespace, mode: str, out: Path) -> dict:
@@ -99,6 +102,24 @@ def run_loop(args: argparse.Namespace, mode: str, out: Path) -> dict:
         if "time/step" in r]}
 
 
+def draw_curve(run: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    steps = range(len(run["steps"]))
+    ax.plot(steps, [s["reward"] for s in run["steps"]], label="reward (env/all/reward/total)")
+    ax.plot(steps, [s["format"] for s in run["steps"]], label="ended on the stop token (env/all/format)")
+    ax.plot(steps, [s["correct"] for s in run["steps"]], label="correct sum (env/all/correct)")
+    ax.set_xlabel("step (100 groups x 4 samples)")
+    ax.set_title("tinker-cookbook math_rl (arithmetic), served by python -m molt.tinker", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def row(name: str, run: dict, warmup: int) -> list[str]:
     timed = run["steps"][warmup:]
     if run["rc"] or not timed:
@@ -111,14 +132,15 @@ def row(name: str, run: dict, warmup: int) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="the served model's folder (a model.path)")
+    p.add_argument("--model", help="the served model's folder (default: the tiny model, untied)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--groups", type=int, default=100, help="prompts per step (the recipe's groups_per_batch)")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--lora", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--modes", default="sync,async", help="Molt's rollout.mode(s) to run")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--modes", default="sync,async", help="Molt's rollout.mode(s) (none: the recipe only)")
+    p.add_argument("--curve", help="draw the recipe's reward per step into this PNG")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--quick", action="store_true", help="3 steps of 8 groups; prints, writes nothing")
     p.add_argument("--no-results", action="store_true", help="print the table only")
@@ -127,11 +149,17 @@ def main() -> None:
         args.steps, args.groups, args.warmup, args.no_results = 3, 8, 1, True
     if not CLIENT.exists():
         raise SystemExit("no .venv-tinker-client: run `bash install.sh tinker-client` first")
+    if args.model is None:
+        from molt.inputs.tiny import tiny_model_path
+
+        args.model = str(tiny_model_path(tie_word_embeddings=0))
     out = OUT / "tinker" / time.strftime("%Y%m%d-%H%M%S")
     head = header()
     runs = {"cookbook recipe → molt.tinker": run_recipe(args, out / "recipe")}
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m != "none"]:
         runs[f"python -m molt ({mode})"] = run_loop(args, mode, out / "loop")
+    if args.curve:
+        draw_curve(runs["cookbook recipe → molt.tinker"], args.curve)
     body = "\n".join([
         "## A tinker-cookbook recipe through molt.tinker vs python -m molt (same task, model, cores)", "",
         head, f"- model: {args.model}; {args.groups} groups x {args.group_size} samples x 5 tokens per step, "
