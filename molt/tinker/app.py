@@ -9,6 +9,7 @@ Requests that take time return a request id at once; the SDK polls `/retrieve_fu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -117,12 +118,6 @@ async def telemetry() -> dict:   # the SDK's usage reports: not kept
 
 
 # -- training -------------------------------------------------------------------------------------------
-@api.post("/create_model")
-async def create_model(request: Request) -> dict:
-    service, parsed = await _body(request, types.CreateModelRequest)
-    return _future(service.create_model(parsed))
-
-
 @api.post("/get_info")
 async def get_info(request: Request) -> dict:
     service, parsed = await _body(request, types.GetInfoRequest)
@@ -138,28 +133,21 @@ async def forward_backward(request: Request) -> dict:
     return _future(request.app.state.service.forward_backward(parsed), parsed.model_id)
 
 
-@api.post("/optim_step")
-async def optim_step(request: Request) -> dict:
-    service, parsed = await _body(request, types.OptimStepRequest)
-    return _future(service.optim_step(parsed), parsed.model_id)
+def _answered_by_future(kind: type, method: str) -> Callable[[Request], Awaitable[dict]]:
+    async def route(request: Request) -> dict:
+        service, parsed = await _body(request, kind)
+        return _future(getattr(service, method)(parsed), getattr(parsed, "model_id", None))
+    return route
 
 
-@api.post("/save_weights")
-async def save_weights(request: Request) -> dict:
-    service, parsed = await _body(request, types.SaveWeightsRequest)
-    return _future(service.save_state(parsed), parsed.model_id)
-
-
-@api.post("/load_weights")
-async def load_weights(request: Request) -> dict:
-    service, parsed = await _body(request, types.LoadWeightsRequest)
-    return _future(service.load_state(parsed))
-
-
-@api.post("/save_weights_for_sampler")
-async def save_for_sampler(request: Request) -> dict:
-    service, parsed = await _body(request, types.SaveWeightsForSamplerRequest)
-    return _future(service.save_for_sampler(parsed), parsed.model_id)
+# The JSON requests of a training model that answer with a future: the request type, the Service method.
+FUTURE_ROUTES = {"/create_model": (types.CreateModelRequest, "create_model"),
+                 "/optim_step": (types.OptimStepRequest, "optim_step"),
+                 "/save_weights": (types.SaveWeightsRequest, "save_state"),
+                 "/load_weights": (types.LoadWeightsRequest, "load_state"),
+                 "/save_weights_for_sampler": (types.SaveWeightsForSamplerRequest, "save_for_sampler")}
+for _path, (_kind, _method) in FUTURE_ROUTES.items():
+    api.add_api_route(_path, _answered_by_future(_kind, _method), methods=["POST"])
 
 
 # -- sampling -------------------------------------------------------------------------------------------
