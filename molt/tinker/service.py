@@ -290,8 +290,9 @@ class Service:
     # -- weights ------------------------------------------------------------------------------------------
     def _path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
         """A checkpoint's tinker:// path and its folder (kind: weights | sampler_weights)."""
-        if not name or "/" in name:
-            raise Refused(f"checkpoint name {name!r} must be non-empty and without '/'")
+        for part in (model_id, name):   # both become folder names under run.dir/checkpoints
+            if not part or "/" in part or part.startswith("."):
+                raise Refused(f"checkpoint name {part!r}: non-empty, without '/', not starting with '.'")
         local = self.checkpoints / model_id.replace(":", "_") / kind / name
         return f"tinker://{model_id}/{kind}/{name}", local
 
