@@ -179,9 +179,12 @@ def check_sample(request: types.SampleRequest, max_model_len: int) -> tuple[list
         raise Refused(f"a sample request needs a prompt and num_samples >= 1 (num_samples="
                       f"{request.num_samples})")
     params = request.sampling_params
+    room = max_model_len - len(prompt)   # what the context leaves (the engine would shrink max_tokens)
+    if (params.max_tokens is not None and params.max_tokens > room) or room < 1:
+        raise Refused(f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} does not fit "
+                      f"the context (model.max_model_len={max_model_len})")
     sampling: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
-                                "top_k": params.top_k,
-                                "max_tokens": params.max_tokens or max(1, max_model_len - len(prompt))}
+                                "top_k": params.top_k, "max_tokens": params.max_tokens or room}
     if params.seed is not None:
         sampling["seed"] = params.seed
     stop = params.stop
