@@ -222,6 +222,8 @@ def test_unsupported_requests_are_refused_by_name(served) -> None:
          "stop as strings is not served"),
         (lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
                                 topk_prompt_logprobs=2), "topk_prompt_logprobs is not served"),
+        (lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=5000)),
+         "does not fit the context"),
         (lambda: second.create_lora_training_client(service.base_model, rank=4),
          "one training model at a time"),
         (lambda: clients.service.create_sampling_client(base_model="Qwen/Qwen3-8B").result().sample(
