@@ -444,7 +444,10 @@ class TrainerWorker:
                         {"step": self.step, "role": self.role, "extra": extra})
 
     def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
-        """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer)."""
+        """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer).
+        Gradients accumulated before (molt.tinker's `accumulate`) are dropped: a checkpoint holds none."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         if weights_only:
             if self.optimizer is not None:
                 self.optimizer.state.clear()   # no moments: the next step starts AdamW afresh
