@@ -13,11 +13,10 @@ import os
 
 import numpy as np
 import pytest
+import tinker
 import torch
 from safetensors.torch import load_file
-
-tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
+from tinker import types
 
 os.environ.setdefault("TINKER_API_KEY", "tml-local")   # the SDK wants one; the service checks none
 os.environ.setdefault("TINKER_TELEMETRY", "0")
