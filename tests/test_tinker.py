@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -87,6 +88,11 @@ def logprobs_of(output: types.ForwardBackwardOutput) -> list[np.ndarray]:
 
 
 def test_capabilities_info_and_tokenizer(served) -> None:
+    from molt.inputs.data import REPO_ROOT
+
+    # the SDK these tests drive is the version the service serves (pyproject.toml's tinker extra)
+    pinned = re.search(r'"tinker==([0-9.]+)"', (REPO_ROOT / "pyproject.toml").read_text())[1]
+    assert tinker.__version__ == pinned
     service, clients = served
     [model] = tinker.RestClient(base_url=clients.url).get_server_capabilities().result().supported_models
     assert model.model_name == service.base_model and model.trainable and model.sampleable
