@@ -121,6 +121,9 @@ class Service:
         model, self.model = self.model, None
         if model.runner is not None:
             model.runner.cancel()
+        for _, future in model.pending.values():   # queued behind the released model: they never run
+            if future is not None:
+                future.set_exception(Refused(f"model {model.id} was released before this request ran"))
         await self.stop_idle()
         self.idle = (model.spec, model.trainer)
 
