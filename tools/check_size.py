@@ -20,6 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
+    "molt/trainer/worker.py": "one rank's collective calls (forward, update, molt.tinker's accumulate and "
+                              "apply_gradients, refit, checkpoints); its second idea, the metric sums, is "
+                              "moving out (#52); the per-token record it keeps for the dump already lives "
+                              "in token_record.py",
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",
@@ -37,9 +41,6 @@ REVIEWED: dict[str, str] = {
         "one scenario told in order (kill, restart, refit, restart groups); its steps share every local",
     "tests/faults/test_engine_faults.py::scenario":
         "the same scenario's driver, read top to bottom beside the test that asserts on it",
-    "molt/trainer/worker.py": "one trainer rank: each public method is one collective its group calls "
-                              "(forward, update, the client-driven accumulate and apply_gradients of "
-                              "molt.tinker, refit, save, load)",
     "tests/test_lora.py::test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model":
         "one end-to-end check whose steps share the run's state",
 }
