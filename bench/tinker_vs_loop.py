@@ -3,6 +3,7 @@ task, model, batch, LoRA and cores: seconds per step.
 
     python bench/tinker_vs_loop.py [--model PATH] [--steps 12] [--modes sync,async] [--quick] [--no-results]
     python bench/tinker_vs_loop.py --steps 100 --modes none --curve docs/tinker_cookbook.png --no-results
+    python bench/tinker_vs_loop.py --report bench/out/tinker/STAMP      # the section again from saved runs
 
 The recipe is the cookbook's own `tinker_cookbook.recipes.math_rl.train` (its `arithmetic` env), run
 unmodified from .venv-tinker-client (`bash install.sh tinker-client`) against a service this script starts;
@@ -77,6 +78,12 @@ def run_recipe(args: argparse.Namespace, out: Path) -> dict:
         for r in rows if "time/total" in r]}
 
 
+def recipe_metrics(out: Path) -> list[dict]:
+    """The recipe's own metrics.jsonl rows of a run in `out` (a step per row)."""
+    path = out / "recipe" / "recipe" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def run_loop(args: argparse.Namespace, mode: str, out: Path) -> dict:
     """`python -m molt` on the cookbook's task: the same prompts, reward, batch, LoRA and learning rate."""
     data = out / "arithmetic.jsonl"
@@ -120,6 +127,57 @@ def draw_curve(run: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+RECIPE_RUN = "cookbook recipe → molt.tinker"
+
+
+def median_of(run: dict, key: str, warmup: int) -> float:
+    return statistics.median(s[key] for s in run["steps"][warmup:])
+
+
+def analysis(runs: dict, recipe_rows: list[dict], warmup: int) -> str:
+    """Where the recipe's step goes beside the loop's, from both sides' own metrics."""
+    recipe = runs[RECIPE_RUN]
+    sync, overlap = runs.get("python -m molt (sync)"), runs.get("python -m molt (async)")
+    if not sync or not overlap or any(r["rc"] for r in (recipe, sync, overlap)):
+        return ""
+    rows = recipe_rows[warmup:]
+    prompts = statistics.median(r["env/all/total_episodes"] for r in rows)
+    render = statistics.median(r["time/env_initial_observation:total"] for r in rows)
+    latency = statistics.median(r["time/policy_sample:mean"] for r in rows)
+    served = statistics.median(r["time/forward_backward"] + r["time/optim_step"] for r in rows)
+    m = {(name, k): median_of(run, k, warmup) for name, run in (("r", recipe), ("s", sync), ("a", overlap))
+         for k in ("time", "sampling", "train", "refit")}
+    return (
+        "Training and the refit cost the same through the API as in the loop "
+        f"({m['r', 'train']:.2f} vs {m['s', 'train']:.2f} s, "
+        f"{m['r', 'refit']:.2f} vs {m['s', 'refit']:.2f} s): the same trainer rank and refit group; of the "
+        f"recipe's training the service's forward_backward and optim_step took {served:.2f} s, the rest is "
+        "the datums' way over HTTP (protobuf) and the client's. The difference is sampling, "
+        f"{m['r', 'sampling']:.2f} s against {m['s', 'sampling']:.2f} s of the loop's engine time: the "
+        f"recipe builds its {prompts:.0f} prompts in its own Python process ({render:.2f} s per step on the "
+        f"same 2 cores) and each of its sample requests takes {latency:.2f} s (HTTP, the SDK's futures and "
+        "the engine's batch, which the client's work slows). And the loop pipelines what the service "
+        "cannot: in async mode the engines sample the next batch while the trainer steps "
+        f"({m['a', 'time']:.2f} s per step against {m['s', 'time']:.2f} s in sync mode); the recipe samples, "
+        "trains and refits one after another. Through the API the client decides when to sample and when to "
+        "train; the cookbook's own overlap (`max_steps_off_policy`) samples from earlier snapshots, which "
+        "this service refuses (its engines hold one set of weights).")
+
+
+def report(meta: dict, runs: dict, recipe_rows: list[dict]) -> str:
+    return "\n".join([
+        "## A tinker-cookbook recipe through molt.tinker vs python -m molt (same task, model, cores)", "",
+        meta["head"], f"- model: {meta['model']}; {meta['groups']} groups x {meta['group_size']} samples x 5 "
+        f"tokens per step, LoRA rank {meta['lora']} (merged refits), lr {meta['lr']}; {meta['steps']} steps, "
+        f"the first {meta['warmup']} left out",
+        f"- command: `python bench/tinker_vs_loop.py --model {meta['model']} --steps {meta['steps']}`",
+        "", table(["run", "s / step", "sampling s", "train s", "refit s", "reward first → last 3"],
+                  [row(name, run, meta["warmup"]) for name, run in runs.items()]), "",
+        "Sampling / train / refit: the recipe's `time/sampling`, `time/train_step` and "
+        "`time/save_checkpoint_and_get_sampling_client`; Molt's `time/generate` (the engine's busy seconds), "
+        "`time/logprobs + time/train`, `time/refit`.", "", analysis(runs, recipe_rows, meta["warmup"])])
+
+
 def row(name: str, run: dict, warmup: int) -> list[str]:
     timed = run["steps"][warmup:]
     if run["rc"] or not timed:
@@ -144,7 +202,14 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--quick", action="store_true", help="3 steps of 8 groups; prints, writes nothing")
     p.add_argument("--no-results", action="store_true", help="print the table only")
+    p.add_argument("--report", help="a saved run's folder (bench/out/tinker/STAMP): write its section again")
     args = p.parse_args()
+    if args.report:
+        saved = json.loads((Path(args.report) / "runs.json").read_text())
+        body = report(saved["meta"], saved["runs"], recipe_metrics(Path(args.report)))
+        print(body)
+        write_section("tinker", body)
+        return
     if args.quick:
         args.steps, args.groups, args.warmup, args.no_results = 3, 8, 1, True
     if not CLIENT.exists():
@@ -154,24 +219,16 @@ def main() -> None:
 
         args.model = str(tiny_model_path(tie_word_embeddings=0))
     out = OUT / "tinker" / time.strftime("%Y%m%d-%H%M%S")
-    head = header()
-    runs = {"cookbook recipe → molt.tinker": run_recipe(args, out / "recipe")}
+    meta = {"head": header(), **{k: getattr(args, k) for k in ("model", "groups", "group_size", "lora", "lr",
+                                                                "steps", "warmup")}}
+    runs = {RECIPE_RUN: run_recipe(args, out / "recipe")}
     for mode in [m for m in args.modes.split(",") if m != "none"]:
         runs[f"python -m molt ({mode})"] = run_loop(args, mode, out / "loop")
     if args.curve:
-        draw_curve(runs["cookbook recipe → molt.tinker"], args.curve)
-    body = "\n".join([
-        "## A tinker-cookbook recipe through molt.tinker vs python -m molt (same task, model, cores)", "",
-        head, f"- model: {args.model}; {args.groups} groups x {args.group_size} samples x 5 tokens per step, "
-        f"LoRA rank {args.lora} (merged refits), lr {args.lr}; {args.steps} steps, the first {args.warmup} "
-        "left out", f"- command: `python bench/tinker_vs_loop.py --model {args.model} --steps {args.steps}`",
-        "", table(["run", "s / step", "sampling s", "train s", "refit s", "reward first → last 3"],
-                  [row(name, run, args.warmup) for name, run in runs.items()]), "",
-        "Sampling / train / refit: the recipe's `time/sampling`, `time/train_step` and "
-        "`time/save_checkpoint_and_get_sampling_client`; Molt's `time/generate` (the engine's busy seconds), "
-        "`time/logprobs + time/train`, `time/refit`."])
+        draw_curve(runs[RECIPE_RUN], args.curve)
+    body = report(meta, runs, recipe_metrics(out))
     print(body)
-    (out / "runs.json").write_text(json.dumps(runs, indent=1))
+    (out / "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     if not args.no_results:
         write_section("tinker", body)
 
