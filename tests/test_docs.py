@@ -301,6 +301,7 @@ EXTERNAL = {"vllm", "torch", "aten", "httpx2", "anyio",   # other packages' name
             "AsyncLLM", "EngineCoreClient", "WeightTransferEngineFactory", "CompletionOutput",   # vLLM's
             "qwen3_coder", "llama4_pythonic", "deepseek_v32", "kimi_k2",   # vLLM's tool parsers
             "top_logprobs", "best_of", "file_search", "code_interpreter",  # OpenAI request fields, tools
+            "ttl_seconds",                                                 # a Tinker SDK request field
             "context_parallel"}                                            # torch's
 NOT_CODE = {"thinking.budget_tokens", "output_config.effort",   # Anthropic request fields
             "response.created", "response.completed",           # Responses API stream events

@@ -20,6 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
+    "molt/trainer/worker.py": "one rank's collective calls (forward, update, molt.tinker's accumulate and "
+                              "apply_gradients, refit, checkpoints); its second idea, the metric sums, "
+                              "lives in step_metrics.py, the per-token record in token_record.py",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
     "tests/test_docs.py": "every sentence kind the pages hold checked against the code, one checker each "

@@ -211,7 +211,7 @@ def check_environment(spec: RunSpec) -> None:
     from molt.plan.models import is_vlm, model_path
 
     check_expert_dispatch(spec)
-    if spec.model.lora.rank:
+    if spec.model.lora.served_as_adapter():
         from molt.rollout.engine_args import check_lora
 
         check_lora(model_path(spec), spec.model)

@@ -54,6 +54,15 @@ class StepMetrics:
             else:
                 self.add(f"mismatch/{key}", value)
 
+    def totals(self, keys: list[str], all_sum: Callable[[list[float]], list[float]],
+               device: Any) -> dict[str, float]:
+        """`keys`' sums over the ranks, and the gap's max over them as `mismatch/max_abs` (a collective:
+        every rank passes the same keys)."""
+        total = dict(zip(keys, all_sum([self.sums.get(k, 0.0) for k in keys]), strict=True))
+        peak = torch.tensor([self.max_abs], device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {**total, "mismatch/max_abs": float(peak)}
+
     def reduce(self, section: str, lr: float, several_updates: bool,
                all_sum: Callable[[list[float]], list[float]], device: Any) -> dict[str, float]:
         """The metrics under `section` (train/ or critic/), the same on every rank (a collective: every rank
@@ -61,10 +70,8 @@ class StepMetrics:
         keys = sorted(self.sums)
         objs: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(objs, keys)
-        keys = sorted(set().union(*objs))
-        total = dict(zip(keys, all_sum([self.sums.get(k, 0.0) for k in keys]), strict=True))
-        peak = torch.tensor([self.max_abs], device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        total = self.totals(sorted(set().union(*objs)), all_sum, device)
+        peak = total.pop("mismatch/max_abs")
         updates = len(self.grad_norms)
         out = {f"{section}loss": total.pop("loss") / updates,
                f"{section}grad_norm": sum(self.grad_norms) / updates, f"{section}lr": lr,
@@ -79,5 +86,5 @@ class StepMetrics:
                 out[f"{section}{key[2:]}_last"] = value / last_weight
         if "mismatch/abs_sum" in total:   # the trainer/engine gap, under the names the run logs
             out.update(gap_metrics({"tokens": total["mismatch/tokens"], "abs_sum": total["mismatch/abs_sum"],
-                                    "k3_sum": total["mismatch/k3_sum"], "max_abs": float(peak)}))
+                                    "k3_sum": total["mismatch/k3_sum"], "max_abs": peak}))
         return out
