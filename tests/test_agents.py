@@ -158,8 +158,8 @@ def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine, module, k
     `python`, but only the calculator is shown) is answered with an error. Out of turns, none answered.
     The same task through the ChatAgent path (tool_chat.py: the OpenAI SDK against the loopback server)
     gives the same prompts, glue and counts: the two paths are token for token the same rollout."""
-    from molt.agents.tool_tasks import CALCULATOR
     from molt.driver.select import rollout_metrics
+    from molt.tasks.tool_use import CALCULATOR
 
     spec = tool_spec(module=str(EXAMPLES / module), options={"tool_timeout_s": 30.0})
     runner = load_agent_runner(spec.agent)
@@ -210,7 +210,7 @@ def test_tool_env_scores_the_first_reply_without_a_call(tok):
 
 
 def test_tool_env_calls_the_sandboxed_calculator():
-    from molt.agents.tool_tasks import CALCULATOR, PYTHON
+    from molt.tasks.tool_use import CALCULATOR, PYTHON
 
     runner = load_agent_runner(AgentSpec(module=str(EXAMPLES / "tool_env.py")))
     module = sys.modules[runner.env_cls.__module__]

@@ -1,10 +1,10 @@
 """Multi-turn tool use (Env): the model may call a calculator or run Python, then answers.
 
-The tools the prompt shows come from the row's `tools` (rows of `python -m molt.agents.tool_tasks` carry
-`molt.agents.tool_tasks.TOOLS`) and agent.tools. Each turn, agent.tool_parser reads the calls the model
+The tools the prompt shows come from the row's `tools` (rows of `python -m molt.tasks.tool_use` carry
+`molt.tasks.tool_use.TOOLS`) and agent.tools. Each turn, agent.tool_parser reads the calls the model
 wrote; a turn with calls gets one tool message per call back (`Env.call_tools`: an unknown tool or bad
 arguments is answered "error: ..."), and the first turn without a call is the answer, which ends the
-episode. Its reward: a reasoning-gym row (`entry`, from molt.agents.tool_tasks) is scored by the task's
+episode. Its reward: a reasoning-gym row (`entry`, from molt.tasks.tool_use) is scored by the task's
 own scorer on the text inside <answer>...</answer> (else the whole reply); any other row by whether the
 answer's last number equals the label.
 
@@ -71,7 +71,7 @@ def score(answer: str, item: dict, label: object) -> float:
     if isinstance(entry, dict) and "source_dataset" in entry.get("metadata", {}):
         import reasoning_gym
 
-        from molt.agents.reasoning_gym_env import answer_of
+        from molt.tasks.reasoning_gym import answer_of
 
         scorer = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
         return float(scorer(answer_of(answer), entry))

@@ -5,8 +5,8 @@
 
 writes PREFIX_eval.jsonl (held-out questions), PREFIX_sft.jsonl and PREFIX_sft_eval.jsonl (traces for
 `python -m molt.sft`), PREFIX_train.jsonl (RL prompts); none of the last three holds an eval question.
-Rows come from molt.agents.reasoning_gym_env (the task's generator; `label` is its answer) with a `tools`
-column: molt.agents.tool_tasks' calculator schema (the flagship's), which the chat template renders into
+Rows come from molt.tasks.reasoning_gym (the task's generator; `label` is its answer) with a `tools`
+column: molt.tasks.tool_use' calculator schema (the flagship's), which the chat template renders into
 the prompt in SFT and RL alike. A trace is the question, one calculator call on the task's own
 expression, the tool message holding the calculator's REAL output from the sandbox (checked against the
 task's answer), and the final turn tool_env.py rewards (`answer_text`). The template renders the call in
@@ -29,8 +29,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tool_env import answer_text, calculator  # noqa: E402
 
-from molt.agents.reasoning_gym_env import task_rows  # noqa: E402
-from molt.agents.tool_tasks import CALCULATOR as CALCULATOR_TOOL  # noqa: E402
+from molt.tasks.reasoning_gym import task_rows  # noqa: E402
+from molt.tasks.tool_use import CALCULATOR as CALCULATOR_TOOL  # noqa: E402
 
 CALCULATOR = [CALCULATOR_TOOL]
 PRODUCTS = {"min_digits": 3, "max_digits": 3, "min_terms": 2, "max_terms": 2}
