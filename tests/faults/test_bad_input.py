@@ -62,6 +62,9 @@ def test_bad_input_fails_before_any_actor_starts(ray_session, tmp_path, case):
 
 
 SETUP_FAILS = """
+import os
+with open(__file__ + ".executions", "a") as f:   # each execution of this module, by process
+    f.write(f"{os.getpid()}\\n")
 from molt.agents import Env, Result, StepEnvRunner
 
 class Noop(Env):
@@ -80,7 +83,8 @@ AgentRunner = NoKey(Noop)
 def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_path, workers):
     """The engines are asked for before the agent's set-up, so that they load while the rest starts
     (`molt.driver.run.Run.start`): a failure then must stop them, not leave them in the caller's cluster.
-    With agent workers the set-up that fails is a worker's (the driver's runner is not set up)."""
+    With agent workers the set-up that fails is a worker's (the driver's runner is not set up). The agent
+    module executed once per process: checked by `prepare`, the runner it built is the one the run uses."""
     (tmp_path / "setup_fails.py").write_text(SETUP_FAILS)
     spec = small_spec({"module": str(tmp_path / "setup_fails.py"), "workers": workers},
                       run={"dir": str(tmp_path / "run")})
@@ -88,6 +92,8 @@ def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_
     with pytest.raises(Exception, match="agent set-up failed: no API key"):
         train(spec)
     assert live_actor_classes() == before
+    pids = [int(p) for p in (tmp_path / "setup_fails.py.executions").read_text().split()]
+    assert len(pids) == len(set(pids)) == 1 + workers and os.getpid() in pids, pids
 
 
 def test_an_engine_start_time_out_stops_the_ranks_and_closes_the_log(ray_session, tmp_path, monkeypatch):
