@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from agentlib import COUNTING_AGENT, executions
 
 import molt.__main__ as cli
 from molt.driver.compose import compose
@@ -198,18 +199,6 @@ def test_cli_typo_fails_before_anything_starts():
     assert proc.returncode != 0 and "parallel.ep_size" in proc.stderr
 
 
-COUNTING_AGENT = """
-import os
-with open(__file__ + ".executions", "a") as f:   # each execution of this module, by process
-    f.write(f"{os.getpid()}\\n")
-from molt.agents import Env, Result, StepEnvRunner
-
-class Noop(Env):
-    async def step(self, state):
-        return Result(reward=0.0)
-
-AgentRunner = StepEnvRunner(Noop)
-"""
 # `python -m molt` with Ray, the plan's nodes and the loop stood in for: what reaches the loop, per job
 STUBBED_MOLT = """
 import json, sys
@@ -226,7 +215,6 @@ def test_multirun_writes_one_resolved_spec_per_job(tmp_path):
     """Each job writes its resolved spec and logs the async warning in its run log, and the loop gets the
     inputs built before the first job started: the agent module executed once per job, never again."""
     (tmp_path / "counting.py").write_text(COUNTING_AGENT)
-    executions = tmp_path / "counting.py.executions"
     proc = subprocess.run([sys.executable, "-c", STUBBED_MOLT, "-m", "algo=grpo,rloo,reinforce_pp",
                            "rollout.mode=async", f"agent.module={tmp_path / 'counting.py'}",
                            f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=REPO, capture_output=True, text=True,
@@ -234,7 +222,7 @@ def test_multirun_writes_one_resolved_spec_per_job(tmp_path):
     assert proc.returncode == 0, proc.stderr
     reached = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("reached ")]
     assert [kind for _, kind in reached] == ["StepEnvRunner"] * 3
-    assert len(executions.read_text().split()) == 3    # one per job, in the one process
+    assert len(executions(tmp_path / "counting.py")) == 3    # one per job, in the one process
     specs = sorted((tmp_path / "sweep").glob("*/spec.yaml"))
     assert [str(p.parent) for p in specs] == sorted(run_dir for run_dir, _ in reached)
     assert len(specs) == 3

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import ray
+from agentlib import COUNTING_AGENT, executions
 from faultlib import small_spec
 
 import molt.__main__ as cli
@@ -61,16 +62,8 @@ def test_bad_input_fails_before_any_actor_starts(ray_session, tmp_path, case):
     assert live_actor_classes() == before
 
 
-SETUP_FAILS = """
-import os
-with open(__file__ + ".executions", "a") as f:   # each execution of this module, by process
-    f.write(f"{os.getpid()}\\n")
-from molt.agents import Env, Result, StepEnvRunner
-
-class Noop(Env):
-    async def step(self, state):
-        return Result(reward=0.0)
-
+# the counting agent, its runner's set-up failing
+SETUP_FAILS = COUNTING_AGENT + """
 class NoKey(StepEnvRunner):
     def setup(self, tokenizer, spec, judge=None):
         raise RuntimeError("agent set-up failed: no API key")
@@ -92,7 +85,7 @@ def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_
     with pytest.raises(Exception, match="agent set-up failed: no API key"):
         train(spec)
     assert live_actor_classes() == before
-    pids = [int(p) for p in (tmp_path / "setup_fails.py.executions").read_text().split()]
+    pids = executions(tmp_path / "setup_fails.py")
     assert len(pids) == len(set(pids)) == 1 + workers and os.getpid() in pids, pids
 
 
