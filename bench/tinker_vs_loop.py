@@ -121,8 +121,14 @@ def draw_curve(run: dict, path: str, model: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     steps = range(len(run["steps"]))
-    left.plot(steps, [s["correct"] for s in run["steps"]], color="C2")
+    correct = [s["correct"] for s in run["steps"]]
+    # a step's 400 samples leave a rate near 3% about 0.9 points of noise: the 5-step mean shows the trend
+    mean = [statistics.fmean(correct[max(0, i - 4):i + 1]) for i in steps]
+    left.plot(steps, correct, color="C2", alpha=0.4, label="per step")
+    left.plot(steps, mean, color="C2", label="mean of the last 5 steps")
+    left.set_ylim(bottom=0)
     left.set_ylabel("correct sum (env/all/correct)")
+    left.legend(fontsize=7)
     right.plot(steps, [s["reward"] for s in run["steps"]], label="reward (env/all/reward/total)")
     right.plot(steps, [s["format"] for s in run["steps"]], label="ended on the stop token (env/all/format)")
     right.legend(fontsize=7)
