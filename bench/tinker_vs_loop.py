@@ -2,7 +2,7 @@
 task, model, batch, LoRA and cores: seconds per step.
 
     python bench/tinker_vs_loop.py [--model PATH] [--steps 12] [--modes sync,async] [--quick] [--no-results]
-    python bench/tinker_vs_loop.py --steps 100 --modes none --curve docs/tinker_cookbook.png --no-results
+    python bench/tinker_vs_loop.py --model SFT_EXPORT --steps 30 --lr 1e-3 --modes none --no-results
     python bench/tinker_vs_loop.py --report bench/out/tinker/STAMP      # the section again from saved runs
     python bench/tinker_vs_loop.py --report bench/out/tinker/STAMP --curve PNG      # or the curve
 
