@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +174,41 @@ def test_trainer_stream_carries_every_tensor_of_the_model(tiny_model_path):
     check_complete(names, expected)
     with pytest.raises(RuntimeError, match="lacked 1 of"):
         check_complete(names[:-1], expected)
+
+
+def test_the_engine_expects_what_its_model_loads_read_from_the_hub_cache(tiny_model_path, tmp_path,
+                                                                          monkeypatch):
+    """The completeness check's names for a hub id come from its snapshot in the Hugging Face cache (local
+    files only): an empty set would let any refit through. A DeepSeek-V3 checkpoint's multi-token-prediction
+    layer (layer `num_hidden_layers`, vLLM's main model skips it, the trainer's model has none) and
+    Qwen3-Next's `mtp.*` are not expected, or every refit of such a model would be refused. A hub id that is
+    not cached is refused with the reason."""
+    import huggingface_hub
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from molt.rollout.worker_extension import check_complete, checkpoint_names
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    with safe_open(f"{tiny_model_path}/model.safetensors", "pt") as f:
+        sent = sorted(set(f.keys()) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    last = config.num_hidden_layers
+    mtp = [f"model.layers.{last}.{k}" for k in ("enorm.weight", "eh_proj.weight", "shared_head.norm.weight")]
+    commit = "0" * 40
+    repo = tmp_path / "models--org--tiny-mtp"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text((Path(tiny_model_path) / "config.json").read_text())
+    weight_map = dict.fromkeys([*sent, *mtp, "mtp.fc.weight"], "model.safetensors")
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    config.num_nextn_predict_layers = 1
+    expected = checkpoint_names("org/tiny-mtp", config)
+    assert expected == set(sent)
+    check_complete(sent, expected)
+    with pytest.raises(RuntimeError, match="lacked 1 of"):
+        check_complete(sent[1:], expected)
+    with pytest.raises(RuntimeError, match="org/not-cached is neither a folder nor a hub id in the Hugging"):
+        checkpoint_names("org/not-cached", config)
