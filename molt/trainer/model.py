@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from molt.inputs.vision import is_vision_model
 from molt.plan.memory import AUTO_CHUNK_BYTES, chunk_tokens  # noqa: F401 (the trainer's names)
 from molt.spec import RunSpec
+from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.lora import apply_lora, check_adapted, peft_config
 from molt.trainer.packing import VARLEN
 from molt.trainer.router_replay import freeze_router, install_replay
@@ -107,6 +108,12 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         auto = transformers.AutoModelForImageTextToText if is_vision_model(
             path, spec.model.trust_remote_code) else transformers.AutoModelForCausalLM
         model = auto.from_pretrained(path, attn_implementation=attention, **common)
+        if checkpoint_fp8(path) is not None:
+            # transformers dequantized the block-FP8 checkpoint as it loaded (no FP8 kernel on CPU) and
+            # recorded it: reverting that record would re-quantize what the refit and the export convert
+            # back to checkpoint names. The weights are plain from here (a refit to an FP8 engine
+            # quantizes them itself, molt/trainer/fp8.py): revert as for a model built without a record.
+            model._weight_conversions = None
     if adapted:
         apply_lora(model, spec)   # before sharding: FSDP2 then shards adapters and frozen weights alike
     if cuda and spec.parallel.world_size == 1:
