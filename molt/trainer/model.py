@@ -169,6 +169,47 @@ def _prepare(model: nn.Module, spec: RunSpec, role: str) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+@contextmanager
+def tower_in_every_forward(model: nn.Module, run: bool) -> Iterator[None]:
+    """While open, with `run`, the vision tower of a VLM whose tower FSDP shards computes one placeholder
+    image (its smallest grid, zeros) as the language model starts, and adds 0 x its output to the
+    language model's input. A rank whose micro-batch holds no image would otherwise skip the tower's
+    all-gathers (and in the backward its reduce-scatters) that its peers run: NCCL hangs, gloo fails
+    ("collective mismatch"). At the language model's start, the place a real image's tower pass takes, so
+    every rank issues its collectives in the same order; the weight 0 leaves every value unchanged."""
+    inner = getattr(model, "model", model)
+    if not run:
+        yield
+        return
+    tower, vision = inner.visual, model.config.vision_config
+    merge, patch = vision.spatial_merge_size, vision.patch_size
+    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
+    width = channels * vision.temporal_patch_size * patch ** 2   # one row of pixel_values per patch
+    device = next(tower.parameters()).device
+
+    def placeholder(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        out = tower(torch.zeros(merge * merge, width, device=device),
+                    grid_thw=torch.tensor([[1, merge, merge]], device=device))
+        total = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point())
+        embeds = kwargs["inputs_embeds"]
+        return args, {**kwargs, "inputs_embeds": embeds + 0.0 * total.to(embeds.dtype)}
+    hook = inner.language_model.register_forward_pre_hook(placeholder, with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def sharded_tower(model: nn.Module) -> bool:
+    """Whether a VLM's vision tower takes part in FSDP's collectives (a trainable tower on several ranks:
+    AutoModel wraps it per block); a frozen tower is left whole on every rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tower = getattr(getattr(model, "model", model), "visual", None)
+    return tower is not None and any(isinstance(m, FSDPModule) for m in tower.modules())
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0,
                    top_k: int | torch.Tensor = 0,

@@ -44,8 +44,10 @@ from molt.trainer.model import (
     distributed_setup,
     head_input,
     prefix_values,
+    sharded_tower,
     shared_chunk_count,
     token_logprobs,
+    tower_in_every_forward,
 )
 from molt.trainer.offload import HostStateAdamW
 from molt.trainer.packing import pack, token_budget_groups, unpack
@@ -108,6 +110,7 @@ class TrainerWorker:
         self.model = build_model(self.spec, self.role, self.path, setup)
         self.threads.follow_blocks(self.model)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
+        self.tower_collectives = self.image_token is not None and sharded_tower(self.model)
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
                              "use train.micro_batch_size with a vision-language model")
@@ -187,7 +190,8 @@ class TrainerWorker:
                                   enabled=self.autocast is not None)
         chunked = self.role != "critic" and chunkable(self.model, self.spec.parallel)
         head = self.model.get_output_embeddings() if chunked else None
-        with head_input(head) as hidden, autocast:
+        placeholder = self.tower_collectives and not images   # every rank runs the tower's collectives
+        with head_input(head) as hidden, autocast, tower_in_every_forward(self.model, placeholder):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
                                 **packed, **images).logits.float()
         # the distribution each token was sampled from: recorded per token, else the run's settings
