@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -212,3 +213,63 @@ def test_the_engine_expects_what_its_model_loads_read_from_the_hub_cache(tiny_mo
         check_complete(sent[1:], expected)
     with pytest.raises(RuntimeError, match="org/not-cached is neither a folder nor a hub id in the Hugging"):
         checkpoint_names("org/not-cached", config)
+
+
+RECEIVER = """
+import sys, time, torch
+from molt import refit
+group = refit.open_group("127.0.0.1", int(sys.argv[1]), 1, 2, torch.device("cpu"))
+stream = refit.receive(group, torch.device("cpu"))
+if sys.argv[2] == "stall":
+    next(stream)
+    print("stalled", flush=True)
+    time.sleep(600)                      # a receiver that stops reading mid-stream, until it is killed
+print(sum(t.numel() for _, t in stream) + 0, flush=True)
+"""
+
+
+def test_a_broadcast_in_flight_ends_when_its_receiver_dies_and_a_new_group_streams(tmp_path):
+    """The refit's abort path on gloo (the fleet's, when engines die mid-transfer): the sender is blocked in
+    a broadcast to a receiver that stopped reading; killing the receiver (the fleet drops and kills a
+    stuck engine) ends the broadcast with an error at once instead of after molt.refit.TIMEOUT (gloo's
+    `abort` does not unblock a waiting broadcast, which is why the trainer aborts only NCCL groups);
+    closing the broken group returns, and a group re-formed with a new receiver streams whole. The
+    NCCL abort of a waiting broadcast needs two GPUs (bench/gpu_smoke.py, item 13)."""
+    import subprocess
+    import sys
+    import time
+
+    cpu = torch.device("cpu")
+    big = {"w": torch.randn(64, 2**16)}   # 16 MiB in 1 MiB payloads: far beyond the sockets' buffers
+
+    def receiver(port: int, mode: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), mode], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    store = refit.listen("127.0.0.1", 2)
+    stuck = receiver(store.port, "stall")
+    group = refit.host_group(store, 2, cpu)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            refit.send(group, [big], cpu, 1 << 20)
+        except BaseException as err:   # the broken stream
+            errors.append(err)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    assert stuck.stdout.readline().strip() == "stalled"
+    time.sleep(1.0)
+    assert sender.is_alive()          # in flight: blocked on the receiver that stopped reading
+    stuck.kill()
+    stuck.wait(30)
+    sender.join(timeout=60)
+    assert not sender.is_alive() and errors, "the broadcast still waits for a dead receiver"
+    refit.close_group(group)
+    store = refit.listen("127.0.0.1", 2)
+    fresh = receiver(store.port, "whole")
+    group = refit.host_group(store, 2, cpu)
+    assert refit.send(group, [big], cpu, 1 << 20) == big["w"].numel() * 4
+    assert int(fresh.communicate(timeout=120)[0].split()[-1]) == big["w"].numel()
+    refit.close_group(group)
