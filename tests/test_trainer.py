@@ -323,6 +323,25 @@ def critic(ray_session, tiny_model_path) -> tuple[RunSpec, TrainerRanks]:
     group.shutdown()
 
 
+def test_critic_ranks_after_the_first_take_their_shards_from_rank_0(ray_session, tiny_model_path) -> None:
+    """With 2 critic ranks only rank 0 reads the checkpoint (a whole fp32 critic per rank would be 120 GB of
+    host memory at 30B); rank 1 builds the critic on the meta device and receives its shards and the
+    buffers (the rotary frequencies are in no state dict) from rank 0. The values of both ranks' rows equal
+    one process's critic, seeded alike (the value head is new: rank 0 initializes it), 1e-5."""
+    spec = make_spec(tiny_model_path, 2)
+    spec.model.critic, spec.algo.estimator = True, "gae"
+    b = batch_of(3)
+    group = TrainerRanks(spec, "critic")
+    try:
+        values = group.values(b)
+    finally:
+        group.shutdown()
+    one = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp_size": 1})})
+    with one_rank(one, "critic") as rank:
+        want = rank.forward(b)
+    assert float(want.abs().max()) > 0.01 and float((values - want).abs().max()) < 1e-5
+
+
 def test_critic_fits_returns_and_reference_is_frozen(critic, tiny_model_path) -> None:
     from transformers import AutoModelForCausalLM
 

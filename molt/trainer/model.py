@@ -89,8 +89,15 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         # no dropout on the value head: the critic's forward must be deterministic like the policy's
         config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
                                             trust_remote_code=spec.model.trust_remote_code)
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, attn_implementation=attention, **common)
+        if spec.parallel.world_size > 1 and dist.get_rank() > 0:
+            # Only rank 0 reads the checkpoint into host memory (a whole fp32 critic: 120 GB at 30B); the
+            # other ranks build it on the meta device and take their shards from rank 0 (`_shards_from_rank0`)
+            with torch.device("meta"):
+                model = AutoModelForTokenClassification.from_config(config, attn_implementation=attention,
+                                                                    **common)
+        else:
+            model = AutoModelForTokenClassification.from_pretrained(
+                path, config=config, attn_implementation=attention, **common)
     elif cuda:
         import nemo_automodel
 
@@ -122,7 +129,30 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         # device as they wrap it, so no GPU holds a whole critic (120 GB in fp32 at 30B).
         model.to(torch.device("cuda", torch.cuda.current_device()))
     _prepare(model, spec, role)
-    return parallelize_model(model, setup.mesh_context)
+    whole = model.state_dict() if role == "critic" and spec.parallel.world_size > 1 else None
+    model = parallelize_model(model, setup.mesh_context)
+    if whole is not None:
+        _shards_from_rank0(model, whole, spec)
+    return model
+
+
+def _shards_from_rank0(model: nn.Module, whole: dict[str, torch.Tensor], spec: RunSpec) -> None:
+    """Fill a sharded model that ranks other than 0 built on the meta device from rank 0's `whole` state
+    dict (taken before sharding: its tensors are rank 0's loaded weights): each rank keeps its shards.
+    Buffers are broadcast too: the non-persistent ones (rotary frequencies) are in no state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    cuda = spec.parallel.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if dist.get_rank() > 0:
+        model.to_empty(device="cpu" if spec.parallel.offload == "full" or not cuda else device)
+        whole = {}
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        sent = buffer.detach().to(device)
+        dist.broadcast(sent, src=0)
+        buffer.data.copy_(sent)
 
 
 def automodel_kwargs(spec: RunSpec, role: str, path: str) -> dict[str, Any]:
