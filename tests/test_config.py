@@ -108,6 +108,10 @@ def test_bad_type_is_reported_with_key_and_value():
         (["model=tiny_moe", "rollout.engine.enable_prefix_caching=false",
           "+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
          "speculative_config with model.router_replay"),
+        # a refit never updates a drafter's own weights (an MTP layer, EAGLE): it would go stale
+        (["rollout.engine.enable_prefix_caching=false",
+          "+rollout.engine.speculative_config={method: mtp, num_speculative_tokens: 1}"],
+         "method=mtp: a drafter with weights of its own"),
         (["algo=grpo", "rollout.samples_per_prompt=1"], "grpo compares samples of one prompt"),
         (["algo=rloo", "rollout.samples_per_prompt=1"], "rloo compares samples of one prompt"),
         # a 24-GPU plan on a 16-GPU layout

@@ -177,9 +177,7 @@ def engine_estimate(spec: RunSpec, role: str, a: Arch) -> tuple[Estimate, float]
     gpu_memory_utilization leaves; also the bytes one max_model_len sequence needs in that cache."""
     engine = spec.agent.judge.engine if role == "judge" else spec.rollout.engine
     c = DTYPE_BYTES[spec.model.dtype]
-    spec_cfg = engine.speculative_config or {}
-    mtp = role == "engine" and str(spec_cfg.get("method", "")).endswith("mtp")
-    params, _ = param_count(a, mtp=mtp)
+    params, _ = param_count(a)
     weights = params * (a.weight_bits / 8 if a.weight_bits else c) / engine.tp_size
     if a.kv_lora_rank:   # MLA caches the compressed key/value, the same on every TP rank
         kv_token = a.num_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * c

@@ -180,6 +180,9 @@ def _route_capture(spec: RunSpec) -> None:
                          "rollout.partial_rollout=false (a refit then waits for the requests in flight)")
 
 
+MODEL_FREE_DRAFTS = ("ngram", "suffix")   # vLLM's speculative methods that hold no weights
+
+
 def _speculative_decoding(spec: RunSpec) -> None:
     engine = spec.rollout.engine
     if engine.speculative_config is None:
@@ -192,6 +195,13 @@ def _speculative_decoding(spec: RunSpec) -> None:
         raise ValueError("rollout.engine.speculative_config with enable_prefix_caching=true: peers measured "
                          "a ~10x larger trainer/engine logprob mismatch with both on; set "
                          "rollout.engine.enable_prefix_caching=false")
+    method = engine.speculative_config.get("method")
+    if method not in MODEL_FREE_DRAFTS:
+        # vLLM refits the target model only; AutoModel's DeepSeek-V3 has no MTP layer to train or send
+        raise ValueError(f"rollout.engine.speculative_config method={method}: a drafter with weights of its "
+                         "own (an MTP layer, EAGLE, a draft model) is never refit, so it keeps proposing the "
+                         "checkpoint's tokens while the policy moves (sampling stays exact, acceptance and "
+                         f"speed decay); use a model-free drafter ({' or '.join(MODEL_FREE_DRAFTS)}) or none")
 
 
 def _updates(spec: RunSpec) -> None:
