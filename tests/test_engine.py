@@ -356,8 +356,10 @@ def test_engine_runs_in_its_actor_with_the_planned_threads(engine, engine_spec):
         import psutil
 
         return (type(actor.llm.engine_core).__name__, os.environ.get("OMP_NUM_THREADS"),
-                [p.name() for p in psutil.Process().children(recursive=True)])
+                [p.name() for p in psutil.Process().children(recursive=True)],
+                os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 
-    client, omp, children = ray.get(engine.__ray_call__.remote(layout))
+    client, omp, children, nccl = ray.get(engine.__ray_call__.remote(layout))
     assert client == "InprocClient" and omp == str(cpu_threads(engine_spec, "engine", 0))
+    assert nccl == "1"   # a dead NCCL peer ends the collective (molt.plan.placement.NCCL_ENV)
     assert not [name for name in children if "EngineCore" in name], children

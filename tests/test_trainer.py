@@ -8,6 +8,7 @@ import os
 import random
 
 import pytest
+import ray
 import torch
 from trainerlib import full_weights, one_rank
 
@@ -334,12 +335,15 @@ def test_critic_ranks_after_the_first_take_their_shards_from_rank_0(ray_session,
     group = TrainerRanks(spec, "critic")
     try:
         values = group.values(b)
+        nccl = ray.get(group.workers[1].__ray_call__.remote(
+            lambda self: os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")))
     finally:
         group.shutdown()
     one = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp_size": 1})})
     with one_rank(one, "critic") as rank:
         want = rank.forward(b)
     assert float(want.abs().max()) > 0.01 and float((values - want).abs().max()) < 1e-5
+    assert nccl == "1"   # trainer ranks: a dead NCCL peer ends the collective (placement.NCCL_ENV)
 
 
 def test_critic_fits_returns_and_reference_is_frozen(critic, tiny_model_path) -> None:

@@ -197,6 +197,12 @@ def cluster_nodes(spec: RunSpec) -> list[dict]:
     return nodes[:spec.parallel.nodes]
 
 
+# Set in every process that joins an NCCL group (engine actors, trainer ranks): a collective whose peer died
+# ends when its group's timeout passes (the watchdog aborts the communicator and ends the process, which the
+# run recovers from as a dead actor) instead of hanging; torch's own default, made explicit because
+# cluster images and older recipes set 0 (no handling).
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
 # Ray CPUs one engine actor reserves (rollout/engine_args.py actor_options asks for them): on CPU a
 # tiny fraction, so engines and trainer ranks share cores (threads are cpu_threads' business); on CUDA
 # one core for the actor that drives its GPUs.

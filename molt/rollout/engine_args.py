@@ -12,7 +12,7 @@ import os
 from typing import Any, get_args
 
 from molt.inputs.vision import is_vision_model
-from molt.plan.placement import ENGINE_CPUS
+from molt.plan.placement import ENGINE_CPUS, NCCL_ENV
 from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
 
 WORKER_EXTENSION = "molt.rollout.worker_extension.MoltWorkerExtension"
@@ -93,7 +93,7 @@ def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
     # vLLM's engine core in the actor's process, which drives it (molt/rollout/engine.py).
-    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **NCCL_ENV}
     if device == "cuda":
         return {"num_cpus": ENGINE_CPUS[device], "num_gpus": engine.tp_size,
                 "max_concurrency": 10_000, "runtime_env": {"env_vars": in_process}}
