@@ -14,10 +14,12 @@ import torch
 from molt import refit
 
 
-def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) -> tuple[list[list], list[int]]:
+def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False,
+            shared: bool = False) -> tuple[list[list], list[int]]:
     """Send each refit's chunks from rank 0 to ranks 1 and 2 of one gloo group (threads); returns what
     each receiver got (name, tensor), and the bytes each refit sent. With `reform`, every rank closes its
-    group after each refit and joins a new one (as when the engine set changes)."""
+    group after each refit and joins a new one (as when the engine set changes); with `shared`, payloads
+    go by handle (parallel.colocate: /dev/shm files here, CUDA IPC on a GPU)."""
     stores = [refit.listen("127.0.0.1", 3) for _ in (refits if reform else refits[:1])]
     cpu = torch.device("cpu")
     got: list[list] = [[], []]
@@ -38,8 +40,8 @@ def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) ->
         for k, chunks in enumerate(refits):
             if k == 0 or reform:
                 refit.close_group(group)
-                group = refit.host_group(stores[k], 3, cpu)
-            sent.append(refit.send(group, chunks, cpu, chunk_bytes))
+                group = refit.host_group(stores[k], 3, cpu, shared)
+            sent.append(refit.send(group, chunks, cpu, chunk_bytes, shared))
 
     def guarded(fn, *args) -> None:
         try:
@@ -58,7 +60,14 @@ def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) ->
     return got, sent
 
 
-def test_stream_arrives_whole_in_order_and_in_chunks():
+def _shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"molt-refit-{os.getpid()}-*")}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["broadcast", "shared"])
+def test_stream_arrives_whole_in_order_and_in_chunks(shared):
+    """Both transports: broadcast payloads, and (parallel.colocate) payloads shared by handle, each
+    receiver copying them out before the sender frees them (no /dev/shm file is left behind)."""
     g = torch.Generator().manual_seed(0)
     state = {   # mixed dtypes and odd byte sizes (alignment), a transposed view, a scalar, shared storage
         "a.weight": torch.randn(3, 5, generator=g),
@@ -70,7 +79,8 @@ def test_stream_arrives_whole_in_order_and_in_chunks():
     }
     state["e.tied"] = state["a.weight"]
     chunks = [dict(list(state.items())[:2]), dict(list(state.items())[2:5]), dict(list(state.items())[5:])]
-    got, sent = _stream([chunks, [{"z": torch.ones(2)}]], 1 << 20)   # a second refit over the same group
+    got, sent = _stream([chunks, [{"z": torch.ones(2)}]], 1 << 10, shared=shared)   # then a second refit
+    assert not _shm_files()
     assert sent[0] == sum(t.numel() * t.element_size() for t in state.values())
     for received in got:
         assert [n for n, _ in received] == [*state, "z"]
@@ -107,12 +117,13 @@ def test_a_tensor_larger_than_a_chunk_streams_in_bounded_payloads(monkeypatch):
             assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
 
 
-def test_a_re_formed_group_closes_the_one_it_replaces():
+@pytest.mark.parametrize("shared", [False, True], ids=["broadcast", "shared"])
+def test_a_re_formed_group_closes_the_one_it_replaces(shared):
     """When the engine set changes, every rank closes (aborts) its refit group before it joins the new one:
     on NCCL that frees the communicator that would otherwise leak at each re-form. On gloo, three refits
     through three groups, each closed before the next forms, arrive whole."""
     refits = [[{"w": torch.full((3, 4), float(k))}] for k in range(3)]
-    got, sent = _stream(refits, 1 << 20, reform=True)
+    got, sent = _stream(refits, 1 << 20, reform=True, shared=shared)
     assert sent == [48] * 3
     for received in got:
         assert [float(t[0, 0]) for _, t in received] == [0.0, 1.0, 2.0]
