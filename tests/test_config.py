@@ -108,6 +108,12 @@ def test_bad_type_is_reported_with_key_and_value():
         (["model=tiny_moe", "rollout.engine.enable_prefix_caching=false",
           "+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
          "speculative_config with model.router_replay"),
+        # parallel.colocate: one GPU, one rank, one engine, taking turns (docs/parallelism.md#colocation)
+        (["parallel=gpu1", "rollout.mode=async", "algo=tis"], "colocate=true with rollout.mode=async"),
+        (["parallel=gpu1", "parallel.dp_size=2"], "colocate=true with 2 trainer rank"),
+        (["parallel=gpu1", "rollout.engine.num_engines=2"], "colocate=true with 2 engine"),
+        (["parallel=gpu1", "parallel.engine_sleep_level=2", "model.lora.rank=8"],
+         "engine_sleep_level=2 with model.lora"),
         # a refit never updates a drafter's own weights (an MTP layer, EAGLE): it would go stale
         (["rollout.engine.enable_prefix_caching=false",
           "+rollout.engine.speculative_config={method: mtp, num_speculative_tokens: 1}"],
@@ -181,6 +187,10 @@ def test_cross_field_rules(overrides, fragment):
     ["train.objective=sft", "rollout.samples_per_prompt=1"],   # SFT samples nothing
     ["train.best_metric=eval/repeat_eval/pass@4", "rollout.eval.n=4"],
     ["train.best_metric=eval/repeat_eval/mean@1"],
+    ["parallel=gpu1", "parallel.engine_sleep_level=2", "model.reference=policy", "algo.kl.coef=0.1"],
+    ["parallel=gpu1", "model.lora.rank=8"], ["parallel.colocate=true"],   # colocated on cpu: cores shared
+    ["rollout.engine.enable_prefix_caching=false",
+     "+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
 ])
 def test_the_working_neighbours_of_each_refusal_validate(overrides):
     compose(overrides)

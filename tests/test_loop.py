@@ -32,6 +32,11 @@ SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micr
          "rollout.engine.kv_cache_gib=0.25"]
 
 
+# The resumed run's layout: parallel.colocate, on CPU the layout that runs anyway (cores shared), through the
+# colocated path: the engine's sleep and wake around every step, refits over the shared transport (/dev/shm)
+COLOCATED = ["parallel.colocate=true", "parallel.engine_sleep_level=2"]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -67,9 +72,9 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
                                                                               ray_session):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=2",
-                             "train.eval_every=0", f"hydra.run.dir={run_a}"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, *COLOCATED, "train.steps=200",
+                             "train.save_every=2", "train.eval_every=0", f"hydra.run.dir={run_a}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     saved_step = kill_one_step_after_a_checkpoint(proc, run_a)
     checkpoint = run_a / "checkpoints" / f"step_{saved_step:06d}"
     saved = json.loads((checkpoint / "meta.json").read_text())
@@ -80,8 +85,9 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
     # checkpoints and exits 0. It attaches to this test's Ray (`ray.address`, as on a cluster): the
     # killed run started its own, and a second local start would only repeat that path.
     address = ray_session.get_runtime_context().gcs_address
-    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=0",
-                             "train.eval_every=0", f"run.resume={run_a}", f"hydra.run.dir={run_b}",
+    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, *COLOCATED, "train.steps=200",
+                             "train.save_every=0", "train.eval_every=0", f"run.resume={run_a}",
+                             f"hydra.run.dir={run_b}",
                              f"ray.address={address}"], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -113,7 +119,7 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
     # Weights: the engines were refit from the loaded trainer weights, and they agree with the trainer.
     assert resumed[0]["policy/version"] == saved["version"] + 1 and resumed[0]["mismatch/max_abs"] <= 1e-5
     # Data position: the first resumed batch holds exactly the prompts the saved iterator yields next.
-    spec = compose(SMALL)
+    spec = compose([*SMALL, *COLOCATED])
     iterator = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed)
     iterator.load_state_dict(saved["data"])
     consumed = saved["data"]["index"] + 256 * saved["data"]["epoch"]

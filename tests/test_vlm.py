@@ -314,7 +314,7 @@ def test_a_rank_without_an_image_still_runs_a_sharded_tower_in_order(vlm_path) -
     from transformers import AutoModelForImageTextToText
 
     from molt.trainer.batch import image_inputs
-    from molt.trainer.model import tower_in_every_forward
+    from molt.trainer.tower import tower_in_every_forward
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from gpu_smoke_models import image_batch

@@ -23,6 +23,9 @@ REVIEWED: dict[str, str] = {
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",
+    "molt/trainer/worker.py": "one rank's collective methods (set-up, forward, update, refit, checkpoint), "
+                              "each a call TrainerRanks makes on every rank; the step's pieces already live "
+                              "beside it (model, weights, batch, offload, tower, router_replay)",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "

@@ -179,6 +179,15 @@ class Fleet:
         self.dispatcher.set_live(i, engine)
         return True
 
+    async def sleep(self) -> None:
+        """parallel.colocate: every live engine frees the GPU for the trainer's step (vLLM's sleep at
+        parallel.engine_sleep_level); `wake` takes it back before the refit."""
+        level = self.spec.parallel.engine_sleep_level
+        await asyncio.gather(*[self.dispatcher.engines[i].sleep.remote(level) for i in self.dispatcher.live])
+
+    async def wake(self) -> None:
+        await asyncio.gather(*[self.dispatcher.engines[i].wake_up.remote() for i in self.dispatcher.live])
+
     def metrics(self) -> dict[str, float]:
         return {"engine/deaths": float(self.deaths), "engine/restarts": float(sum(self.restarts)),
                 "engine/live": float(len(self.dispatcher.live))}

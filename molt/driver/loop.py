@@ -47,6 +47,7 @@ from molt.driver.select import (
     take_batch,
     turn_credit,
 )
+from molt.driver.throughput import throughput
 from molt.inputs.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.inputs.vision import processor
 from molt.plan.models import model_path
@@ -167,9 +168,12 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
             runner.judge = judge
         else:
             set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
+        ready = [engine.ready.remote() for engine in engines]
+        if spec.parallel.colocate:   # vLLM sizes its KV cache from the GPU memory free when it starts
+            ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
         trainers = Trainers.start(spec, tokenizer.pad_token_id)
         logger = RunLogger(spec)
-        ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
+        ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
     except BaseException:
         if judge is not None:   # also when the runner's set-up failed before it took the judge
             judge.shutdown()
@@ -259,12 +263,17 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
     rollouts = [r for g in groups for r in g]
     live = [fleet.dispatcher.engines[i] for i in sorted(fleet.dispatcher.live)]
     warmup = at.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
+    colocated = spec.parallel.colocate   # the engine sleeps while the trainer steps on its GPU (sync)
     try:
+        if colocated:
+            await fleet.sleep()
         async with fleet.trainer:
             metrics = await learn(spec_with_kl_coef(spec, at.kl_coef), rollouts, trainers, at.version,
                                   engines=live, train_policy=not warmup, probe=probe)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
         logger.dump_rollouts(at.step + 1, rollouts)
+        if colocated:
+            await fleet.wake()
     metrics.update(batch_metrics)
     if spec.algo.kl.coef:
         metrics["kl/coef"] = at.kl_coef
@@ -296,6 +305,7 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
         **fleet.metrics(),
     })
     metrics["tokens/per_s"] = metrics["tokens/sampled"] / metrics["time/step"]
+    metrics.update(throughput(spec, metrics))   # per device and stage, as NeMo-RL reports it
     return metrics
 
 
@@ -357,6 +367,7 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, vers
     metrics.update(await update(batch, trained, critic, values, adv.returns, spec.algo.kl.coef))
     metrics["time/train"] = time.perf_counter() - t0
     metrics["tokens/trained"] = float(batch["loss_mask"].sum())
+    metrics["tokens/total"] = float(batch["attention_mask"].sum())
     return metrics
 
 

@@ -143,6 +143,7 @@ def check_combinations(spec: RunSpec) -> None:
     _packing(spec)
     _vision(spec)
     _rollout_settings(spec)
+    _colocation(spec)
 
 
 def _moe_with_expert_parallel(spec: RunSpec) -> None:
@@ -282,6 +283,23 @@ def _rollout_settings(spec: RunSpec) -> None:
         raise ValueError("rollout.engine.extra_args.enable_chunked_prefill=true on parallel.device=cpu: a "
                          "seeded request whose prefill is split makes vLLM rewind a CPU generator, which "
                          "kills the engine core")
+
+
+def _colocation(spec: RunSpec) -> None:
+    # parallel.colocate: the engine sleeps while the trainer steps, so generation and training take turns
+    par, engine = spec.parallel, spec.rollout.engine
+    if not par.colocate or spec.train.objective != "rl":
+        return
+    if spec.rollout.mode == "async":
+        raise ValueError("parallel.colocate=true with rollout.mode=async: the colocated engine sleeps while "
+                         "the trainer steps, so nothing would generate meanwhile; use rollout.mode=sync")
+    if engine.num_engines > 1 or engine.tp_size > 1:
+        raise ValueError(f"parallel.colocate=true with {engine.num_engines} engine(s) of tp_size "
+                         f"{engine.tp_size}: colocation shares one GPU with one engine "
+                         "(rollout.engine.num_engines=1, tp_size=1)")
+    if par.engine_sleep_level == 2 and spec.model.lora.rank:
+        raise ValueError("parallel.engine_sleep_level=2 with model.lora: level 2 drops the engine's base "
+                         "weights, and a LoRA refit sends the adapter alone; use engine_sleep_level=1")
 
 
 def spec_warnings(spec: RunSpec) -> list[str]:

@@ -80,24 +80,7 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
     attention = VARLEN if spec.train.micro_batch_tokens else "sdpa"   # packed rows need their attention
     if role == "critic":
-        from transformers import AutoConfig, AutoModelForTokenClassification
-
-        if is_vision_model(path, spec.model.trust_remote_code):
-            raise ValueError("model.critic: a value model of a vision-language model is not supported "
-                             "(use an estimator without a critic, e.g. algo=grpo)")
-
-        # no dropout on the value head: the critic's forward must be deterministic like the policy's
-        config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
-                                            trust_remote_code=spec.model.trust_remote_code)
-        if spec.parallel.world_size > 1 and dist.get_rank() > 0:
-            # Only rank 0 reads the checkpoint into host memory (a whole fp32 critic: 120 GB at 30B); the
-            # other ranks build it on the meta device and take their shards from rank 0 (`_shards_from_rank0`)
-            with torch.device("meta"):
-                model = AutoModelForTokenClassification.from_config(config, attn_implementation=attention,
-                                                                    **common)
-        else:
-            model = AutoModelForTokenClassification.from_pretrained(
-                path, config=config, attn_implementation=attention, **common)
+        model = _critic(spec, path, attention, common)
     elif cuda:
         import nemo_automodel
 
@@ -155,6 +138,26 @@ def _shards_from_rank0(model: nn.Module, whole: dict[str, torch.Tensor], spec: R
         buffer.data.copy_(sent)
 
 
+def _critic(spec: RunSpec, path: str, attention: str, common: dict[str, Any]) -> nn.Module:
+    """The critic: a token-classification model with one label, a value head on the policy's backbone (the
+    head is new: rank 0 initializes it). Only rank 0 reads the checkpoint into host memory (a whole fp32
+    critic: 120 GB at 30B); other ranks build it on the meta device and take their shards from rank 0
+    once it is sharded (`_shards_from_rank0`)."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    if is_vision_model(path, spec.model.trust_remote_code):
+        raise ValueError("model.critic: a value model of a vision-language model is not supported "
+                         "(use an estimator without a critic, e.g. algo=grpo)")
+    # no dropout on the value head: the critic's forward must be deterministic like the policy's
+    config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
+                                        trust_remote_code=spec.model.trust_remote_code)
+    auto = AutoModelForTokenClassification
+    if spec.parallel.world_size > 1 and dist.get_rank() > 0:
+        with torch.device("meta"):
+            return auto.from_config(config, attn_implementation=attention, **common)
+    return auto.from_pretrained(path, config=config, attn_implementation=attention, **common)
+
+
 def automodel_kwargs(spec: RunSpec, role: str, path: str) -> dict[str, Any]:
     """What the GPU trainer asks of AutoModel's loader besides the mesh (it shards as it loads, so whatever
     must hold before sharding goes in here; the CPU path does the same before `parallelize_model`)."""
@@ -197,47 +200,6 @@ def _prepare(model: nn.Module, spec: RunSpec, role: str) -> None:
     if spec.parallel.activation_checkpointing and spec.parallel.world_size == 1:
         # AutoModel returns a single rank's model unwrapped, without its checkpointing wrappers
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-@contextmanager
-def tower_in_every_forward(model: nn.Module, run: bool) -> Iterator[None]:
-    """While open, with `run`, the vision tower of a VLM whose tower FSDP shards computes one placeholder
-    image (its smallest grid, zeros) as the language model starts, and adds 0 x its output to the
-    language model's input. A rank whose micro-batch holds no image would otherwise skip the tower's
-    all-gathers (and in the backward its reduce-scatters) that its peers run: NCCL hangs, gloo fails
-    ("collective mismatch"). At the language model's start, the place a real image's tower pass takes, so
-    every rank issues its collectives in the same order; the weight 0 leaves every value unchanged."""
-    inner = getattr(model, "model", model)
-    if not run:
-        yield
-        return
-    tower, vision = inner.visual, model.config.vision_config
-    merge, patch = vision.spatial_merge_size, vision.patch_size
-    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
-    width = channels * vision.temporal_patch_size * patch ** 2   # one row of pixel_values per patch
-    device = next(tower.parameters()).device
-
-    def placeholder(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        out = tower(torch.zeros(merge * merge, width, device=device),
-                    grid_thw=torch.tensor([[1, merge, merge]], device=device))
-        total = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
-                    if isinstance(t, torch.Tensor) and t.is_floating_point())
-        embeds = kwargs["inputs_embeds"]
-        return args, {**kwargs, "inputs_embeds": embeds + 0.0 * total.to(embeds.dtype)}
-    hook = inner.language_model.register_forward_pre_hook(placeholder, with_kwargs=True)
-    try:
-        yield
-    finally:
-        hook.remove()
-
-
-def sharded_tower(model: nn.Module) -> bool:
-    """Whether a VLM's vision tower takes part in FSDP's collectives (a trainable tower on several ranks:
-    AutoModel wraps it per block); a frozen tower is left whole on every rank."""
-    from torch.distributed.fsdp import FSDPModule
-
-    tower = getattr(getattr(model, "model", model), "visual", None)
-    return tower is not None and any(isinstance(m, FSDPModule) for m in tower.modules())
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,

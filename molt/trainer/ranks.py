@@ -20,7 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.plan.models import check_same_tokenizer, model_path
-from molt.plan.placement import NCCL_ENV, cluster_nodes, node_selector, plan
+from molt.plan.placement import NCCL_ENV, cluster_nodes, gpu_share, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
 
@@ -55,7 +55,7 @@ class TrainerRanks:
             check_same_tokenizer(spec)
         path = model_path(spec, role)   # resolved here, once: ranks only read the folder
         par = spec.parallel
-        bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
+        bundle = {"CPU": 1, "GPU": gpu_share(spec)} if par.device == "cuda" else {"CPU": 1}
         # Each rank's bundle is pinned to its plan node; a role the spec does not configure (a direct
         # TrainerRanks call) goes where the policy goes.
         slots = plan(spec)
