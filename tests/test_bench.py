@@ -232,3 +232,37 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
                         "CHECK item11_fp32_buffer: PASS", "CHECK item1_engine_refit_dense: FAIL",
                         "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL",
                         "CHECK item1_trainer_ranges: FAIL"], lines
+
+
+def test_the_one_gpu_check_runs_its_checks_on_the_host(tmp_path) -> None:
+    """`bench/gpu_one.py --plan`: every check of the one-GPU machine's first command runs here with device
+    cpu (gloo for NCCL, /dev/shm for CUDA IPC, a 2-layer model), the ones a host cannot measure say so
+    (SKIP: the GPU's memory peak, vLLM's Triton sampler), the spec it plans with composes, and the summary
+    is written. What it needs beyond torch, transformers and numpy is listed in bench/gpu_one_wheels.sh."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "bench/gpu_one.py", "--plan", "--out", str(tmp_path)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    lines = [line.split("  ")[0] for line in out.stdout.splitlines() if line.startswith("CHECK ")]
+    assert out.returncode == 0 and lines == [
+        "CHECK fsdp2_step: PASS", "CHECK memory_vs_plan: SKIP", "CHECK chunked_logprobs: PASS",
+        "CHECK fp8_refit_packing: PASS", "CHECK fp32_buffer_cast: PASS", "CHECK nccl_group_abort: PASS",
+        "CHECK ipc_refit: PASS", "CHECK topk_topp_mirror: SKIP"], out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["checks"]) == {line.split()[1].rstrip(":") for line in lines}
+    assert set(summary["throughput"]) == {f"throughput/{s}_tokens_per_s_per_gpu" for s in
+                                          ("logprobs", "training", "e2e")}
+
+
+def test_the_gpu_preflight_names_the_driver_cuda_13_needs(monkeypatch) -> None:
+    """torch's CUDA 13 builds need an NVIDIA driver >= 580 (CUDA 12: 525); the preflight says which driver
+    the machine has and what to do, and stays quiet when it cannot tell."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import gpu_one
+
+    problem = gpu_one.driver_problem
+    assert "needs an NVIDIA driver >= 580; this machine's is 575.57.08" in problem("13.0", "575.57.08")
+    assert problem("13.0", "580.65.06") is None and problem("12.8", "550.1") is None
+    assert ">= 525" in problem("12.8", "520.61") and problem("13.0", None) is None
