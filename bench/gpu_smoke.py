@@ -18,6 +18,9 @@ WHAT IT CHECKS; each check prints one `CHECK name: PASS|FAIL  <what it measured>
   rounds each logit to ~3 significant digits, and a random-init model's logits are near 0, so a gap of a
   tenth of a nat means a real disagreement; replace it by the measured value once known). Each run also
   prints the dry run's plan and memory estimate, its step times and each role's peak GPU memory.
+- run_colocated_sync: the same on GPU 0 alone (parallel=gpu1, parallel.colocate): the engine sleeps while the
+  trainer steps and wakes for generation (vLLM's sleep mode), the refit goes over CUDA IPC; per-role peaks
+  (nvidia-smi) against the dry run's two colocated phases.
 - item1_engine_refit_{dense,moe}: an engine refit over NCCL with perturbed weights in 1 MiB payloads (its
   larger tensors split) generates (greedy) the tokens of an engine started on those weights, logprobs
   within 1e-3. item13_reformed_group_{dense,moe}: that refit went over a re-formed group (the first one
@@ -25,7 +28,8 @@ WHAT IT CHECKS; each check prints one `CHECK name: PASS|FAIL  <what it measured>
 - item1_trainer_ranges: 2 FSDP ranks stream a model whose tensors exceed the chunk (ranged gathers over
   NCCL); every tensor arrives bit-equal, no payload above the chunk, the receiver's peak memory bounded.
 - item5_vlm_rank_without_image: the tiny VLM, model.freeze_vision, 2 ranks, rank 1's micro-batch without
-  an image: the step completes within --hang-timeout.
+  an image: the step completes within --hang-timeout. item5_trained_tower_no_image: the same with the tower
+  trained (sharded per block; rank 1 runs it on a placeholder image, molt/trainer/tower.py).
 - item9_fp8_refit: a block-FP8 engine refit with bf16 weights quantized by molt/trainer/fp8.py equals a
   fresh FP8 engine on the same weights, and stays within --fp8-max-abs of a bf16 forward of them.
 - item11_fp32_buffer: DeepSeek-V3's fp32 e_score_correction_bias arrives in the engine bit-equal.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -106,6 +111,13 @@ def runs(args: argparse.Namespace) -> dict[str, list[str]]:
                 "rollout.groups_in_flight=8",
                 f"train.steps={args.steps}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
                 "train.micro_batch_size=8", "train.save_every=0"]
+    if args.only in ("dense", "all"):   # parallel.colocate: GPU 0 alone (train_run hides GPU 1)
+        out["colocated_sync"] = [
+            *model_overrides("dense", args.layers), *CUDA, "parallel=gpu1", "rollout.mode=sync",
+            "rollout.partial_rollout=false",
+            "rollout.engine.gpu_memory_utilization=0.3", "rollout.max_tokens=256",
+            "agent.max_total_tokens=512", f"train.steps={args.steps}", "train.prompts_per_step=8",
+            "rollout.samples_per_prompt=4", "train.micro_batch_size=8", "train.save_every=0"]
     return out
 
 
@@ -125,6 +137,8 @@ def item_overrides(models: dict[str, Path]) -> dict[str, list[str]]:
     return {
         "item1": [*model_overrides("dense", 2), *CUDA, *TWO_RANKS],
         "item5": ["model=tiny_vl", "model.freeze_vision=true", *CUDA, *TWO_RANKS, "train.micro_batch_size=2"],
+        "item5_trained": ["model=tiny_vl", "model.freeze_vision=false", *CUDA, *TWO_RANKS,
+                          "train.micro_batch_size=2"],
         "item9": [f"model.path={models['item9']}", *CUDA, "parallel.gpus_per_node=2"],
         "item11": [f"model.path={models['item11']}", *CUDA, "parallel.gpus_per_node=2"],
     }
@@ -203,8 +217,15 @@ def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list
     label = f"item10_run_{name}" if name.startswith("moe") else f"run_{name}"
     print(f"\n=== {name}\n--- dry run (the plan and each role's memory estimate)\n{dry_run(overrides)}",
           flush=True)
-    with GpuMemory() as memory:
-        result = run_molt(overrides, args.out / name, timeout=1800)
+    environ = dict(os.environ)
+    if name.startswith("colocated"):   # one GPU for the trainer and the engine: Ray sees only GPU 0
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    try:
+        with GpuMemory() as memory:
+            result = run_molt(overrides, args.out / name, timeout=1800)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     if result["rc"]:
         return report(label, False, f"the run failed (rc {result['rc']}); log tail:\n{result['log']}")
     steps = [r for r in result["rows"] if "time/step" in r]
@@ -238,6 +259,7 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     specs = {name: compose(overrides) for name, overrides in item_overrides(models).items()}
     failed += refit_ranges(specs["item1"])
     failed += vlm_no_image_rank(specs["item5"], args.hang_timeout)
+    failed += vlm_no_image_rank(specs["item5_trained"], args.hang_timeout, "item5_trained_tower_no_image")
     failed += fp8_refit(specs["item9"], models["dense"], args.out / "models", args.fp8_max_abs)
     failed += fp32_buffer(specs["item11"], models["item11"], args.out / "models")
     return failed

@@ -91,7 +91,7 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     smoke = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(smoke)
     runs = smoke.runs(smoke.parse_args(["--layers", "2", "--steps", "3"]))
-    assert sorted(runs) == ["dense_async", "dense_sync", "moe_async", "moe_sync"]
+    assert sorted(runs) == ["colocated_sync", "dense_async", "dense_sync", "moe_async", "moe_sync"]
     for name, overrides in runs.items():
         spec = compose(overrides)
         assert (spec.parallel.device, spec.model.dtype, spec.train.steps) == ("cuda", "bfloat16", 3)
@@ -99,7 +99,8 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
         # router replay with partial rollouts is refused on cuda: the MoE runs keep requests whole
         assert spec.rollout.mode == mode and spec.rollout.partial_rollout == (kind == "dense")
         assert spec.model.router_replay == name.startswith("moe")
-        assert sorted(slot.role for slot in plan(spec)) == ["engine", "policy"]   # on 2 GPUs
+        assert sorted(slot.role for slot in plan(spec)) == ["engine", "policy"]   # on 2 GPUs, or 1 shared
+        assert spec.parallel.colocate == (kind == "colocated")
     monkeypatch.setenv("MOLT_CACHE", str(smoke_cache))
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -209,6 +210,7 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     item11 = on_cpu(smoke.item_overrides({"item9": "", "item11": dsv3})["item11"])
     gpu_checks.refit_ranges(on_cpu(items["item1"]))
     gpu_checks.vlm_no_image_rank(on_cpu(items["item5"]), 300)
+    gpu_checks.vlm_no_image_rank(on_cpu(items["item5_trained"]), 300, "item5_trained_tower_no_image")
     gpu_checks.engine_refit("dense", dense, path, new, smoke.CHUNK_MB)
     gpu_checks.fp32_buffer(item11, dsv3, tmp_path)
     send = refit.send
@@ -228,6 +230,7 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CHECK ")]
     verdicts = [line.split("  ")[0] for line in lines]
     assert verdicts == ["CHECK item1_trainer_ranges: PASS", "CHECK item5_vlm_rank_without_image: PASS",
+                        "CHECK item5_trained_tower_no_image: PASS",
                         "CHECK item1_engine_refit_dense: PASS", "CHECK item13_reformed_group_dense: PASS",
                         "CHECK item11_fp32_buffer: PASS", "CHECK item1_engine_refit_dense: FAIL",
                         "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL",
