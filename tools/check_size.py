@@ -23,6 +23,8 @@ REVIEWED: dict[str, str] = {
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",
+    "molt/spec/run.py": "the run spec and its rules across sections, which issue 52 moves to a rules file "
+                        "of their own",
     "molt/trainer/worker.py": "one rank's collective methods (set-up, forward, update, refit, checkpoint), "
                               "each a call TrainerRanks makes on every rank; the step's pieces already live "
                               "beside it (model, weights, batch, offload, tower, router_replay)",
