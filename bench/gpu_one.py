@@ -100,16 +100,20 @@ def driver_problem(torch_cuda: str | None, driver: str | None) -> str | None:
     return None
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None when there is no nvidia-smi to ask."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return None
+
+
 def preflight() -> str | None:
     """What of the assumptions above does not hold here (None: all hold)."""
     if not torch.version.cuda:
         return f"torch {torch.__version__} has no CUDA"
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=True).stdout.split()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        driver = None
-    problem = driver_problem(torch.version.cuda, driver)
+    problem = driver_problem(torch.version.cuda, driver_version())
     if problem:
         return problem
     if not torch.cuda.is_available():

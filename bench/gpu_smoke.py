@@ -152,6 +152,11 @@ def preflight() -> str | None:
         return f"torch does not import ({error}): run `bash install.sh gpu` first"
     if not torch.version.cuda:
         return f"torch {torch.__version__} has no CUDA: run `bash install.sh gpu`"
+    from gpu_one import driver_problem, driver_version
+
+    problem = driver_problem(torch.version.cuda, driver_version())
+    if problem:
+        return problem
     if torch.cuda.device_count() < 2:
         return (f"needs 2 CUDA GPUs, sees {torch.cuda.device_count()} (trainer and engine on disjoint GPUs; "
                 "NCCL refuses two ranks on one GPU)")
