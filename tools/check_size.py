@@ -20,14 +20,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
+    "molt/trainer/worker.py": "one rank's collective calls (forward, update, refit, checkpoints); its "
+                              "second idea, the metric sums, is moving out (#52); the per-token record it "
+                              "keeps for the dump already lives in token_record.py",
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",
     "molt/spec/run.py": "the run spec and its rules across sections, which issue 52 moves to a rules file "
                         "of their own",
-    "molt/trainer/worker.py": "one rank's collective methods (set-up, forward, update, refit, checkpoint), "
-                              "each a call TrainerRanks makes on every rank; the step's pieces already live "
-                              "beside it (model, weights, batch, offload, tower, router_replay)",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "

@@ -179,14 +179,17 @@ class Fleet:
         self.dispatcher.set_live(i, engine)
         return True
 
-    async def sleep(self) -> None:
+    async def sleep_if_colocated(self) -> None:
         """parallel.colocate: every live engine frees the GPU for the trainer's step (vLLM's sleep at
-        parallel.engine_sleep_level); `wake` takes it back before the refit."""
-        level = self.spec.parallel.engine_sleep_level
-        await asyncio.gather(*[self.dispatcher.engines[i].sleep.remote(level) for i in self.dispatcher.live])
+        parallel.engine_sleep_level); `wake_if_colocated` takes it back before the refit. Otherwise the
+        engines have GPUs of their own: nothing to do."""
+        if self.spec.parallel.colocate:
+            level, engines = self.spec.parallel.engine_sleep_level, self.dispatcher.engines
+            await asyncio.gather(*[engines[i].sleep.remote(level) for i in self.dispatcher.live])
 
-    async def wake(self) -> None:
-        await asyncio.gather(*[self.dispatcher.engines[i].wake_up.remote() for i in self.dispatcher.live])
+    async def wake_if_colocated(self) -> None:
+        if self.spec.parallel.colocate:
+            await asyncio.gather(*[self.dispatcher.engines[i].wake_up.remote() for i in self.dispatcher.live])
 
     def metrics(self) -> dict[str, float]:
         return {"engine/deaths": float(self.deaths), "engine/restarts": float(sum(self.restarts)),
