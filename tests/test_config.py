@@ -530,13 +530,18 @@ def test_engine_keys_reach_vllms_arguments(tiny_model_path):
 def test_engine_ray_resources_follow_the_specs_device():
     """`parallel.device`, not the driver's host, decides an engine's Ray resources: a driver on a CPU
     machine (this one) still asks for the GPUs of a cuda spec's engines."""
+    from molt.plan.placement import gpu_share
     from molt.rollout.engine_args import actor_options
 
     gpu = compose(["+experiment=qwen30b_tools"])
     engine = gpu.rollout.engine
     assert actor_options(engine, gpu.parallel.device) == {
         "num_cpus": 1, "num_gpus": engine.tp_size, "max_concurrency": 10_000,
-        "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}}   # the core in the actor
+        "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # the core in the actor
+                                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}}}   # placement.NCCL_ENV
+    colocated = compose(["parallel=gpu1", "model.reference=policy", "algo.kl.coef=0.1"])
+    share = gpu_share(colocated)   # the policy rank, the reference rank and the engine on one GPU
+    assert share == 1 / 3 and actor_options(colocated.rollout.engine, "cuda", 1, share)["num_gpus"] == share
     cpu = actor_options(compose([]).rollout.engine, "cpu", 2)
     assert cpu["num_cpus"] < 1 and "num_gpus" not in cpu
     assert cpu["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"

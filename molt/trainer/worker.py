@@ -191,7 +191,8 @@ class TrainerWorker:
                                   enabled=self.autocast is not None)
         chunked = self.role != "critic" and chunkable(self.model, self.spec.parallel)
         head = self.model.get_output_embeddings() if chunked else None
-        placeholder = self.tower_collectives and not images   # every rank runs the tower's collectives
+        # a VLM batch's micro-batch without an image still runs a sharded tower's collectives, as its peers do
+        placeholder = "image_grid_thw" in mb and not images and self.tower_collectives
         with head_input(head) as hidden, autocast, tower_in_every_forward(self.model, placeholder):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
                                 **packed, **images).logits.float()
