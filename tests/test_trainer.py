@@ -346,6 +346,19 @@ def test_critic_ranks_after_the_first_take_their_shards_from_rank_0(ray_session,
     assert nccl == "1"   # trainer ranks: a dead NCCL peer ends the collective (placement.NCCL_ENV)
 
 
+def test_a_critic_rank_after_the_first_reads_no_checkpoint(tiny_model_path, monkeypatch) -> None:
+    """The memory half of the test above, which the values alone cannot show: of 2 critic ranks, rank 1
+    builds the critic on the meta device (not one weight in its host memory), rank 0 reads the checkpoint.
+    Only the rank this process reports changes between the two builds."""
+    from molt.trainer import model as trainer_model
+
+    spec, common = make_spec(tiny_model_path, 2), dict(dtype=torch.float32, trust_remote_code=False)
+    for rank, on_meta in ((1, True), (0, False)):
+        monkeypatch.setattr(trainer_model.dist, "get_rank", lambda rank=rank: rank)
+        critic = trainer_model._critic(spec, tiny_model_path, "sdpa", common)
+        assert {p.is_meta for p in critic.parameters()} == {on_meta}, rank
+
+
 def test_critic_fits_returns_and_reference_is_frozen(critic, tiny_model_path) -> None:
     from transformers import AutoModelForCausalLM
 
