@@ -4,7 +4,8 @@ ASSUMPTIONS (checked first; the script stops with exit code 2 and says which one
 - Linux x86_64, this checkout installed with `bash install.sh gpu` (.venv: CUDA torch, vLLM's GPU build).
 - 2 CUDA GPUs visible, bf16-capable (Ampere or newer), >= 24 GB each, `nvidia-smi` on PATH. Two, not one:
   the placement puts the trainer and the engines on disjoint GPUs, and NCCL refuses two ranks of one group on
-  one GPU ("Duplicate GPU detected"), so the NCCL refit needs a second GPU.
+  one GPU ("Duplicate GPU detected"), so the NCCL refit needs a second GPU. `--only colocated` needs one:
+  its run shares GPU 0 between the trainer and the engine (parallel.colocate).
 - No network and no download: every model is random-init, built offline (molt.inputs.tiny: a ~0.5B dense
   Qwen3 of 28 layers, hidden 1024, as Qwen3-0.6B without its vocabulary; a tiny Qwen3-MoE; the tiny
   Qwen2.5-VL; bench/gpu_smoke_models.py: a block-FP8 copy of a 2-layer dense Qwen3, a 2-layer DeepSeek-V3).
@@ -66,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_smoke")
     p.add_argument("--steps", type=int, default=5, help="steps per run (sync and async)")
-    p.add_argument("--only", choices=["dense", "moe", "items", "all"], default="all",
-                   help="the dense runs, the MoE runs, the item checks, or all")
+    p.add_argument("--only", choices=["dense", "moe", "colocated", "items", "all"], default="all",
+                   help="the dense runs, the MoE runs, the colocated run (one GPU), the item checks, or all")
     p.add_argument("--layers", type=int, default=DENSE["num_layers"], help="dense model depth")
     p.add_argument("--max-abs", type=float, default=0.1, help="bound on every step's mismatch/max_abs")
     p.add_argument("--fp8-max-abs", type=float, default=0.1,
@@ -99,7 +100,7 @@ TWO_RANKS = ["parallel.dp_size=2", "parallel.gpus_per_node=3"]
 def runs(args: argparse.Namespace) -> dict[str, list[str]]:
     """Every run's `python -m molt` overrides, by name (kind_mode)."""
     out = {}
-    kinds = {"all": ["dense", "moe"], "items": []}.get(args.only, [args.only])
+    kinds = {"all": ["dense", "moe"], "items": [], "colocated": []}.get(args.only, [args.only])
     for kind in kinds:
         for mode in ("sync", "async"):
             out[f"{kind}_{mode}"] = [
@@ -111,7 +112,7 @@ def runs(args: argparse.Namespace) -> dict[str, list[str]]:
                 "rollout.groups_in_flight=8",
                 f"train.steps={args.steps}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
                 "train.micro_batch_size=8", "train.save_every=0"]
-    if args.only in ("dense", "all"):   # parallel.colocate: GPU 0 alone (train_run hides GPU 1)
+    if args.only in ("colocated", "all"):   # parallel.colocate: GPU 0 alone (train_run hides GPU 1)
         out["colocated_sync"] = [
             *model_overrides("dense", args.layers), *CUDA, "parallel=gpu1", "rollout.mode=sync",
             "rollout.partial_rollout=false",
@@ -144,8 +145,13 @@ def item_overrides(models: dict[str, Path]) -> dict[str, list[str]]:
     }
 
 
-def preflight() -> str | None:
-    """What of the assumptions above does not hold here (None: all hold)."""
+def gpus_needed(args: argparse.Namespace) -> int:
+    """GPUs the chosen checks need: one for the colocated run alone, two for anything else."""
+    return 1 if args.only == "colocated" else 2
+
+
+def preflight(gpus: int) -> str | None:
+    """What of the assumptions above does not hold here for checks that need `gpus` GPUs (None: all hold)."""
     try:
         import torch
     except ImportError as error:
@@ -157,9 +163,9 @@ def preflight() -> str | None:
     problem = driver_problem(torch.version.cuda, driver_version())
     if problem:
         return problem
-    if torch.cuda.device_count() < 2:
-        return (f"needs 2 CUDA GPUs, sees {torch.cuda.device_count()} (trainer and engine on disjoint GPUs; "
-                "NCCL refuses two ranks on one GPU)")
+    if torch.cuda.device_count() < gpus:
+        return (f"needs {gpus} CUDA GPUs, sees {torch.cuda.device_count()} (trainer and engine on disjoint "
+                "GPUs; NCCL refuses two ranks on one GPU); on one GPU run `--only colocated`")
     if not torch.cuda.is_bf16_supported():
         return "the GPU has no bf16 (Ampere or newer needed)"
     try:
@@ -245,7 +251,8 @@ def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list
 
 
 def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[str]:
-    """The engine refits after each sync run's kind, then the item checks (gpu_checks.py)."""
+    """The engine refits after each sync run's kind, then the item checks (gpu_checks.py). The colocated
+    run has none: its refit is the shared transport's, which every one of its steps checks."""
     from gpu_checks import engine_refit, fp8_refit, fp32_buffer, refit_ranges, vlm_no_image_rank
     from gpu_smoke_models import perturbed_copy
 
@@ -253,7 +260,7 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     from molt.plan.models import model_path
 
     failed = []
-    for name in [n for n in plan if n.endswith("_sync")]:
+    for name in [n for n in plan if n.endswith("_sync") and not n.startswith("colocated")]:
         spec = compose(plan[name])
         path = Path(model_path(spec))
         new = perturbed_copy(path, args.out / f"{name}_new_weights", scale=0.05)
@@ -306,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.plan:
         return plan_only(args)
-    problem = preflight()
+    problem = preflight(gpus_needed(args))
     if problem:
         print(f"gpu_smoke: an assumption does not hold: {problem}", file=sys.stderr)
         return 2

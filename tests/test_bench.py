@@ -82,7 +82,7 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     """bench/gpu_smoke.py cannot run here; its CPU parts can: every run's overrides compose into a spec the
     real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
     the depth being a flag) at the stated size, and on a machine without 2 GPUs it stops with exit code 2
-    naming the assumption before it starts anything."""
+    naming the assumption before it starts anything; `--only colocated` asks for one GPU."""
     from molt.driver.compose import compose
     from molt.plan.models import model_path
     from molt.plan.placement import plan
@@ -116,6 +116,11 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     assert smoke.main(["--print-specs"]) == 0 and "dense_sync" in capsys.readouterr().out
     assert smoke.main([]) == 2
     assert "an assumption does not hold" in capsys.readouterr().err
+    # its one-GPU part: the colocated run alone, which a machine with one GPU passes the preflight for
+    one = smoke.parse_args(["--only", "colocated"])
+    assert list(smoke.runs(one)) == ["colocated_sync"] and smoke.gpus_needed(one) == 1
+    dense = smoke.parse_args(["--only", "dense"])
+    assert smoke.gpus_needed(dense) == 2 and "colocated_sync" not in smoke.runs(dense)
 
 
 def torch_numel(shape: list[int]) -> int:
