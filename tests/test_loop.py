@@ -96,6 +96,7 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
         assert [r["step"] for r in rows[: saved["step"]]] == list(range(1, saved["step"] + 1))
         for r in rows:
             assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/refit"] > 0 and r["policy/version"] == r["step"]
+            assert r["time/engine_sleep"] > 0 and r["time/engine_wake"] > 0   # COLOCATED, around the step
         assert rows[0]["mismatch/max_abs"] <= 1e-5
         check_trained_tokens(run_a, tiny_model_path)
 
