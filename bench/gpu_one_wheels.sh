@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels bench/gpu_one.py needs beyond a GPU image's torch, transformers and numpy (none of them builds
-# from source, about 13 MB), and their install into a folder on the GPU machine (docs/install.md):
+# from source, 16 MB), and their install into a folder on the GPU machine (docs/install.md):
 #   bash bench/gpu_one_wheels.sh download   # here, with the package registries: into bench/out/gpu_one_wheels
 #   bash bench/gpu_one_wheels.sh install    # there, offline: into bench/out/gpu_one_deps (PYTHONPATH it)
 # hydra-core, omegaconf, antlr4 (Hydra's parser; its sdist built into a wheel here) and pydantic compose and
@@ -26,8 +26,16 @@ case "${1:-}" in
     done
     du -sh "$WHEELS" && ls "$WHEELS" ;;
   install)
-    "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target bench/out/gpu_one_deps \
-      "${PACKAGES[@]}"
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+      "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target bench/out/gpu_one_deps \
+        "${PACKAGES[@]}"
+    else   # an image without pip: a wheel is a zip of what installs, unpacked as is (pydantic-core: this Python's)
+      tag=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+      for wheel in "$WHEELS"/*.whl; do
+        case "$wheel" in *pydantic_core-*) [[ "$wheel" == *"-$tag-$tag-"* ]] || continue ;; esac
+        "$PY" -m zipfile -e "$wheel" bench/out/gpu_one_deps
+      done
+    fi
     echo "installed into bench/out/gpu_one_deps: PYTHONPATH=bench/out/gpu_one_deps:. $PY bench/gpu_one.py" ;;
   *) echo "usage: bash bench/gpu_one_wheels.sh download|install" >&2; exit 2 ;;
 esac
