@@ -11,8 +11,9 @@ MODE="${2:-install}"
 case "$TARGET" in cpu|gpu) ;; *) echo "install.sh: target must be cpu or gpu, not '$TARGET'" >&2; exit 2;; esac
 case "$MODE" in install|--resolve) ;; *) echo "install.sh: unknown option '$MODE' (--resolve)" >&2; exit 2;; esac
 # agents / verifiers: the third-party agent frameworks and MCP (docs/agents.md), which the tests exercise;
-# tasks: procedural task libraries (reasoning-gym).
-EXTRAS="$TARGET,dev,tasks,agents,verifiers"
+# tasks: procedural task libraries (reasoning-gym); bfcl: BFCL's multi-turn environments (without its
+# dependencies: pyproject.toml's [tool.uv] dependency-metadata).
+EXTRAS="$TARGET,dev,tasks,agents,verifiers,bfcl"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 if [ "$MODE" = install ]; then
@@ -71,4 +72,4 @@ if [ "$TARGET" = cpu ]; then
 else
   .venv/bin/python -c "import torch; assert torch.version.cuda, f'install.sh gpu: torch {torch.__version__} has no CUDA'"
 fi
-.venv/bin/python -c "import torch, vllm, ray, nemo_automodel, molt, agents, verifiers; print('molt ready: torch', torch.__version__, 'vllm', vllm.__version__)"
+.venv/bin/python -c "import torch, vllm, ray, nemo_automodel, molt, agents, verifiers, bfcl_eval; print('molt ready: torch', torch.__version__, 'vllm', vllm.__version__)"
