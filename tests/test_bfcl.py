@@ -56,16 +56,12 @@ def play(row: dict, turns: list[list[list[dict]]], env=None) -> tuple[list[float
     """Drive one rollout through the Env's `step`: per user turn, one step per list of calls, then a reply
     without calls. Returns the rewards of every step, the last step's info and the calls as BFCL's checker
     reads them."""
-    env = env or BFCL.BfclEnv({})
-    rewards, info, decoded = [], {}, []
-    for steps in turns:
-        for calls in [*steps, []]:
-            state = State("", "", [], "stop", row["label"], 0, [], {}, row, row["tools"], calls)
-            result = asyncio.run(env.step(state))
-            rewards.append(result.reward)
-            info = result.info
-        decoded.append([[written(c) for c in calls] for calls in steps])
-    return rewards, info, decoded
+    async def steps(env):
+        return [await env.step(State("", "", [], "stop", row["label"], 0, [], {}, row, row["tools"], calls))
+                for calls in [c for turn in turns for c in [*turn, []]]]
+    results = asyncio.run(steps(env or BFCL.BfclEnv({})))
+    decoded = [[[written(c) for c in calls] for calls in turn] for turn in turns]
+    return [r.reward for r in results], results[-1].info if results else {}, decoded
 
 
 def truth(row: dict, per_call: bool, tok) -> list[list[list[dict]]]:
@@ -159,25 +155,28 @@ def test_a_perturbed_call_scores_less_and_the_verdict_is_bfcls(kind, tok):
 
 
 def test_rollouts_share_no_state(tok):
-    """Two rollouts of one row, interleaved: after the first has run a state-changing turn, the second's
-    instances are still the row's initial state, and its ground truth still scores 1; the row itself and
-    BFCL's module-level defaults are unchanged after both."""
-    row = BASE[0]   # GorillaFileSystem and TwitterAPI: cd, mkdir, mv in the first turn
-    before = json.dumps(row, sort_keys=True)
-    defaults = {name: copy.deepcopy(vars(importlib.import_module(path)).get("DEFAULT_STATE"))
-                for name, path in CLASS_FILE_PATH_MAPPING.items() if name in row["bfcl"]["involved_classes"]}
-    first, second = BFCL.BfclEnv({}), BFCL.BfclEnv({})
-    turns = truth(row, False, tok)
-    play(row, turns[:1], first)
-    assert not BFCL.state_checker(first.model.objects, BFCL.Instances(row["bfcl"]).objects)["valid"]
-    rewards, info, _ = play(row, turns[:1], second)
-    assert second.model is not first.model
-    play(row, turns[1:], first)
-    rewards += play(row, turns[1:], second)[0]
-    assert sum(rewards) == pytest.approx(1.0) and json.dumps(row, sort_keys=True) == before
-    for name, path in CLASS_FILE_PATH_MAPPING.items():
-        if name in defaults:
-            assert str(vars(importlib.import_module(path)).get("DEFAULT_STATE")) == str(defaults[name]), name
+    """For an entry of each of BFCL's eight API classes, two rollouts of the row interleaved: after the
+    first has run its first user turn (and changed the state), the second's instances are still the row's
+    initial state, both score 1 in all, and the row itself (shared by a group's rollouts) and BFCL's
+    module-level defaults are unchanged after both."""
+    classes = sorted({c for row in BASE for c in row["bfcl"]["involved_classes"]})
+    rows = [next(r for r in BASE if name in r["bfcl"]["involved_classes"]) for name in classes]
+    defaults = {path: str(vars(importlib.import_module(path)).get("DEFAULT_STATE"))
+                for name, path in CLASS_FILE_PATH_MAPPING.items() if name in classes}
+    changed = 0
+    for row in rows:
+        before = json.dumps(row, sort_keys=True)
+        first, second, turns = BFCL.BfclEnv({}), BFCL.BfclEnv({}), truth(row, False, tok)
+        rewards = play(row, turns[:1], first)[0]
+        fresh = BFCL.Instances(row["bfcl"])
+        changed += not BFCL.state_checker(first.model.objects, fresh.objects)["valid"]
+        rewards += play(row, turns[:1], second)[0]
+        assert BFCL.state_checker(second.truth.objects, first.truth.objects)["valid"]   # both one turn in
+        rewards += play(row, turns[1:], first)[0] + play(row, turns[1:], second)[0]
+        assert sum(rewards) == pytest.approx(2.0) and json.dumps(row, sort_keys=True) == before, row["id"]
+    assert changed >= 4   # most first turns change the state (the rest only read)
+    for path, text in defaults.items():
+        assert str(vars(importlib.import_module(path)).get("DEFAULT_STATE")) == text, path
 
 
 def test_the_converter_writes_rows_with_openai_tools_and_a_held_out_split(tmp_path):
