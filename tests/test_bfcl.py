@@ -20,6 +20,7 @@ import pytest
 from molt.agents import State, load_agent_runner
 from molt.agents.tools import make_parser, parse_reply, tool_request
 from molt.spec import AgentSpec
+from molt.trajectory import AgentError
 
 pytest.importorskip("bfcl_eval", reason="needs bfcl-eval (bash install.sh installs it, docs/install.md)")
 
@@ -199,6 +200,9 @@ def test_the_converter_writes_rows_with_openai_tools_and_a_held_out_split(tmp_pa
     assert "sort" not in {t["function"]["name"] for t in row["tools"]}
     shown = row["bfcl"]["turns"][2][0]["content"]
     assert '"name": "sort"' in shown and shown.endswith("What about now?") and row["label"][2] == []
+    other = State("", "", [], "stop", "4", 0, [], {}, {"prompt": "2+2?", "label": "4"}, [], [])
+    with pytest.raises(AgentError, match="not a BFCL entry .* examples/data/make_bfcl.py"):
+        asyncio.run(BFCL.BfclEnv({}).step(other))   # another task's row fails its rollout, saying why
 
 
 def test_the_cpu_twin_of_the_bfcl_recipe_runs_two_steps(tmp_path, ray_session):

@@ -55,6 +55,7 @@ from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import (
 )
 
 from molt.agents import Env, Result, State, StepEnvRunner
+from molt.trajectory import AgentError
 
 BLOCKED = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")   # BFCL refuses these names
 
@@ -122,8 +123,12 @@ class BfclEnv(Env):
         self.passed: list[bool] = []
 
     async def step(self, state: State) -> Result:
-        bfcl, truth_calls = state.item["bfcl"], state.label
+        bfcl, truth_calls = state.item.get("bfcl"), state.label
         if self.model is None:
+            if not isinstance(bfcl, dict) or not isinstance(truth_calls, list) or \
+                    len(bfcl.get("turns", ())) + 1 != len(truth_calls):
+                raise AgentError("the row is not a BFCL entry (a `bfcl` field, and a label with the calls of "
+                                 "each user turn): write rows with examples/data/make_bfcl.py")
             self.model, self.truth = Instances(bfcl), Instances(bfcl)
         if state.tool_calls:
             self.steps += 1
