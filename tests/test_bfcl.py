@@ -94,11 +94,23 @@ def test_replaying_the_ground_truth_scores_full_reward_on_every_user_turn_of_the
     each user turn's closing reply gets exactly 1/U and every reply with calls 0, the rollout 1, BFCL's
     verdict valid, and BFCL's own checker agrees on the same calls."""
     assert len(BASE) == 200
-    for i, row in enumerate(BASE):
+    replay_all(BASE, tok)
+
+
+@pytest.mark.parametrize("category", ["long_context", "miss_func", "miss_param"])
+def test_replaying_the_ground_truth_of_the_other_categories(category, tok):
+    """The same for the 200 entries of each other multi-turn category: the long-context state, the held-out
+    functions shown in a later user turn, the turns whose ground truth is empty."""
+    replay_all(make_bfcl.rows(category), tok)
+
+
+def replay_all(rows: list[dict], tok) -> None:
+    for i, row in enumerate(rows):
         turns = truth(row, i % 2 == 1, tok)
         rewards, info, decoded = play(row, turns)
-        closing = [r for r, step in zip(rewards, _closing(turns), strict=True) if step]
-        assert closing == [1 / len(row["label"])] * len(row["label"]), row["id"]
+        closes = _closing(turns)
+        assert [r for r, c in zip(rewards, closes, strict=True) if c] == [1 / len(row["label"])] * len(turns)
+        assert not any(r for r, c in zip(rewards, closes, strict=True) if not c), row["id"]
         assert sum(rewards) == pytest.approx(1.0, abs=1e-12), row["id"]
         assert info == {"bfcl_valid": 1.0, "state": 1.0, "calls": 1.0}, row["id"]
         assert bfcl_verdict(row, decoded), row["id"]
