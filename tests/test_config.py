@@ -92,13 +92,16 @@ def test_bad_type_is_reported_with_key_and_value():
          "applied nowhere; set algo.kl.in_reward=false"),
         (["algo.correction.low=1.5", "algo.correction.high=1.0"], "must be below"),
         # layouts the trainer cannot run, refused with the reason (docs/parallelism.md)
-        (["parallel=cpu2", "parallel.dp_size=1", "parallel.cp_size=2"], "cp_size > 1 is not supported"),
         (["parallel=cpu2", "parallel.ep_size=2"], "ep_size > 1 needs parallel.device=cuda"),
+        (["parallel.cp_size=3"], r"cp_size=3 must divide the policy's attention heads per tensor-parallel "
+                                 r"rank \(4 / tp_size=1\)"),
+        (["+experiment=qwen30b_tools", "model.router_replay=false", "parallel.ep_size=8",
+          "parallel.cp_size=2"], "cp_size > 1 with ep_size > 1"),
         (["+experiment=qwen30b_tools", "parallel.ep_size=8"], "router_replay with parallel.ep_size=8"),
         # vLLM's GPU capture keeps a kept request's pre-refit routes (docs/generator.md)
         (["+experiment=qwen30b_tools", "rollout.partial_rollout=true"],
          "router_replay=true with rollout.partial_rollout=true on parallel.device=cuda"),
-        (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*tp_size > 1"),
+        (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*cp_size\*tp_size > 1"),
         (["parallel.nodes=2", "parallel.trainer_nodes=2"], "trainer_nodes=2 must leave the engines"),
         # an engine actor holds one vLLM engine core, in its own process (molt/rollout/engine.py)
         (["+experiment=qwen30b_tools", "rollout.engine.dp_size=2"], "raise rollout.engine.num_engines"),
@@ -562,12 +565,10 @@ def test_the_driver_imports_the_loop_without_the_model_stacks():
 # is; the key at another value, the refusal. The message: "KEY is derived (WHAT); remove it from your config".
 REPLICA = "1: an engine actor runs one vLLM replica"
 DERIVED = {
-    "parallel.world_size": (["parallel=cpu2", "parallel.world_size=2"], "dp_size*tp_size = 2*1 = 2",
+    "parallel.world_size": (["parallel=cpu2", "parallel.world_size=2"], "dp_size*cp_size*tp_size = 2*1*1 = 2",
                             ["parallel=cpu2", "parallel.world_size=4"],
-                            r"world_size=4, but it is derived \(dp_size\*tp_size = 2\*1 = 2\); set "
-                            "parallel.dp_size"),
-    "parallel.cp_size": (["parallel.cp_size=1"], "1: the trainer does not shard sequences",
-                         ["parallel.cp_size=2"], "parallel.cp_size=2, but .*cp_size > 1 is not supported"),
+                            r"world_size=4, but it is derived \(dp_size\*cp_size\*tp_size = 2\*1\*1 = 2\); "
+                            "set parallel.dp_size"),
     "rollout.engine.dp_size": (["rollout.engine.dp_size=1"], REPLICA,
                                ["rollout.engine.dp_size=2"], "dp_size=2, but .*raise rollout.engine.num_"),
     "agent.judge.engine.dp_size": (["agent.judge.engine.dp_size=1"], REPLICA,
@@ -633,7 +634,8 @@ def test_derived_keys_on_the_command_line():
     ok = _molt("parallel.world_size=1", "rollout.engine.dp_size=1", "--cfg", "job")
     assert ok.returncode == 0 and "world_size" not in yaml.safe_load(ok.stdout)["parallel"], ok.stderr
     shown = ok.stderr.splitlines()
-    assert "parallel.world_size is derived (dp_size*tp_size = 1*1 = 1); remove it from your config" in shown
+    assert "parallel.world_size is derived (dp_size*cp_size*tp_size = 1*1*1 = 1); remove it from your " \
+        "config" in shown
     assert _said("rollout.engine.dp_size") in shown
     bad = _molt("parallel.world_size=2", "run.dry_run=true")
     assert bad.returncode != 0 and "parallel.world_size=2, but it is derived" in bad.stderr

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.plan.models import check_same_tokenizer, model_path
 from molt.plan.placement import cluster_nodes, node_selector, plan
-from molt.spec import RunSpec
+from molt.spec import ParallelSpec, RunSpec
 from molt.trainer.batch import pad_rows
 
 ROLES = ("policy", "reference", "critic")
@@ -44,6 +44,16 @@ def gather(refs: list[ray.ObjectRef]) -> list[Any]:
             except RayTaskError:
                 pass
         raise
+
+
+def row_shards(batch: dict[str, torch.Tensor], par: ParallelSpec) -> list[dict[str, torch.Tensor]]:
+    """Each rank's rows of `batch`: padded to a multiple of dp_size (inert rows) and split into equal
+    contiguous shards, one per data-parallel replica; the cp and tp ranks of a replica get the same rows."""
+    padded = pad_rows(batch, par.dp_size)
+    per = padded["input_ids"].shape[0] // par.dp_size
+    replicas = par.cp_size * par.tp_size  # mesh order (dp, cp, tp): one replica's ranks are consecutive
+    return [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
+            for r in range(par.world_size)]
 
 
 class TrainerRanks:
@@ -90,19 +100,12 @@ class TrainerRanks:
         gather([w.setup.remote(host, port) for w in self.workers])
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
-        par = self.spec.parallel
-        rows = batch["input_ids"].shape[0]
-        padded = pad_rows(batch, par.dp_size)
-        per = padded["input_ids"].shape[0] // par.dp_size
-        replicas = par.tp_size  # mesh order (dp, tp): the tp ranks of one replica are consecutive
-        shards = [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
-                  for r in range(par.world_size)]
-        return shards, rows
+        return row_shards(batch, self.spec.parallel), batch["input_ids"].shape[0]
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards, rows = self._shards(batch)
         outs = gather([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
-        replicas = self.spec.parallel.tp_size
+        replicas = self.spec.parallel.cp_size * self.spec.parallel.tp_size
         return torch.cat(outs[::replicas])[:rows]
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -32,7 +32,8 @@ from molt.algo import (
 )
 from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import rank_state, weights
-from molt.trainer.batch import image_inputs, inert_rows
+from molt.trainer.batch import RECORDED_SAMPLING, image_inputs, inert_rows
+from molt.trainer.context_parallel import Shard, split
 from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.model import (
     DTYPES,
@@ -40,12 +41,12 @@ from molt.trainer.model import (
     build_model,
     chunk_tokens,
     chunkable,
-    chunked_token_logprobs,
+    chunked_next_token_logprobs,
     distributed_setup,
     head_input,
-    prefix_values,
+    next_token_logprobs,
     shared_chunk_count,
-    token_logprobs,
+    to_tokens,
 )
 from molt.trainer.offload import HostStateAdamW
 from molt.trainer.packing import pack, token_budget_groups, unpack
@@ -76,6 +77,7 @@ class TrainerWorker:
         self.refit_group: dist.ProcessGroup | None = None   # rank 0: the group to the engine workers
         self.refit_store: dist.TCPStore | None = None        # rank 0: where the next group meets
         self.store: dist.TCPStore | None = None              # rank 0: where the ranks meet (`address`)
+        self.cp_group: dist.ProcessGroup | None = None       # the ranks splitting each micro-batch (`setup`)
 
     @ray.method(concurrency_group="control")   # runs while `update` holds the default group
     def set_engines_idle(self, idle: bool) -> None:
@@ -111,6 +113,11 @@ class TrainerWorker:
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
                              "use train.micro_batch_size with a vision-language model")
+        if self.image_token is not None and par.cp_size > 1:
+            raise ValueError("parallel.cp_size > 1 does not split image inputs over the cp ranks: use "
+                             "cp_size=1 with a vision-language model")
+        # context parallel: the ranks that split each micro-batch's positions (`_forward`)
+        self.cp_group = self.mesh["cp"].get_group() if par.cp_size > 1 else None
         # The loss is already a global SUM / global normalizer per rank, so FSDP must sum gradients
         # across data shards instead of averaging them. Gloo has no pre-multiplied sum: force plain sums.
         for module in self.model.modules():
@@ -162,48 +169,75 @@ class TrainerWorker:
         return out
 
     def _forward(self, mb: dict[str, torch.Tensor], entropy: bool = False):
-        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device;
-        with `train.micro_batch_tokens` computed on its packed row and returned in the padded layout."""
-        if self.spec.train.micro_batch_tokens is None:
-            return self._row_forward(mb, entropy)
-        packed, real = pack(mb)
-        scores, ent = self._row_forward(packed, entropy)
-        return unpack(scores, real), None if ent is None else unpack(ent, real)
+        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device, 0
+        at t = 0 and on padding: with `train.micro_batch_tokens` computed on its packed row, with
+        `parallel.cp_size` on this rank's share of the positions, and returned in the padded layout."""
+        packing = self.spec.train.micro_batch_tokens is not None
+        row, real = pack(mb) if packing else (mb, None)
+        inputs, scoring = self._inputs(row), self._scoring(row)
+        length = row["input_ids"].shape[1]
+        cp = None if self.cp_group is None else Shard.of(self.cp_group, length, self.device)
+        if cp is not None:
+            inputs, scoring = split(inputs, cp), {k: cp.take(v) for k, v in scoring.items()}
+        scores = self._row_forward(inputs, scoring, entropy, cp)
+        if cp is not None:
+            scores = tuple(cp.gather(s) for s in scores)
+        # the score computed at position t is that of token t + 1
+        scores = tuple(None if s is None else to_tokens(s[:, :length - 1]) for s in scores)
+        return tuple(unpack(s, real) if packing and s is not None else s for s in scores)
 
-    def _row_forward(self, mb: dict[str, torch.Tensor], entropy: bool):
+    def _inputs(self, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's inputs: a padded micro-batch's ids and attention mask, or a packed row's ids, position
+        ids that restart per sequence and the sequence bounds (the packing's attention takes them instead of
+        a mask); the engine's routes to replay (the policy's own picks), and images."""
+        packed = "position_ids" in row
+        keys = ("input_ids", "position_ids", "cu_seq_lens_q") if packed else ("input_ids", "attention_mask")
+        if self.spec.model.router_replay and self.role == "policy":
+            keys += ("routed_experts",)
+        images = image_inputs(row, self.image_token) if "image_grid_thw" in row else {}
+        return {k: row[k] for k in keys if k in row} | images
+
+    def _scoring(self, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What each position of `row` predicts, [B, T] aligned with it (the last predicts nothing): the next
+        token (`targets`), whether that token is scored (`scored`: real, with a prefix in its sequence: the
+        first token of a packed sequence has none) and sampled (`select`), and the distribution the engine
+        drew it from (recorded per token; else the run's settings apply)."""
+        scored = (row["position_ids"] > 0).long() if "position_ids" in row else row["attention_mask"]
+        fields = {"targets": row["input_ids"], "scored": scored,
+                  "select": scored * (row["loss_mask"] > 0) if "loss_mask" in row else scored}
+        fields |= {k: row[k] for k in RECORDED_SAMPLING if k in row}
+        return {k: torch.nn.functional.pad(v[:, 1:], (0, 1)) for k, v in fields.items()}
+
+    def _row_forward(self, inputs: dict[str, torch.Tensor], scoring: dict[str, torch.Tensor], entropy: bool,
+                     cp: Shard | None):
+        """At each position of `inputs`, the score of the token it predicts (`_scoring`): its logprob and
+        entropy, or the critic's value."""
+        inputs = dict(inputs)
         # Set for this forward and kept until the next one: activation checkpointing recomputes the layers
         # in the backward, after this returns, and the recomputation must take the same experts.
-        replay = self.spec.model.router_replay and self.role == "policy"   # the policy engine's picks
-        set_routes(self.model, mb.get("routed_experts") if replay else None)
-        images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
-        # A packed row has no attention mask: position ids restart per sequence and the packing's
-        # attention takes the sequence bounds; a token at position 0 has no prefix, hence no logprob.
-        positions = mb.get("position_ids")
-        packed = {} if positions is None else \
-            {"position_ids": positions, "cu_seq_lens_q": mb["cu_seq_lens_q"]}
-        attention = mb["attention_mask"] if positions is None else None
-        scored = mb["attention_mask"] if positions is None else (positions > 0).long()
+        set_routes(self.model, inputs.pop("routed_experts", None))
         autocast = torch.autocast("cuda" if self.cuda else "cpu", self.autocast or torch.float32,
                                   enabled=self.autocast is not None)
         chunked = self.role != "critic" and chunkable(self.model, self.spec.parallel)
         head = self.model.get_output_embeddings() if chunked else None
         with head_input(head) as hidden, autocast:
-            logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
-                                **packed, **images).logits.float()
-        # the distribution each token was sampled from: recorded per token, else the run's settings
+            logits = self.model(**inputs, **({} if cp is None else {"cp_shard": cp}), use_cache=False).logits
+        logits = logits.float()
         r = self.spec.rollout
-        sampling = (mb.get("temperature", r.temperature), mb.get("top_p", r.top_p), mb.get("top_k", r.top_k))
+        sampling = tuple(scoring.get(k, getattr(r, k)) for k in RECORDED_SAMPLING)
         if hidden:   # only sampled tokens are scored (the loss and the mismatch need no other)
-            select = scored * (mb["loss_mask"] > 0) if "loss_mask" in mb else scored
             with autocast:
                 chunk = chunk_tokens(self.spec, head.weight.shape[0])
-                return chunked_token_logprobs(hidden[0], head, mb["input_ids"], select, *sampling, entropy,
-                                              chunk, shared_chunk_count(select, chunk))
+                return chunked_next_token_logprobs(hidden[0], head, scoring["targets"], scoring["select"],
+                                                   *sampling, entropy, chunk,
+                                                   shared_chunk_count(scoring["select"], chunk))
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
-            return prefix_values(logits[..., 0], scored), None
-        return token_logprobs(logits, mb["input_ids"], scored, *sampling, entropy)
+            # V(tokens < t+1), read before token t+1: the baseline of the action t+1 must not have seen it,
+            # or every action's advantage would partly cancel itself
+            return logits[..., 0] * scoring["scored"], None
+        return next_token_logprobs(logits, scoring["targets"], scoring["scored"], *sampling, entropy)
 
     @torch.no_grad()
     def forward(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -221,8 +255,9 @@ class TrainerWorker:
 
     # -- training --------------------------------------------------------------------------------------
     def _replicas(self) -> int:
-        # the tp ranks of one data shard see the same rows: all-reduced sums count them once each
-        return self.spec.parallel.tp_size
+        # the tp and cp ranks of one data shard see the same rows (cp: gathered, `_forward`), so the loss and
+        # every metric they compute: all-reduced sums count them once each
+        return self.spec.parallel.tp_size * self.spec.parallel.cp_size
 
     def _all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
