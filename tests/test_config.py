@@ -370,7 +370,7 @@ def test_the_plan_says_fsdp2_only_where_it_shards():
     from molt.driver.launch import describe_plan
 
     plan = describe_plan(compose([]))
-    assert "1 rank(s) [dp=1 tp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
+    assert "1 rank(s) [dp=1 cp=1 tp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
     assert "] FSDP2 on cpu" in describe_plan(compose(["parallel=cpu2"]))
 
 
