@@ -78,15 +78,18 @@ def step(worker, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str
     return logp, worker.update(shard), grads
 
 
-def assert_like(cp_runs: list, reference: tuple, batch: dict[str, torch.Tensor], dp: int = 1) -> None:
-    """Every rank's metrics and gradients are the reference's, and its data shard's logprobs."""
-    ref_logp, ref_metrics, ref_grads = reference
+def assert_like(cp_runs: list, reference: tuple, batch: dict[str, torch.Tensor], dp: int = 1,
+                compared: tuple[str, ...] = COMPARED) -> None:
+    """Every rank's metrics and gradients are the reference's, and its data shard's scores (logprobs or
+    values) of the sampled tokens."""
+    ref_scores, ref_metrics, ref_grads = reference
     rows = -(-batch["input_ids"].shape[0] // dp)
-    for rank, (logp, metrics, grads) in enumerate(cp_runs):
+    for rank, (scores, metrics, grads) in enumerate(cp_runs):
         first = rank // (len(cp_runs) // dp) * rows
-        expected = ref_logp[first:first + rows]
-        assert float((logp[:len(expected)] - expected).abs().max()) <= TOLERANCE, rank
-        for key in COMPARED:
+        sampled = batch["loss_mask"][first:first + rows] > 0
+        gap = (scores[:len(sampled)] - ref_scores[first:first + rows])[sampled]
+        assert float(gap.abs().max()) <= TOLERANCE, rank
+        for key in compared:
             assert metrics[key] == pytest.approx(ref_metrics[key], abs=TOLERANCE), (rank, key)
         assert grads.keys() == ref_grads.keys()
         assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads) <= TOLERANCE, rank
@@ -131,6 +134,39 @@ def test_data_and_context_parallel_with_packing(tiny_model_path) -> None:
     spec.parallel.activation_checkpointing = True
     runs = forked_ranks(spec, lambda w: step(w, batch))
     assert_like(runs, reference, batch, dp=2)
+
+
+def test_tensor_and_context_parallel(tiny_model_path) -> None:
+    """4 ranks, tp=2 x cp=2: each tensor-parallel rank's 2 heads (1 key/value head, repeated for the split)
+    over its 2 cp ranks, whole logits (tensor parallel does not chunk): one cp=1 rank's numbers."""
+    batch = rollouts(3)
+    with one_rank(cp_spec(tiny_model_path)) as rank:
+        reference = step(rank, batch)
+    spec = cp_spec(tiny_model_path, cp=2)
+    spec.parallel.tp_size = 2
+    assert_like(forked_ranks(spec, lambda w: step(w, batch)), reference, batch)
+
+
+def test_critic_values_under_context_parallel(tiny_model_path) -> None:
+    """The critic's values (its value head on whole hidden states, each position scoring the token after
+    it) and its update at cp=2: cp=1's. Its value head has no dropout, so train and eval forwards agree."""
+    batch = rollouts(4)
+    batch["returns"] = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(4))
+    batch["old_values"] = torch.zeros_like(batch["returns"])
+
+    def critic(cp: int) -> RunSpec:
+        return RunSpec.model_validate({
+            "model": {"path": tiny_model_path, "critic": True}, "algo": {"estimator": "gae"},
+            "parallel": {"cp_size": cp, "cpu_threads": 1}, "rollout": {"samples_per_prompt": 8},
+            "train": {"prompts_per_step": 1, "micro_batch_size": 3}})
+
+    def critic_step(worker) -> tuple:
+        assert all(m.p == 0 for m in worker.model.modules() if isinstance(m, torch.nn.Dropout))
+        return step(worker, batch)
+    with one_rank(critic(1), role="critic") as rank:
+        reference = critic_step(rank)
+    runs = forked_ranks(critic(2), critic_step, role="critic")
+    assert_like(runs, reference, batch, compared=("critic/loss", "critic/grad_norm", "critic/value_error"))
 
 
 def test_moe_routes_are_split_with_their_tokens(tiny_model_path) -> None:
