@@ -181,3 +181,23 @@ def test_moe_routes_are_split_with_their_tokens(tiny_model_path) -> None:
     with one_rank(specs[0]) as rank:
         reference = step(rank, batch)
     assert_like(forked_ranks(specs[1], lambda w: step(w, batch)), reference, batch)
+
+
+def test_the_memory_plan_and_the_dry_run_split_a_micro_batch_over_cp_ranks() -> None:
+    """A cp rank's activations and logits are its share of the micro-batch's: half at cp=2 (8192 tokens a
+    micro-batch, 4096 on each rank); its weights, gradients and optimizer state are sharded over dp x cp.
+    The dry run names the layout and both token counts."""
+    from molt.driver.compose import compose
+    from molt.driver.launch import describe_plan
+    from molt.plan.arch import arch_of
+    from molt.plan.memory import trainer_estimate
+
+    specs = [compose(["parallel=cpu2", f"parallel.cp_size={cp}"]) for cp in (1, 2)]
+    one, two = (trainer_estimate(s, "policy", arch_of(s)).parts for s in specs)
+    for part in ("activations", "logits"):
+        assert two[part] == one[part] / 2
+    for part in ("params", "grads", "optimizer"):
+        assert two[part] == one[part] / 2
+    plan = describe_plan(specs[1])
+    assert "policy trainer: 4 rank(s) [dp=2 cp=2 tp=1 ep=1] FSDP2" in plan
+    assert "8192 tokens per micro-batch, 4096 on each of its cp=2 ranks" in plan
