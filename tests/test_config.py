@@ -97,6 +97,7 @@ def test_bad_type_is_reported_with_key_and_value():
                                  r"rank \(4 / tp_size=1\)"),
         (["+experiment=qwen30b_tools", "model.router_replay=false", "parallel.ep_size=8",
           "parallel.cp_size=2"], "cp_size > 1 with ep_size > 1"),
+        (["model=tiny_vl", "parallel.cp_size=2"], "cp_size > 1 with a vision-language model"),
         (["+experiment=qwen30b_tools", "parallel.ep_size=8"], "router_replay with parallel.ep_size=8"),
         # vLLM's GPU capture keeps a kept request's pre-refit routes (docs/generator.md)
         (["+experiment=qwen30b_tools", "rollout.partial_rollout=true"],

@@ -219,11 +219,15 @@ def _packing(spec: RunSpec) -> None:
 def _vision(spec: RunSpec) -> None:
     # The trainer loads a VLM's policy with its image inputs unpacked and has no value model for one; caught
     # here, the run stops before Ray and the engines start instead of when the trainer loads.
-    if not (spec.model.critic or spec.train.micro_batch_tokens is not None) or not _vlm(spec.model):
+    if not (spec.model.critic or spec.train.micro_batch_tokens is not None or spec.parallel.cp_size > 1) \
+            or not _vlm(spec.model):
         return
     if spec.model.critic:
         raise ValueError("model.critic=true with a vision-language model: a value model of a VLM is not "
                          "supported; use an estimator without a critic (e.g. algo=grpo)")
+    if spec.parallel.cp_size > 1:
+        raise ValueError("parallel.cp_size > 1 with a vision-language model: context parallel does not split "
+                         "image inputs over the cp ranks; use cp_size=1")
     raise ValueError("train.micro_batch_tokens (sequence packing) with a vision-language model: packing does "
                      "not pack image inputs; use train.micro_batch_size")
 

@@ -99,7 +99,8 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         # no dropout on the value head: the critic's forward must be deterministic like the policy's. Set
         # on the config object: transformers 5 drops `classifier_dropout` given to from_pretrained for a
         # config class without that field (Qwen3's), and the head then defaults to dropout 0.1
-        config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=spec.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(path, num_labels=1,
+                                            trust_remote_code=spec.model.trust_remote_code)
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
             path, config=config, attn_implementation=attention, **common)
