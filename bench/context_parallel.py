@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -148,7 +149,9 @@ def learning(steps: int, write: bool) -> None:
     head, runs = header(), {}
     for cp in (1, 2):
         args = ["parallel=cpu2", f"parallel.cp_size={cp}", f"train.steps={steps}", *QUIET]
-        runs[cp] = run_molt(args, OUT / f"context_parallel_learning_cp{cp}", timeout=3600)
+        out = OUT / f"context_parallel_learning_cp{cp}"
+        shutil.rmtree(out, ignore_errors=True)   # a run appends to the metrics.jsonl it finds
+        runs[cp] = run_molt(args, out, timeout=3600)
         runs[cp]["command"] = "python -m molt " + " ".join(args[:3])
         print(f"cp={cp}: rc={runs[cp]['rc']}", flush=True)
     rows = []

@@ -23,6 +23,10 @@ REVIEWED: dict[str, str] = {
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",
+    "molt/trainer/worker.py": "one trainer rank's collective methods in the order a run calls them (set-up, "
+                              "forward, update and its metrics, refit, checkpoints); the layouts a forward "
+                              "uses live beside it (batch.py, packing.py, context_parallel.py), the loss in "
+                              "molt/algo",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "

@@ -32,7 +32,7 @@ from molt.algo import (
 )
 from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import rank_state, weights
-from molt.trainer.batch import RECORDED_SAMPLING, image_inputs, inert_rows
+from molt.trainer.batch import RECORDED_SAMPLING, inert_rows, model_inputs, next_token_fields
 from molt.trainer.context_parallel import Shard, split
 from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.model import (
@@ -78,6 +78,7 @@ class TrainerWorker:
         self.refit_store: dist.TCPStore | None = None        # rank 0: where the next group meets
         self.store: dist.TCPStore | None = None              # rank 0: where the ranks meet (`address`)
         self.cp_group: dist.ProcessGroup | None = None       # the ranks splitting each micro-batch (`setup`)
+        self.image_token: int | None = None                  # a VLM's image placeholder id (`setup`)
 
     @ray.method(concurrency_group="control")   # runs while `update` holds the default group
     def set_engines_idle(self, idle: bool) -> None:
@@ -174,7 +175,8 @@ class TrainerWorker:
         `parallel.cp_size` on this rank's share of the positions, and returned in the padded layout."""
         packing = self.spec.train.micro_batch_tokens is not None
         row, real = pack(mb) if packing else (mb, None)
-        inputs, scoring = self._inputs(row), self._scoring(row)
+        replay = self.spec.model.router_replay and self.role == "policy"   # the policy engine's picks
+        inputs, scoring = model_inputs(row, replay, self.image_token), next_token_fields(row)
         length = row["input_ids"].shape[1]
         cp = None if self.cp_group is None else Shard.of(self.cp_group, length, self.device)
         if cp is not None:
@@ -186,32 +188,10 @@ class TrainerWorker:
         scores = tuple(None if s is None else to_tokens(s[:, :length - 1]) for s in scores)
         return tuple(unpack(s, real) if packing and s is not None else s for s in scores)
 
-    def _inputs(self, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model's inputs: a padded micro-batch's ids and attention mask, or a packed row's ids, position
-        ids that restart per sequence and the sequence bounds (the packing's attention takes them instead of
-        a mask); the engine's routes to replay (the policy's own picks), and images."""
-        packed = "position_ids" in row
-        keys = ("input_ids", "position_ids", "cu_seq_lens_q") if packed else ("input_ids", "attention_mask")
-        if self.spec.model.router_replay and self.role == "policy":
-            keys += ("routed_experts",)
-        images = image_inputs(row, self.image_token) if "image_grid_thw" in row else {}
-        return {k: row[k] for k in keys if k in row} | images
-
-    def _scoring(self, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What each position of `row` predicts, [B, T] aligned with it (the last predicts nothing): the next
-        token (`targets`), whether that token is scored (`scored`: real, with a prefix in its sequence: the
-        first token of a packed sequence has none) and sampled (`select`), and the distribution the engine
-        drew it from (recorded per token; else the run's settings apply)."""
-        scored = (row["position_ids"] > 0).long() if "position_ids" in row else row["attention_mask"]
-        fields = {"targets": row["input_ids"], "scored": scored,
-                  "select": scored * (row["loss_mask"] > 0) if "loss_mask" in row else scored}
-        fields |= {k: row[k] for k in RECORDED_SAMPLING if k in row}
-        return {k: torch.nn.functional.pad(v[:, 1:], (0, 1)) for k, v in fields.items()}
-
     def _row_forward(self, inputs: dict[str, torch.Tensor], scoring: dict[str, torch.Tensor], entropy: bool,
                      cp: Shard | None):
-        """At each position of `inputs`, the score of the token it predicts (`_scoring`): its logprob and
-        entropy, or the critic's value."""
+        """At each position of `inputs`, the score of the token it predicts (`next_token_fields`): its logprob
+        and entropy, or the critic's value."""
         inputs = dict(inputs)
         # Set for this forward and kept until the next one: activation checkpointing recomputes the layers
         # in the backward, after this returns, and the recomputation must take the same experts.
