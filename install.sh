@@ -23,6 +23,14 @@ if [ "$MODE" = install ]; then
   fi
   command -v bwrap >/dev/null || echo "install.sh: bubblewrap (bwrap) is not installed: tool sandboxes" \
     "(molt.agents.sandbox) will refuse to run until it is (apt-get install bubblewrap)" >&2
+  # Debian's chromium: the headless browser of the inspector's test (tests/test_inspect.py, via Playwright,
+  # which downloads no browser of its own).
+  if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q chromium >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || true
+  fi
+  command -v chromium >/dev/null || echo "install.sh: chromium is not installed: the inspector's browser" \
+    "test (tests/test_inspect.py) fails until it is (apt-get install chromium)" >&2
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   # uv installs the same resolution as pip in well under half the time (4.3 -> 1.7 min here).
   .venv/bin/python -m pip install -q uv

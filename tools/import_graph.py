@@ -30,6 +30,9 @@ KNOWN_CROSSINGS = {
     "molt.trainer.worker -> molt.algo": "the trainer rank computes the losses algo/ defines (pure tensor "
                                         "functions chosen by name, the way the spec names them) and loads "
                                         "algo.plugins into its own registries",
+    "molt.trainer.token_record -> molt.algo": "the rank's per-token record for the dump keeps the importance "
+                                              "weight the loss applies: algo's importance_weights on the "
+                                              "loss's own inputs",
 }
 
 

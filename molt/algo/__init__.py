@@ -29,7 +29,7 @@ from molt.algo.estimators import (
     register_estimator,
     rollout_rewards,
 )
-from molt.algo.filters import FILTERS, apply_filters
+from molt.algo.filters import FILTERS, apply_filters, filter_drops
 from molt.algo.groups import group_mean, group_sum, rollout_sum, to_tokens, token_gae
 from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_k1, kl_k2, kl_k3, with_kl_coef
 from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, token_scale, value_loss
@@ -41,7 +41,8 @@ from molt.algo.surrogates import POLICY_LOSSES
 __all__ = [
     "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
     "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "TURN_CREDIT", "Advantages", "EstimatorInputs",
-    "adaptive_kl_coef", "apply_filters", "compute_advantages", "gap_metrics", "gap_sums", "group_mean",
+    "adaptive_kl_coef", "apply_filters", "compute_advantages", "filter_drops", "gap_metrics", "gap_sums",
+    "group_mean",
     "group_sum",
     "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "load_plugins", "loss_normalizer",
     "masked_max",

@@ -40,9 +40,14 @@ class ParallelSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        """Trainer ranks per role: the data-parallel replicas times the context- and tensor-parallel ranks
-        of each."""
-        return self.dp_size * self.cp_size * self.tp_size
+        """Trainer ranks per role: the data-parallel replicas times the ranks of each."""
+        return self.dp_size * self.replica_ranks
+
+    @property
+    def replica_ranks(self) -> int:
+        """The ranks of one data-parallel replica, its context- and tensor-parallel ranks: they get the same
+        rows (mesh order dp, cp, tp: consecutive ranks)."""
+        return self.cp_size * self.tp_size
 
     @model_validator(mode="after")
     def _sizes(self) -> ParallelSpec:

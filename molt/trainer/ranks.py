@@ -51,7 +51,7 @@ def row_shards(batch: dict[str, torch.Tensor], par: ParallelSpec) -> list[dict[s
     contiguous shards, one per data-parallel replica; the cp and tp ranks of a replica get the same rows."""
     padded = pad_rows(batch, par.dp_size)
     per = padded["input_ids"].shape[0] // par.dp_size
-    replicas = par.cp_size * par.tp_size  # mesh order (dp, cp, tp): one replica's ranks are consecutive
+    replicas = par.replica_ranks
     return [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
             for r in range(par.world_size)]
 
@@ -61,6 +61,7 @@ class TrainerRanks:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
         self.spec, self.role = spec, role
+        self._rows = 0   # the rows of the last update's batch (its shards are padded)
         if role == "reference":
             check_same_tokenizer(spec)
         path = model_path(spec, role)   # resolved here, once: ranks only read the folder
@@ -105,8 +106,7 @@ class TrainerRanks:
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards, rows = self._shards(batch)
         outs = gather([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
-        replicas = self.spec.parallel.cp_size * self.spec.parallel.tp_size
-        return torch.cat(outs[::replicas])[:rows]
+        return torch.cat(outs[::self.spec.parallel.replica_ranks])[:rows]
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] log π(token t | tokens < t) under the distribution token t was sampled from (the batch's
@@ -122,15 +122,24 @@ class TrainerRanks:
             raise ValueError(f"values() needs the critic, this group is the {self.role}")
         return self._forward(batch)
 
-    def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+    def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None,
+               record: bool = False) -> dict[str, float]:
         """train.minibatches x train.epochs optimizer steps over the batch (policy: policy_loss; critic:
         value_loss); `kl_coef` replaces algo.kl.coef for this batch. Returns the step's metrics as the run
         logs them: the policy's under train/ (its trainer/engine gap under mismatch/), the critic's under
-        critic/."""
+        critic/. `record`: the ranks keep what the policy loss computed on each token (`token_record`)."""
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
-        shards, _ = self._shards(batch)
-        return gather([w.update.remote(s, kl_coef) for w, s in zip(self.workers, shards, strict=True)])[0]
+        shards, self._rows = self._shards(batch)
+        return gather([w.update.remote(s, kl_coef, record)
+                       for w, s in zip(self.workers, shards, strict=True)])[0]
+
+    def token_record(self) -> dict[str, torch.Tensor]:
+        """The last `update(record=True)`'s per-token record, [B, T] per field in the batch's rows
+        (molt.trainer.token_record: ids, loss mask, logprobs, advantages, weights, decisions, entropy)."""
+        outs = gather([w.token_record.remote() for w in self.workers])[::self.spec.parallel.replica_ranks]
+        keys = set(outs[0]).intersection(*outs)
+        return {k: torch.cat([o[k] for o in outs])[:self._rows] for k in sorted(keys)}
 
     def _all(self, method: str, *args: Any) -> Any:
         return gather([getattr(w, method).remote(*args) for w in self.workers])[0]

@@ -53,6 +53,7 @@ from molt.trainer.packing import pack, token_budget_groups, unpack
 from molt.trainer.router_replay import set_routes
 from molt.trainer.schedule import lr_factor
 from molt.trainer.threads import RankThreads
+from molt.trainer.token_record import TokenRecord
 
 # With several updates per batch these are also logged for the last update alone (`<name>_last`).
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
@@ -77,6 +78,7 @@ class TrainerWorker:
         self.refit_group: dist.ProcessGroup | None = None   # rank 0: the group to the engine workers
         self.refit_store: dist.TCPStore | None = None        # rank 0: where the next group meets
         self.store: dist.TCPStore | None = None              # rank 0: where the ranks meet (`address`)
+        self.record: TokenRecord | None = None   # the last update's per-token record (update(record=True))
         self.cp_group: dist.ProcessGroup | None = None       # the ranks splitting each micro-batch (`setup`)
         self.image_token: int | None = None                  # a VLM's image placeholder id (`setup`)
 
@@ -234,21 +236,19 @@ class TrainerWorker:
         return out
 
     # -- training --------------------------------------------------------------------------------------
-    def _replicas(self) -> int:
-        # the tp and cp ranks of one data shard see the same rows (cp: gathered, `_forward`), so the loss and
-        # every metric they compute: all-reduced sums count them once each
-        return self.spec.parallel.tp_size * self.spec.parallel.cp_size
-
     def _all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return (t / self._replicas()).tolist()
+        # the cp and tp ranks of one data shard hold the same rows (cp: gathered in `_forward`), so they
+        # compute the same loss and metrics: count each replica once
+        return (t / self.spec.parallel.replica_ranks).tolist()
 
-    def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+    def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None,
+               record: bool = False) -> dict[str, float]:
         """train.epochs passes over this rank's shard split into train.minibatches row chunks, one
         optimizer step per chunk; returns globally reduced metrics (same on all ranks) under the names the
         run logs (`_reduce_metrics`). `kl_coef` replaces algo.kl.coef for this batch (the adaptive KL
-        controller's current value).
+        controller's current value). `record`: keep what the policy loss saw of each token (`token_record`).
 
         With more than one update the policy's old logprobs are computed once here, before the first
         update, unless the batch brings them; with one update they are the update's own forward."""
@@ -260,6 +260,7 @@ class TrainerWorker:
         # equal row shards on every rank give equal chunks, so every rank steps (or skips) together
         bounds = [rows * i // spec.train.minibatches for i in range(spec.train.minibatches + 1)]
         self.model.train()
+        self.record = TokenRecord(*shard["input_ids"].shape) if record and self.role == "policy" else None
         sums: dict[str, float] = {}
         grad_norms = []
         for epoch in range(spec.train.epochs):
@@ -289,6 +290,7 @@ class TrainerWorker:
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + float(value)
+        record = self.record.part(part["input_ids"].shape[0]) if self.record and first_pass else None
         for mb in mbs:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
@@ -299,11 +301,13 @@ class TrainerWorker:
             elif self.sft:
                 loss, metrics = sft_loss(self._forward(mb)[0], mb, norm)
             else:
-                logp, ent = self._forward(mb, entropy=algo.loss.entropy_coef != 0)
+                logp, ent = self._forward(mb, entropy=algo.loss.entropy_coef != 0 or record is not None)
                 lb = dict(mb)
                 lb.setdefault("old_logp", logp.detach())  # one update per batch: old == current
-                if ent is not None:
+                if algo.loss.entropy_coef:
                     lb["entropy"] = ent
+                if record:
+                    record.add(mb, lb["old_logp"], ent, algo.correction)
                 loss, metrics = policy_loss(logp, lb, algo, norm)
                 # The gap to the engine, on the tokens sampled by the weights held before the update (all
                 # of them unless the loop marks older-policy tokens out with `current_mask`).
@@ -364,6 +368,11 @@ class TrainerWorker:
             out.update(gap_metrics({"tokens": total["mismatch/tokens"], "abs_sum": total["mismatch/abs_sum"],
                                     "k3_sum": total["mismatch/k3_sum"], "max_abs": float(peak)}))
         return out
+
+    def token_record(self) -> dict[str, torch.Tensor]:
+        """The last `update(record=True)`'s per-token record of this rank's shard ([rows, T] per field)."""
+        record, self.record = self.record, None
+        return record.tensors() if record else {}
 
     # -- weights and checkpoints -----------------------------------------------------------------------
     def host_refit(self, world_size: int) -> tuple[str, int]:
