@@ -132,6 +132,7 @@ def plot(rows: dict, lengths: list[int], cap: dict) -> None:
     mem.set(xlabel="rollout tokens", ylabel="peak memory growth per rank (MiB)", xscale="log", yscale="log")
     sec.set(xlabel="rollout tokens", ylabel="update seconds", xscale="log", yscale="log")
     for ax in (mem, sec):
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
         ax.grid(alpha=0.3)
     mem.legend(fontsize=8)
@@ -246,8 +247,8 @@ def main() -> None:
         f"{args.repeats} after an untimed step; peak: growth of the largest rank's resident memory during "
         "`update`; plan: the memory plan's activations + logits for the same spec",
         "", table(["layout", "tokens", "update s", "peak MiB per rank", "plan MiB per rank"], lines), "",
-        f"**Longest rollout one rank trains under {args.cap_mib:g} MiB: cp=1 {cap[1]} tokens, cp=2 {cap[2]} "
-        f"tokens per rank pair** (probed, tokens and MiB: {probes}).", "",
+        f"**Longest rollout trained with every rank under {args.cap_mib:g} MiB: cp=1 {cap[1]} tokens, cp=2 "
+        f"{cap[2]} tokens** (probed, tokens and MiB of the largest rank: {probes}).", "",
         "![context parallel](context_parallel.png)"])
     print(body)
     if args.write:
