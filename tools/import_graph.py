@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "molt"
 WINGS = ("agents", "rollout", "trainer", "algo")
 # What sits above the wings and may import them; nothing else imports it back (the top level is the
-# commands and the contract).
-ORCHESTRATION = ("driver", "sft")
+# commands and the contract). tinker/ is the service face over the same pieces (it imports the driver's).
+ORCHESTRATION = ("driver", "sft", "tinker")
 # Wing-to-wing imports still standing, each with its reason; tests/test_codebase.py fails on any other
 # one and on an entry that no longer happens.
 KNOWN_CROSSINGS = {

@@ -135,11 +135,12 @@ def model_inputs(row: dict[str, torch.Tensor], replay: bool,
 
 def next_token_fields(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What each position of a micro-batch `row` predicts, [B, T] aligned with it (the last position predicts
-    nothing): the next token (`targets`), whether that token is scored (`scored`: real, with a prefix in its
-    sequence; the first token of a packed sequence has none) and sampled (`select`), and the distribution
-    the engine drew it from (RECORDED_SAMPLING, when the segments record it)."""
+    nothing): the next token (`targets`: the next input, unless the batch names others in `target_ids`, as
+    molt.tinker's do), whether that token is scored (`scored`: real, with a prefix in its sequence; the
+    first token of a packed sequence has none) and sampled (`select`), and the distribution the engine drew
+    it from (RECORDED_SAMPLING, when the segments record it)."""
     scored = (row["position_ids"] > 0).long() if "position_ids" in row else row["attention_mask"]
-    fields = {"targets": row["input_ids"], "scored": scored,
+    fields = {"targets": row.get("target_ids", row["input_ids"]), "scored": scored,
               "select": scored * (row["loss_mask"] > 0) if "loss_mask" in row else scored}
     fields |= {k: row[k] for k in RECORDED_SAMPLING if k in row}
     return {k: torch.nn.functional.pad(v[:, 1:], (0, 1)) for k, v in fields.items()}

@@ -141,6 +141,21 @@ class TrainerRanks:
         keys = set(outs[0]).intersection(*outs)
         return {k: torch.cat([o[k] for o in outs])[:self._rows] for k in sorted(keys)}
 
+    def accumulate(self, batch: dict[str, torch.Tensor], loss: str, config: dict[str, Any],
+                   backward: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """[B, T] logprobs of the batch's `target_ids` and the summed datum loss `loss` (with `config`), its
+        gradient added to the accumulated ones with `backward` (TrainerWorker.accumulate); policy only."""
+        shards, rows = self._shards(batch)
+        outs = gather([w.accumulate.remote(s, loss, config, backward)
+                       for w, s in zip(self.workers, shards, strict=True)])
+        replicas = self.spec.parallel.tp_size
+        return torch.cat([out for out, _ in outs[::replicas]])[:rows], outs[0][1]
+
+    def apply_gradients(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                        max_norm: float) -> float:
+        """One AdamW step on the gradients `accumulate` added up; returns their norm before clipping."""
+        return self._all("apply_gradients", lr, betas, eps, weight_decay, max_norm)
+
     def _all(self, method: str, *args: Any) -> Any:
         return gather([getattr(w, method).remote(*args) for w in self.workers])[0]
 
@@ -171,8 +186,9 @@ class TrainerRanks:
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self._all("save", path, extra)
 
-    def load(self, path: str) -> dict[str, Any]:
-        return self._all("load", path)
+    def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
+        """Restore a `save`d state; `weights_only`: the weights, with a fresh optimizer."""
+        return self._all("load", path, weights_only)
 
     def export_hf(self, path: str) -> None:
         self._all("export_hf", path)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from molt import refit
 from molt.algo import (
     LOSS_NORMS,
+    datum_loss,
     gap_metrics,
     gap_sums,
     load_plugins,
@@ -109,7 +110,8 @@ class TrainerWorker:
         self.mesh = setup.mesh_context.device_mesh
         # the refit's format (block FP8: molt/trainer/fp8.py), read first: one it cannot reproduce stops the
         # run here
-        self.fp8 = None if self.role != "policy" or self.spec.model.lora.rank else checkpoint_fp8(self.path)
+        self.fp8 = None if self.role != "policy" or self.spec.model.lora.served_as_adapter() else \
+            checkpoint_fp8(self.path)
         self.model = build_model(self.spec, self.role, self.path, setup)
         self.threads.follow_blocks(self.model)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
@@ -329,11 +331,16 @@ class TrainerWorker:
                     add(f"l/{key}", float(value) * n_tok)
             if last:
                 add("l/weight", n_tok)
+        return self._step(self.spec.train.grad_clip)
+
+    def _step(self, max_norm: float) -> float:
+        """One optimizer step on the gradients accumulated so far, clipped to `max_norm` (inf: unclipped);
+        returns their global norm before clipping."""
         # Parameters replicated over tensor-parallel ranks (norms) got each rank's part of the gradient:
         # reduce them once; then clip with AutoModel, which groups gradients by mesh (TP and FSDP
         # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix).
         self.sync_tp_replicas([self.model], self.mesh)
-        grad_norm = self.clip_grad_norm(self.spec.train.grad_clip, [self.model])
+        grad_norm = self.clip_grad_norm(max_norm, [self.model])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
@@ -374,6 +381,53 @@ class TrainerWorker:
         record, self.record = self.record, None
         return record.tensors() if record else {}
 
+    # -- client-driven steps (molt.tinker): gradients accumulate over calls until `apply_gradients` ----
+    def accumulate(self, shard: dict[str, torch.Tensor], loss: str, config: dict[str, Any],
+                   backward: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """The logprob of each row's `target_ids` [B, T] and the summed datum loss `loss` (with `config`:
+        molt.algo.datum_losses) of this rank's rows; with `backward` its gradient is added to the
+        parameters' gradients, which nothing else zeroes but `apply_gradients`. Returns the rows' logprobs
+        and, reduced over the group: `loss`, and the trainer/engine gap on the tokens `current_mask` marks
+        (those the engines sampled with the weights the trainer holds) as `mismatch/*` sums."""
+        fn = datum_loss(loss, config)
+        self.model.train(backward)
+        out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
+        sums: dict[str, float] = {"loss": 0.0}
+        start = 0
+        with torch.enable_grad() if backward else torch.no_grad():
+            for mb in self._micro_batches(shard):
+                self.threads.start_micro_batch()
+                rows, length = mb["input_ids"].shape
+                logp = self._forward(mb)[0]
+                value, _ = fn(logp, mb)
+                if backward:
+                    value.backward()
+                sums["loss"] += float(value.detach())
+                current = mb["current_mask"] > 0
+                if current.any():
+                    for key, gap in gap_sums((logp.detach() - mb["behaviour_logp"])[current]).items():
+                        sums[f"mismatch/{key}"] = max(sums.get(f"mismatch/{key}", 0.0), gap) \
+                            if key == "max_abs" else sums.get(f"mismatch/{key}", 0.0) + gap
+                if start < out.shape[0]:   # the inert micro-batches that even out ranks come last
+                    out[start:start + rows, :length] = logp.detach().cpu()
+                start += rows
+        peak = torch.tensor([sums.pop("mismatch/max_abs", 0.0)], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        keys = ["loss", "mismatch/tokens", "mismatch/abs_sum", "mismatch/k3_sum"]
+        total = dict(zip(keys, self._all_sum([sums.get(k, 0.0) for k in keys]), strict=True))
+        return out, {**total, "mismatch/max_abs": float(peak)}
+
+    def apply_gradients(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                        max_norm: float) -> float:
+        """One AdamW step with these hyperparameters (a client sends them with every step) on the
+        gradients `accumulate` added up since the last step, clipped to `max_norm` (inf: unclipped);
+        returns the gradient norm before clipping."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        norm = self._step(max_norm)
+        self.step += 1
+        return norm
+
     # -- weights and checkpoints -----------------------------------------------------------------------
     def host_refit(self, world_size: int) -> tuple[str, int]:
         """Rank 0: close the last refit group and listen for the next one's `world_size` ranks
@@ -412,8 +466,13 @@ class TrainerWorker:
                         {"step": self.step, "role": self.role, "extra": extra})
 
     def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
-        """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer)."""
+        """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer).
+        Gradients accumulated before (molt.tinker's `accumulate`) are dropped: a checkpoint holds none."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         if weights_only:
+            if self.optimizer is not None:
+                self.optimizer.state.clear()   # no moments: the next step starts AdamW afresh
             return rank_state.load(path, self.model, None, None)["extra"]
         meta = rank_state.load(path, self.model, self.optimizer, self.scheduler)
         self.step = meta["step"]
