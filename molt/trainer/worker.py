@@ -55,6 +55,7 @@ from molt.trainer.router_replay import set_routes
 from molt.trainer.schedule import lr_factor
 from molt.trainer.threads import RankThreads
 from molt.trainer.token_record import TokenRecord
+from molt.trainer.tower import sharded_tower, tower_in_every_forward
 
 # With several updates per batch these are also logged for the last update alone (`<name>_last`).
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
@@ -115,6 +116,7 @@ class TrainerWorker:
         self.model = build_model(self.spec, self.role, self.path, setup)
         self.threads.follow_blocks(self.model)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
+        self.tower_collectives = self.image_token is not None and sharded_tower(self.model)
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
                              "use train.micro_batch_size with a vision-language model")
@@ -185,7 +187,8 @@ class TrainerWorker:
         cp = None if self.cp_group is None else Shard.of(self.cp_group, length, self.device)
         if cp is not None:
             inputs, scoring = split(inputs, cp), {k: cp.take(v) for k, v in scoring.items()}
-        scores = self._row_forward(inputs, scoring, entropy, cp)
+        placeholder = "image_grid_thw" in row and "pixel_values" not in inputs and self.tower_collectives
+        scores = self._row_forward(inputs, scoring, entropy, cp, placeholder)
         if cp is not None:
             scores = tuple(cp.gather(s) for s in scores)
         # the score computed at position t is that of token t + 1
@@ -193,9 +196,9 @@ class TrainerWorker:
         return tuple(unpack(s, real) if packing and s is not None else s for s in scores)
 
     def _row_forward(self, inputs: dict[str, torch.Tensor], scoring: dict[str, torch.Tensor], entropy: bool,
-                     cp: Shard | None):
+                     cp: Shard | None, placeholder: bool):
         """At each position of `inputs`, the score of the token it predicts (`next_token_fields`): its logprob
-        and entropy, or the critic's value."""
+        and entropy, or the critic's value. `placeholder`: run the vision tower without images."""
         inputs = dict(inputs)
         # Set for this forward and kept until the next one: activation checkpointing recomputes the layers
         # in the backward, after this returns, and the recomputation must take the same experts.
@@ -204,7 +207,8 @@ class TrainerWorker:
                                   enabled=self.autocast is not None)
         chunked = self.role != "critic" and chunkable(self.model, self.spec.parallel)
         head = self.model.get_output_embeddings() if chunked else None
-        with head_input(head) as hidden, autocast:
+        # a VLM batch's micro-batch without an image still runs a sharded tower's collectives, as its peers do
+        with head_input(head) as hidden, autocast, tower_in_every_forward(self.model, placeholder):
             logits = self.model(**inputs, **({} if cp is None else {"cp_shard": cp}), use_cache=False).logits
         logits = logits.float()
         r = self.spec.rollout
@@ -235,6 +239,7 @@ class TrainerWorker:
             if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
                 out[start:start + rows, :length] = scores
             start += rows
+        self._release_cached_memory()
         return out
 
     # -- training --------------------------------------------------------------------------------------
@@ -277,7 +282,14 @@ class TrainerWorker:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()  # counts the batches this role trains on, not updates (schedule.py)
         self.step += 1
+        self._release_cached_memory()
         return self._reduce_metrics(sums, grad_norms, lr)
+
+    def _release_cached_memory(self) -> None:
+        """parallel.colocate on cuda: the blocks this pass freed go back to the GPU, where the engine wakes
+        into them; the caching allocator would keep them for this rank's next pass."""
+        if self.cuda and self.spec.parallel.colocate:
+            torch.cuda.empty_cache()
 
     def _update(self, part: dict[str, torch.Tensor], algo: AlgoSpec, sums: dict[str, float], first_pass: bool,
                 last: bool) -> float | None:
@@ -438,8 +450,10 @@ class TrainerWorker:
         return ray.util.get_node_ip_address(), self.refit_store.port
 
     def join_refit(self, world_size: int) -> None:
-        """Rank 0: open the refit group `host_refit` listens for; returns once all `world_size` joined."""
-        self.refit_group = refit.host_group(self.refit_store, world_size, self.device)
+        """Rank 0: open the refit group `host_refit` listens for; returns once all `world_size` joined.
+        A colocated engine shares this device: its payloads go by handle (`molt.refit`, shared)."""
+        self.refit_group = refit.host_group(self.refit_store, world_size, self.device,
+                                            shared=self.spec.parallel.colocate)
 
     @ray.method(concurrency_group="control")   # runs while `send_weights` waits in the default group
     def abort_refit(self) -> None:
@@ -452,7 +466,8 @@ class TrainerWorker:
         chunk_bytes = int(self.spec.rollout.refit_chunk_mb * 2**20)
         chunks = weights.refit_chunks(self.model, self.spec, chunk_bytes, self.device, self.fp8)
         try:
-            return refit.send(self.refit_group, chunks, self.device, chunk_bytes) if self.rank == 0 else 0
+            return refit.send(self.refit_group, chunks, self.device, chunk_bytes,
+                              shared=self.spec.parallel.colocate) if self.rank == 0 else 0
         finally:   # the other ranks only take part in the gathers; so does rank 0 after a failed stream
             for _ in chunks:
                 pass
