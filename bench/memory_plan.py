@@ -98,7 +98,8 @@ def main() -> None:
         command = (f"python bench/memory_plan.py --sizes {args.sizes} --rows {args.rows} --length "
                    f"{args.length} --write")
         write_section("memory_plan", f"`{command}` (fp32, one CPU trainer rank: parameters + AdamW state + "
-                                     f"the growth of resident memory during a second update; {host()})\n\n{table}\n")
+                                     f"the growth of resident memory during a second update; {host()})"
+                                     f"\n\n{table}\n")
 
 
 if __name__ == "__main__":

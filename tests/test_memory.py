@@ -147,10 +147,10 @@ def test_every_gpu_experiment_fits_its_hardware(name):
 
 
 def test_the_estimate_is_within_15_percent_of_a_measured_cpu_trainer_rank():
-    # bench/memory_plan.py: one fp32 trainer rank's setup + two updates on 32 rows of 8 + 64 tokens; measured =
-    # parameters + AdamW state + the growth of resident memory during the second update. The first one also
-    # pages in library code and keeps buffers (15 MiB here; 27 where transparent huge pages back malloc, which
-    # made the first update's peak 0.79 of the estimate on such a host)
+    # bench/memory_plan.py: one fp32 trainer rank's setup + two updates on 32 rows of 8 + 64 tokens;
+    # measured = parameters + AdamW state + the growth of resident memory during the second update. The
+    # first one also pages in library code and keeps buffers (15 MiB here; 27 where transparent huge pages
+    # back malloc, which made the estimate 0.79 of the first update's peak on such a host)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "memory_plan.py", "--sizes", "tiny", "--rows", "32", "--length",
                           "64"], cwd=REPO / "bench", env=env, capture_output=True, text=True, timeout=600)
