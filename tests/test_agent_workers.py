@@ -222,7 +222,7 @@ def test_a_run_on_agent_workers_learns_what_the_driver_loop_learns(ray_session, 
     runs = {}
     for workers in (0, 2):
         run_dir = tmp_path / f"w{workers}"
-        train(small_spec({"workers": workers}, run={"dir": str(run_dir)},
+        train(small_spec({"workers": workers}, run={"dir": str(run_dir)}, parallel={"cpu_threads": 1},
                          train={"steps": 3, "prompts_per_step": 4}, rollout={"engine": {"kv_cache_gib": 0.1}},
                          logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}}))
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -26,8 +26,10 @@ from molt.driver.plot import read_metrics as metrics_by_step
 from molt.inputs.data import PromptDataset, PromptIterator
 
 REPO = Path(__file__).resolve().parents[1]
+# One thread per process: a redone step is bit for bit only on the threads of the first run, and null's
+# follow the cores the suite's other work leaves (molt/plan/cores.py).
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
-         "rollout.temperature=0.7", "rollout.top_p=0.9",
+         "rollout.temperature=0.7", "rollout.top_p=0.9", "parallel.cpu_threads=1",
          "logging.plots=false", "logging.progress=false", "logging.wandb.mode=disabled",
          "rollout.engine.kv_cache_gib=0.25"]
 

@@ -24,6 +24,7 @@ import numpy as np
 import ray
 
 from molt.inputs.vision import collapse, decode
+from molt.plan.cores import FreeCores
 from molt.rollout.engine_args import actor_options, check_lora, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.rollout.sampling import sampling_params
@@ -54,10 +55,13 @@ class EngineActor:
     """
 
     def __init__(self, model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int = 0,
-                 index: int = 0) -> None:
+                 index: int = 0, threads: int | None = None) -> None:
         from vllm import EngineArgs
 
         self.index = index
+        # CPU, parallel.cpu_threads null: the engine thread computes with its planned `threads`, less the
+        # cores other work keeps busy (molt/plan/cores.py)
+        self.threads, self.free = threads, FreeCores() if threads else None
         self.partial_rollout = rollout.partial_rollout
         self.prompt_too_long = rollout.prompt_too_long
         self.max_model_len = model.max_model_len
@@ -113,6 +117,7 @@ class EngineActor:
         Built on another thread, the same engine stepped here ran 1.15x slower on 2 cores (30M model,
         32 x 128 tokens: bench/engine_modes.py mode inproc_other_thread): OpenMP keeps a thread team per
         thread that computes, and the builder's idle team let this one's workers sleep between regions."""
+        import torch
         from vllm.v1.engine.llm_engine import LLMEngine
 
         try:
@@ -135,6 +140,8 @@ class EngineActor:
                     except Exception as err:   # noqa: BLE001 - the caller's failure, raised in the caller
                         self.loop.call_soon_threadsafe(_settle, future, None, err)
                 if self.llm.has_unfinished_requests():
+                    if self.free and torch.get_num_threads() != (n := self.free.cap(self.threads)):
+                        torch.set_num_threads(n)
                     finals = [out for out in self.llm.step() if out.finished]
                     if finals:
                         self.loop.call_soon_threadsafe(self._finished, finals)
@@ -371,7 +378,9 @@ def start_engine(spec: Any, model_path: str, index: int, slot: Any = None) -> An
     threads = cpu_threads(spec, "engine", index)
     options = dict(actor_options(spec.rollout.engine, spec.parallel.device, threads),
                    label_selector=node_selector(ids[slot.node]))
-    return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index)
+    follow = threads if spec.parallel.device == "cpu" and spec.parallel.cpu_threads is None else None
+    return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index,
+                                                 follow)
 
 
 def start_engines(spec: Any, model_path: str, slots: list | None = None) -> list:

@@ -38,7 +38,8 @@ class ParallelSpec(Strict):
     cpu_threads: int | None = Field(
         None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
         "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
-        "take them all while no rollout generates); 1 where other jobs keep the cores busy")
+        "take them all while no rollout generates), less those other work kept busy over the last second "
+        "(molt/plan/cores.py)")
 
     @property
     def world_size(self) -> int:
