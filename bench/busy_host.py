@@ -66,7 +66,7 @@ def main() -> None:
             for threads in reversed(args.threads.split(",")):   # cpu_threads=1 first: the ratios' base
                 r = cell(stage, busy, threads, args.steps, args.warmup)
                 base = base or r["step_s"]
-                rows.append([stage, busy, threads, f"{r['step_s']:.3f}", f"{r['max_s']:.3f}",
+                rows.append([stage, str(busy), threads, f"{r['step_s']:.3f}", f"{r['max_s']:.3f}",
                              f"{r['step_s'] / base:.2f}", f"{r['load']:.1f}"])
                 print(" | ".join(rows[-1]), flush=True)
     text = table(["stage", "busy processes beside it", "parallel.cpu_threads", "median step s",
