@@ -21,7 +21,8 @@ class FreeCores:
     """`cap(planned)`: at most `planned` threads, and no more than the cores of this process's affinity that
     the host's other work left idle since the last window (a core at least half idle counts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, planned: int | None = None) -> None:
+        self.planned = planned   # `set_threads`' count (None: it leaves torch's threads alone)
         self.cores = sorted(os.sched_getaffinity(0))
         self.tick = os.sysconf("SC_CLK_TCK")
         self.free = len(self.cores)
@@ -46,3 +47,10 @@ class FreeCores:
             others = max(0.0, busy - own) / wall
             self.free, self.last = len(self.cores) - others, sample
         return max(1, min(planned, int(self.free + 0.5)))
+
+    def set_threads(self) -> None:
+        """The calling thread computes with `cap(planned)` torch threads (a CPU engine, before each step)."""
+        import torch
+
+        if self.planned is not None and torch.get_num_threads() != (n := self.cap(self.planned)):
+            torch.set_num_threads(n)

@@ -58,10 +58,7 @@ class EngineActor:
                  index: int = 0, sleeps: bool = False, threads: int | None = None) -> None:
         from vllm import EngineArgs
 
-        self.index = index
-        # CPU, parallel.cpu_threads null: the engine thread computes with its planned `threads`, less the
-        # cores other work keeps busy (molt/plan/cores.py)
-        self.threads, self.free = threads, FreeCores() if threads else None
+        self.index, self.free = index, FreeCores(threads)   # threads: None but with cpu_threads null on CPU
         self.partial_rollout = rollout.partial_rollout
         self.prompt_too_long = rollout.prompt_too_long
         self.max_model_len = model.max_model_len
@@ -117,7 +114,6 @@ class EngineActor:
         Built on another thread, the same engine stepped here ran 1.15x slower on 2 cores (30M model,
         32 x 128 tokens: bench/engine_modes.py mode inproc_other_thread): OpenMP keeps a thread team per
         thread that computes, and the builder's idle team let this one's workers sleep between regions."""
-        import torch
         from vllm.v1.engine.llm_engine import LLMEngine
 
         try:
@@ -140,8 +136,7 @@ class EngineActor:
                     except Exception as err:   # noqa: BLE001 - the caller's failure, raised in the caller
                         self.loop.call_soon_threadsafe(_settle, future, None, err)
                 if self.llm.has_unfinished_requests():
-                    if self.free and torch.get_num_threads() != (n := self.free.cap(self.threads)):
-                        torch.set_num_threads(n)
+                    self.free.set_threads()   # the planned threads, less the cores other work keeps busy
                     finals = [out for out in self.llm.step() if out.finished]
                     if finals:
                         self.loop.call_soon_threadsafe(self._finished, finals)
