@@ -297,6 +297,7 @@ PLANS = {
     "tiny": ["node 0: policy rank 0, engine 0",
              "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "qwen3_4b_math": ["node 0: policy ranks 0-3, engines 0-1 | 8/8 GPUs", "total: 8 of 1 x 8 = 8 GPUs"],
+    "qwen3_4b_bfcl": ["node 0: policy ranks 0-3, engines 0-1 | 8/8 GPUs", "total: 8 of 1 x 8 = 8 GPUs"],
     "qwen30b_tools": ["node 0: policy ranks 0-7 | 8/8 GPUs", "node 1: engines 0-7 | 8/8 GPUs",
                       "total: 16 of 2 x 8 = 16 GPUs"],
     "dsv3_ep256": ["nodes 0-31: policy ranks 0-255 | 8/8 GPUs each",
@@ -311,6 +312,8 @@ PLANS = {
               "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "rg_sft": ["node 0: policy rank 0",
                "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "tiny_bfcl": ["node 0: policy rank 0, engine 0",
+                  "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "tiny_tools": ["node 0: policy rank 0, engine 0",
                    "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "tool_rl": ["node 0: policy rank 0, engine 0",
@@ -331,9 +334,11 @@ def test_qwen_vl_geo3k_matches_its_description():
     assert spec.parallel.world_size == 8 and spec.rollout.engine.num_engines == 8
 
 
-# The flagship's data is generated, not committed (its header); the CPU twin's rows are the same mix.
+# The GPU recipes' data is generated, not committed (their headers); their CPU twins' rows have the same form.
 GENERATED = {"qwen30b_tools": ["data.train_path=examples/data/tool_flagship_train.jsonl",
-                               "data.eval=[examples/data/tool_flagship_eval.jsonl]"]}
+                               "data.eval=[examples/data/tool_flagship_eval.jsonl]"],
+             "qwen3_4b_bfcl": ["data.train_path=examples/data/bfcl_multi_turn_base_train.jsonl",
+                               "data.eval=[examples/data/bfcl_multi_turn_base_eval.jsonl]"]}
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
