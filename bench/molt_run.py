@@ -52,15 +52,16 @@ def step_records(rows: list[dict[str, float]]) -> list[dict[str, float]]:
             for r in rows]
 
 
-def run_molt(args: list[str], run_dir: Path, timeout: float = 1800) -> dict[str, Any]:
-    """Run Molt with these overrides in `run_dir`; returns {rows, steps, wall_s, setup_s, rc, log}.
+def run_molt(args: list[str], run_dir: Path, timeout: float = 1800, module: str = "molt") -> dict[str, Any]:
+    """Run Molt (`python -m molt`, or another command `module`: molt.sft) with these overrides in `run_dir`;
+    returns {rows, steps, wall_s, setup_s, rc, log}.
 
     A failed or timed-out run comes back with rc != 0 and the tail of its log, not an exception, so a
     sweep keeps going and reports what failed.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "molt", *args, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", module, *args, f"hydra.run.dir={run_dir}"]
     start, epoch, load = time.perf_counter(), time.time(), os.getloadavg()[0]  # 1-minute load at the start
     with (run_dir / "molt.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
