@@ -102,6 +102,7 @@ class ChatAgentRunner(Runner):
         rollout = trace.rollout(result.reward, result.score, result.info, self.label_of(item))
         rollout.turns, rollout.answered = session.turns, session.answered
         rollout.tool_calls, rollout.tool_errors = session.tool_calls, session.tool_errors
+        rollout.tool_parse_errors = session.tool_parse_errors
         return rollout
 
     def close(self) -> None:
