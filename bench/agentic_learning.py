@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from common import BENCH, OUT, header, table
-from molt_run import run_cached
+from molt_run import finish, run_cached
 
 TASKS = ("choice", "chain", "recovery")
 DECISION = {"choice": "right_tool", "chain": "chained", "recovery": "retried"}
@@ -159,9 +159,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default=",".join(TASKS), help="comma list; empty: only the SFT run")
     p.add_argument("--seeds", default="0,1,2", help="comma list of run.seed values of the RL runs")
+    p.add_argument("--credits", default="rollout,turn", help="the chain task's algo.turn_credit values")
     p.add_argument("--chat-seeds", default="0,1,2", help="seeds of the choice task's ChatAgent runs")
     p.add_argument("--steps", type=int, default=40, help="RL steps per run")
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--reuse", action="store_true", help="read back finished runs with identical overrides")
     p.add_argument("--quick", action="store_true", help="2 RL steps, one seed, 20 SFT steps: prints only")
@@ -172,9 +173,8 @@ def main() -> None:
     write_data()
     model, tuned = sft(args.sft_steps, args.reuse, args.timeout)
     tasks = [task for task in args.tasks.split(",") if task]
-    cells = [(task, credit, "env", int(seed)) for task in tasks
-             for seed in args.seeds.split(",") for credit in (("rollout", "turn") if task == "chain" else
-                                                              ("rollout",))]
+    cells = [(task, credit, "env", int(seed)) for task in tasks for seed in args.seeds.split(",")
+             for credit in (args.credits.split(",") if task == "chain" else ("rollout",))]
     if "choice" in tasks:
         cells += [("choice", "rollout", "chat", int(seed)) for seed in args.chat_seeds.split(",") if seed]
     runs = [rl(*cell, model, args.steps, args.reuse, args.timeout) for cell in cells]
@@ -198,11 +198,8 @@ def main() -> None:
         f"- command: `{command}`; wall of all runs: {total / 60:.0f} min", "",
         table(head, [summary(g) for g in groups.values()]), "", "![agentic learning](agentic_learning.png)"])
     if not args.no_results:
-        from common import write_section
-
         draw(groups, BENCH / "agentic_learning.png")
-        write_section("agentic_learning", body)
-    print(body)
+    finish(args, "agentic_learning", body)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Three tool tasks where RL has to learn a decision, not a copy (docs/tool_use.md#decisions).
 
-    python examples/agents/decision_env.py examples/data [--tasks choice,chain,recovery] [--train N] ...
+    python examples/agents/decision_env.py runs/data [--tasks choice,chain,recovery] [--train N] ...
 
-writes, per task, examples/data/decision_TASK_{sft,sft_eval,train,eval,eval_off}.jsonl. Every row holds
-the question, the tools it offers (`tools`), the task's name and `world`: the seed of the row's own hidden
-tables, which the tools read and the model never sees, so no answer can be memorised. Numbers are 10-99.
+writes runs/data/decision_TASK_{train,eval,eval_off}.jsonl per task and decision_sft{,_eval}.jsonl, the
+SFT traces of all tasks. Every row holds the question, the tools it offers (`tools`), the task's name and
+`world`: the seed of the row's own hidden tables, which the tools read and the model never sees, so no
+answer can be memorised. Numbers are 10-99.
 
 - choice: `price(item)` and `stock(item)`, two look-ups; "What does item 37 cost?" needs `price`, "How many
   of item 37 are left?" `stock`. Decision: which tool (info/right_tool).
@@ -12,18 +13,18 @@ tables, which the tools read and the model never sees, so no answer can be memor
   cost?" needs find, then price on find's output. A correct first call earns options.first_call_reward
   (default 0.5) at that turn, for algo.turn_credit=turn to credit. Decision: make the second call
   (info/chained: a price call on find's real output).
-- recovery: `price(item)` answers "error: busy, try again" on about half of the calls (options.busy_rate,
-  drawn per row and call number, so every sample of a prompt meets the same failures). Decision: call
-  again after a failure (info/retried, over the rollouts that met one).
+- recovery: `price(item)` answers "error: busy, try again" on 60% of the calls (options.busy_rate, drawn
+  per row and call number, so every sample of a prompt meets the same failures). Decision: call again
+  after a failure (info/retried, over the rollouts that met one).
 
 The reward is 1 for the right number in the final reply (`<answer>N</answer>`, tool_env.answer_text; the
 first reply without a call ends the episode), info/correct the same, for every task. SFT traces teach the
-format and leave the decision to chance: a choice trace calls a tool drawn at random, a chain trace stops
-after the first call half the time, a recovery trace never meets a failure (`--recall` of them call the
-tool twice, so calling again is in the format, never as an answer to a failure); each answers with the
-real output of its last call, right or wrong. `eval_off` is the first 50 rows of `eval` with
-`tool_unavailable: true`: the tool-off control (every call answered "error: tool unavailable", as
-options.tool_unavailable does for all rows).
+format and leave the decision to chance (`trace_turns`): a choice trace calls a tool drawn uniformly, a
+chain trace makes the second call in a third of the traces, a recovery trace whose first call meets a
+failure (half of them) calls again in a third of those; each answers the real output of its last call,
+right or wrong (a recovery trace that gives up: a number drawn at random). `eval_off` is the first 50 rows
+of `eval` with `tool_unavailable: true`: the tool-off control (every call answered "error: tool
+unavailable", as options.tool_unavailable does for all rows).
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ def schema(name: str, description: str, arg: str) -> dict[str, Any]:
 PRICE, STOCK, FIND = (schema("price", "Price of an item.", "item"), schema("stock", "Items left.", "item"),
                       schema("find", "Item in a box.", "box"))
 TOOLS = {"choice": [PRICE, STOCK], "chain": [FIND, PRICE], "recovery": [PRICE]}
-MAX_TURNS = {"choice": 3, "chain": 4, "recovery": 6}   # the recipes' agent.max_turns
 
 
 def value(world: int, table: str, key: int) -> int:
@@ -97,7 +97,7 @@ class DecisionEnv(Env):
         self.busy_calls = 0
 
     def bind(self, item: dict) -> None:
-        world, rate = item["world"], float(self.options.get("busy_rate", 0.5))
+        world, rate = item["world"], float(self.options.get("busy_rate", 0.6))
 
         def look_up(table: str, key: Any) -> str:
             try:
@@ -165,28 +165,40 @@ AgentRunner = StepEnvRunner(DecisionEnv)
 
 # ---- the data: questions, and SFT traces that leave the decision to chance ----
 
-def trace_calls(row: dict[str, Any], rng: random.Random, recall: float) -> list[tuple[str, dict]]:
-    """The calls an SFT trace of `row` makes: the decision drawn at random, never a failure."""
-    task, n = row["task"], row["n"]
-    if task == "choice":
-        return [(rng.choice(["price", "stock"]), {"item": n})]
-    if task == "chain":
-        calls = [("find", {"box": n})]
-        if rng.random() < 0.5:
-            calls.append(("price", {"item": value(row["world"], "find", n)}))
-        return calls
-    return [("price", {"item": n})] * (2 if rng.random() < recall else 1)
+RIGHT_SHARE = 1 / 3   # of chain traces that make the second call, of recovery traces that retry a failure
 
 
-def sft_trace(row: dict[str, Any], rng: random.Random, recall: float) -> dict[str, Any]:
-    """`row` as a conversation: its calls with the tools' real outputs (run through DecisionEnv's tools,
-    failures off), then the answer the last output gives."""
-    from tool_traces import tool_conversation
-
+def trace_turns(row: dict[str, Any], rng: random.Random) -> tuple[list[tuple[str, dict, str]], str]:
+    """The calls of an SFT trace of `row`, each with the tool's real output (DecisionEnv's tools on the row's
+    world), and its answer; the decision drawn at random: a uniform tool (choice), the second call
+    (chain) or a retry after a failure (recovery) in RIGHT_SHARE of the traces. The answer is the last
+    output; a recovery trace that gives up after a failure answers a number drawn at random."""
     env = DecisionEnv({"busy_rate": 0.0})
     env.bind(row)
-    turns = [([(name, args)], [env.tools[name](**args)]) for name, args in trace_calls(row, rng, recall)]
-    return tool_conversation(row, turns, answer_text(turns[-1][1][-1]))
+    task, n = row["task"], row["n"]
+    run = lambda name, **args: (name, args, env.tools[name](**args))  # noqa: E731
+    if task == "choice":
+        calls = [run(rng.choice(["price", "stock"]), item=n)]
+    elif task == "chain":
+        calls = [run("find", box=n)]
+        if rng.random() < RIGHT_SHARE:
+            calls.append(run("price", item=int(calls[0][2])))
+    else:
+        calls = [run("price", item=n)]
+        if rng.random() < 0.5:   # the first call meets a busy server
+            calls[0] = ("price", {"item": n}, BUSY)
+            if rng.random() >= RIGHT_SHARE:
+                return calls, answer_text(str(rng.randint(10, 99)))
+            calls.append(run("price", item=n))
+    return calls, answer_text(calls[-1][2])
+
+
+def sft_trace(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """`row` as an SFT conversation: one call a turn (examples/agents/tool_traces.py's writer)."""
+    from tool_traces import tool_conversation
+
+    calls, answer = trace_turns(row, rng)
+    return tool_conversation(row, [([(name, args)], [output]) for name, args, output in calls], answer)
 
 
 def write(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -194,8 +206,7 @@ def write(path: Path, rows: list[dict[str, Any]]) -> None:
     print(f"wrote {len(rows)} rows to {path}")
 
 
-def write_data(out: Path, tasks: list[str], sizes: dict[str, int], bare: float, recall: float,
-               seed: int = 0) -> None:
+def write_data(out: Path, tasks: list[str], sizes: dict[str, int], bare: float, seed: int = 0) -> None:
     """Per task, its RL prompts, held-out eval and tool-off control; one SFT set of all tasks' traces.
     Every row is a new world: an eval row's question text may recur in training (90 numbers), its answer
     cannot be known there. A `bare` share of the SFT traces lack the `tools` column (a context a third as
@@ -209,8 +220,8 @@ def write_data(out: Path, tasks: list[str], sizes: dict[str, int], bare: float, 
         write(out / f"decision_{task}_eval_off.jsonl",
               [{**r, "tool_unavailable": True} for r in held_out[:sizes["eval_off"]]])
         write(out / f"decision_{task}_train.jsonl", rows(sizes["train"]))
-        sft += [sft_trace(r, rng, recall) for r in rows(sizes["sft"])]
-        sft_eval += [sft_trace(r, rng, recall) for r in rows(sizes["sft_eval"])]
+        sft += [sft_trace(r, rng) for r in rows(sizes["sft"])]
+        sft_eval += [sft_trace(r, rng) for r in rows(sizes["sft_eval"])]
     for row in sft:
         if rng.random() < bare:
             del row["tools"]
@@ -227,17 +238,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", type=int, default=1000, help="RL prompts per task")
     parser.add_argument("--eval", type=int, default=100, help="held-out questions per task")
     parser.add_argument("--eval-off", type=int, default=50, help="of them, in the tool-off control")
-    parser.add_argument("--sft", type=int, default=500, help="SFT traces per task")
+    parser.add_argument("--sft", type=int, default=1000, help="SFT traces per task")
     parser.add_argument("--sft-eval", type=int, default=20, help="SFT eval traces per task")
     parser.add_argument("--bare", type=float, default=2 / 3, help="share of SFT traces without the tools")
-    parser.add_argument("--recall", type=float, default=0.25,
-                        help="share of recovery traces that call the tool twice (never after a failure)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))   # tool_traces, beside this file
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = {"train": args.train, "eval": args.eval, "eval_off": args.eval_off, "sft": args.sft,
              "sft_eval": args.sft_eval}
-    write_data(args.out, args.tasks.split(","), sizes, args.bare, args.recall)
+    write_data(args.out, args.tasks.split(","), sizes, args.bare)
 
 
 if __name__ == "__main__":
