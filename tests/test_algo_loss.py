@@ -183,7 +183,7 @@ def _random_batch(g, b, t):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 8), st.integers(1, 7), st.sampled_from(["token", "seq", "seq-mean-token-mean"]),
-       st.sampled_from(["off", "token", "geo"]), st.sampled_from(["ppo", "gspo", "cispo"]),
+       st.sampled_from(["off", "token", "geo"]), st.sampled_from(["ppo", "gspo", "cispo", "dro"]),
        st.integers(0, 2**31 - 1), st.data())
 def test_loss_invariant_to_microbatch_split(b, t, norm_kind, level, policy, seed, data):
     g = torch.Generator().manual_seed(seed)
@@ -236,6 +236,30 @@ def test_cispo_keeps_every_token_by_hand():
     assert m["clip_frac_high"].item() == pytest.approx(1 / 3) and m["clip_frac_low"].item() == 0.0
     loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([-1.2 / 3, 0.5 / 3, -2.2 / 3])
+
+
+def test_dro_by_hand():
+    # pg_t = -(A_t logp_t - beta / 2 (logp_t - old_t)^2): no ratio, no clip; token mean over 2 tokens
+    spec = algo(loss={"policy": "dro", "dro_beta": 0.2})
+    logp, b = batch_of([[-1.0, -2.0]], [[1.5, 0.5]], [[1.0, -1.0]], [[1, 1]])
+    lp, d = [-1.0 + LN(1.5), -2.0 + LN(0.5)], [LN(1.5), LN(0.5)]
+    loss, m = policy_loss(logp, b, spec, 2.0)
+    assert loss.item() == pytest.approx((-(lp[0] - 0.1 * d[0] ** 2) - (-lp[1] - 0.1 * d[1] ** 2)) / 2)
+    assert m["clip_frac_high"].item() == 0.0 and m["ratio_mean"].item() == pytest.approx(1.0)
+    loss.backward()   # d/dlogp_t: -A_t + beta * (logp_t - old_t)
+    assert logp.grad.tolist()[0] == pytest.approx([(-1 + 0.2 * d[0]) / 2, (1 + 0.2 * d[1]) / 2])
+
+
+def test_sft_loss_takes_token_weights_by_hand():
+    # loss_mask as weights (molt.tinker's cross_entropy: any real number, e.g. a custom loss's gradient):
+    # -(2 * -2 + -0.5 * -3) / 2; the weight-0 token counts in nothing, nll is the unweighted mean
+    from molt.algo import sft_loss
+
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64, requires_grad=True)
+    loss, m = sft_loss(logp, {"loss_mask": torch.tensor([[0.0, 2.0, -0.5]], dtype=torch.float64)}, 2.0)
+    assert loss.item() == pytest.approx(2.5 / 2) and m["nll"].item() == pytest.approx(2.5)
+    loss.backward()
+    assert logp.grad.tolist() == [[0.0, -1.0, 0.25]]
 
 
 def test_seq_mean_token_mean_by_hand():

@@ -272,6 +272,9 @@ def test_clips_that_cannot_act_and_sft_restarts_warn():
 
     # one update per batch: every ratio is 1, so DAPO's clip-higher would never act
     assert "algo.loss.eps_high=0.28 with one update per batch" in spec_warnings(compose(["algo=dapo"]))[0]
+    # dro's penalty (logp - old_logp)^2 is 0 and has no gradient at ratio 1 too
+    dro = compose(["algo.loss.policy=dro", "algo.loss.dro_beta=0.2"])
+    assert "algo.loss.dro_beta=0.2 with one update per batch" in spec_warnings(dro)[0]
     assert not spec_warnings(compose(["algo=dapo", "train.minibatches=2"]))
     assert not spec_warnings(compose(["algo=grpo"]))
     assert "an SFT run stops" in spec_warnings(compose(["train.objective=sft",

@@ -204,6 +204,8 @@ def test_refit_and_export_names_do_not_see_checkpoint_wrappers(ray_session, tiny
 @pytest.mark.parametrize("override, fragment", [
     ({"target_modules": ["nothing_here"]}, "matched no linear layer"),
     ({"target_modules": ["lm_head"]}, "leave the output head"),
+    # merged, an adapter on the head is served, but not on this one: the tiny model ties it to its embeddings
+    ({"target_modules": ["lm_head"], "refit": "merged"}, "tied to the input embeddings"),
 ])
 def test_bad_targets_are_refused_by_name(tiny_model_path, override, fragment) -> None:
     from transformers import AutoModelForCausalLM
@@ -215,6 +217,35 @@ def test_bad_targets_are_refused_by_name(tiny_model_path, override, fragment) ->
     spec.model.lora = spec.model.lora.model_copy(update=override)
     with pytest.raises(ValueError, match=fragment):
         apply_lora(model, spec)
+
+
+def test_a_merged_refit_folds_every_adapter_into_the_engines_weights(tmp_path) -> None:
+    """model.lora.refit=merged: a refit streams the full weights with the adapters folded in (the engines
+    serve no LoRA), so any linear layer may be adapted, the untied output head too. The refit's chunks,
+    loaded into a plain model, compute the trainer's logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from molt.inputs.tiny import tiny_model_path
+    from molt.trainer.weights import refit_chunks
+
+    path = str(tiny_model_path(tie_word_embeddings=0))
+    spec = lora_spec(path, model={"lora": {"rank": RANK, "alpha": ALPHA, "refit": "merged",
+                                           "target_modules": ["*_proj", "lm_head"]}})
+    with one_rank(spec) as worker:
+        b = batch_of(7)
+        worker.update(b)
+        trained = worker.forward(b)
+        chunks = list(refit_chunks(worker.model, spec, 1 << 30, worker.device, None))
+        head = worker.model.get_output_embeddings()
+        folded = head.weight + ALPHA / RANK * head.lora_B.weight @ head.lora_A.weight
+    sent = {k: v for chunk in chunks for k, v in chunk.items()}
+    assert not any("lora" in n for n in sent) and torch.allclose(sent["lm_head.weight"], folded, atol=1e-6)
+    assert float((sent["lm_head.weight"] - sent["model.embed_tokens.weight"]).abs().max()) > 1e-3
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.load_state_dict(sent)
+    model.save_pretrained(tmp_path / "merged")
+    gap = (hf_forward(str(tmp_path / "merged"), b, 0.7)[0] - trained)[b["loss_mask"] > 0]
+    assert float(gap.abs().max()) < 1e-5
 
 
 def test_moe_and_vision_models_are_refused_before_an_engine_starts(vlm_path) -> None:

@@ -20,6 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
+    "molt/trainer/worker.py": "one rank's collective calls (forward, update, molt.tinker's accumulate and "
+                              "apply_gradients, refit, checkpoints); its second idea, the metric sums, is "
+                              "moving out (#52); the per-token record it keeps for the dump already lives "
+                              "in token_record.py",
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",

@@ -22,14 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "molt"
 WINGS = ("agents", "rollout", "trainer", "algo")
 # What sits above the wings and may import them; nothing else imports it back (the top level is the
-# commands and the contract).
-ORCHESTRATION = ("driver", "sft")
+# commands and the contract). tinker/ is the service face over the same pieces (it imports the driver's).
+ORCHESTRATION = ("driver", "sft", "tinker")
 # Wing-to-wing imports still standing, each with its reason; tests/test_codebase.py fails on any other
 # one and on an entry that no longer happens.
 KNOWN_CROSSINGS = {
     "molt.trainer.worker -> molt.algo": "the trainer rank computes the losses algo/ defines (pure tensor "
                                         "functions chosen by name, the way the spec names them) and loads "
                                         "algo.plugins into its own registries",
+    "molt.trainer.token_record -> molt.algo": "the rank's per-token record for the dump keeps the importance "
+                                              "weight the loss applies: algo's importance_weights on the "
+                                              "loss's own inputs",
 }
 
 

@@ -13,11 +13,13 @@ looks functions up by name and never branches on the algorithm:
     KL_ESTIMATORS     algo.kl.estimator       -> per-token KL
     FILTERS           algo.filters.<name>     -> rollout filter (apply_filters)
     REWARD_TRANSFORMS algo.reward.<key>       -> reward transform after the filters (shape_rewards)
+    DATUM_LOSSES      a client's loss_fn        -> a summed loss over datums (molt.tinker; datum_loss)
 
 `load_plugins` imports `algo.plugins` into them and checks the spec's names against them.
 """
 
 from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, gap_metrics, gap_sums, importance_weights
+from molt.algo.datum_losses import DATUM_LOSSES, datum_loss
 from molt.algo.estimators import (
     ESTIMATORS,
     GROUP_BASELINE,
@@ -29,7 +31,7 @@ from molt.algo.estimators import (
     register_estimator,
     rollout_rewards,
 )
-from molt.algo.filters import FILTERS, apply_filters
+from molt.algo.filters import FILTERS, apply_filters, filter_drops
 from molt.algo.groups import group_mean, group_sum, rollout_sum, to_tokens, token_gae
 from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_k1, kl_k2, kl_k3, with_kl_coef
 from molt.algo.loss import LOSS_NORMS, loss_normalizer, policy_loss, sft_loss, token_scale, value_loss
@@ -39,13 +41,11 @@ from molt.algo.rewards import REWARD_TRANSFORMS, shape_rewards
 from molt.algo.surrogates import POLICY_LOSSES
 
 __all__ = [
-    "CORRECTIONS", "CORRECTION_MODES", "ESTIMATORS", "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS",
-    "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS", "TURN_CREDIT", "Advantages", "EstimatorInputs",
-    "adaptive_kl_coef", "apply_filters", "compute_advantages", "gap_metrics", "gap_sums", "group_mean",
-    "group_sum",
-    "importance_weights", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "load_plugins", "loss_normalizer",
-    "masked_max",
-    "masked_mean", "masked_sum", "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards",
-    "rollout_sum", "sft_loss", "shape_rewards", "to_tokens", "token_gae", "token_scale", "value_loss",
-    "with_kl_coef",
+    "Advantages", "CORRECTIONS", "CORRECTION_MODES", "DATUM_LOSSES", "ESTIMATORS", "EstimatorInputs",
+    "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS", "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS",
+    "TURN_CREDIT", "adaptive_kl_coef", "apply_filters", "compute_advantages", "datum_loss", "filter_drops",
+    "gap_metrics", "gap_sums", "group_mean", "group_sum", "importance_weights", "kl_k1", "kl_k2", "kl_k3",
+    "kl_penalty", "load_plugins", "loss_normalizer", "masked_max", "masked_mean", "masked_sum",
+    "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards", "rollout_sum", "sft_loss",
+    "shape_rewards", "to_tokens", "token_gae", "token_scale", "value_loss", "with_kl_coef",
 ]

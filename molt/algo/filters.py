@@ -56,20 +56,33 @@ FILTERS: dict[str, Filter] = {
 }
 
 
+def filter_drops(rewards: Tensor, scores: Tensor, group_ids: Tensor, truncated: Tensor,
+                 algo: AlgoSpec) -> list[str | None]:
+    """Per rollout, the name of the enabled filter that dropped it (None: kept). The enabled filters run
+    in `FILTERS` order, each on the survivors of the previous one."""
+    kept = torch.arange(rewards.numel())
+    drops: list[str | None] = [None] * rewards.numel()
+    for name, fn in FILTERS.items():
+        if getattr(algo.filters, name) in (None, False):
+            continue
+        idx, _ = fn(rewards[kept], scores[kept], group_ids[kept], truncated[kept], algo)
+        survivors = kept[idx]
+        for i in set(kept.tolist()) - set(survivors.tolist()):
+            drops[i] = name
+        kept = survivors
+    return drops
+
+
 def apply_filters(rewards: Tensor, scores: Tensor, group_ids: Tensor, truncated: Tensor,
                   algo: AlgoSpec) -> tuple[Tensor, dict[str, Tensor]]:
-    """Run every enabled filter on the survivors of the previous one.
+    """Run every enabled filter on the survivors of the previous one (`filter_drops`).
 
     Returns the indices [K] of the kept rollouts in the input and metrics, under the names the loop logs:
     `filter/<name>_dropped` (rollouts each enabled filter dropped) and `filter/kept_frac`.
     """
-    kept = torch.arange(rewards.numel())
-    metrics = {}
-    for name, fn in FILTERS.items():
-        if getattr(algo.filters, name) in (None, False):
-            continue
-        idx, dropped = fn(rewards[kept], scores[kept], group_ids[kept], truncated[kept], algo)
-        kept = kept[idx]
-        metrics[f"filter/{name}_dropped"] = torch.tensor(float(dropped))
+    drops = filter_drops(rewards, scores, group_ids, truncated, algo)
+    kept = torch.tensor([i for i, name in enumerate(drops) if name is None], dtype=torch.long)
+    metrics = {f"filter/{name}_dropped": torch.tensor(float(drops.count(name))) for name in FILTERS
+               if getattr(algo.filters, name) not in (None, False)}
     metrics["filter/kept_frac"] = torch.tensor(kept.numel() / max(rewards.numel(), 1))
     return kept, metrics

@@ -151,11 +151,14 @@ def value_loss(values: Tensor, batch: dict[str, Tensor], algo: AlgoSpec,
 def sft_loss(logp: Tensor, batch: dict[str, Tensor], norm: float) -> tuple[Tensor, dict[str, Tensor]]:
     """Supervised fine-tuning: negative log-likelihood of the target tokens (loss_mask 1: the assistant's).
 
-        loss = -sum_t mask_t * logp_t / norm      (norm: the global number of target tokens)
-    Metrics: nll (mean over this micro-batch's target tokens).
+        loss = -sum_t w_t * logp_t / norm      (norm: the global number of target tokens)
+    w_t is loss_mask: 1 on targets in SFT; a client of molt.tinker may weight tokens (any real number:
+    forward_backward_custom sends the gradient of its own loss here). Tokens with w_t = 0 are left out.
+    Metrics: nll (unweighted mean over this micro-batch's target tokens).
     """
-    mask = batch["loss_mask"] > 0
+    weight = batch["loss_mask"]
+    mask = weight != 0
     nll = -torch.where(mask, logp, torch.zeros_like(logp))
     with torch.no_grad():
         metrics = {"nll": masked_mean(nll, mask)}
-    return masked_sum(nll, mask) / (norm or 1.0), metrics
+    return masked_sum(nll * weight.to(nll.dtype), mask) / (norm or 1.0), metrics

@@ -92,6 +92,24 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     return pg, metrics
 
 
+def dro(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
+        spec: LossSpec) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRO (Richemond et al. 2024, arXiv 2405.19107; Kimi k1.5, arXiv 2501.12599): no ratio and no clip; a
+    quadratic penalty on the log-ratio keeps the policy near the one that sampled, so it suits off-policy
+    data:
+
+        pg_t = -(A_t * logp_t - dro_beta / 2 * (logp_t - old_logp_t)^2)
+
+    ratio_mean is logged as for the others; no token is clipped (clip fractions 0)."""
+    log_ratio = logp - old_logp
+    pg = -(adv * logp - 0.5 * spec.dro_beta * log_ratio ** 2)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        metrics = {"ratio_mean": masked_mean(log_ratio.exp(), mask), "clip_frac_low": zero,
+                   "clip_frac_high": zero}
+    return pg, metrics
+
+
 Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, "LossSpec"], tuple[Tensor, dict[str, Tensor]]]
 # algo.loss.policy -> per-token surrogate.
-POLICY_LOSSES: dict[str, Surrogate] = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
+POLICY_LOSSES: dict[str, Surrogate] = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "dro": dro}

@@ -70,7 +70,7 @@ def check_inputs(spec: RunSpec) -> str | None:
     kind = load_agent_runner(spec.agent).kind
     # The loop starts its engines one by one (start_engine), which skips start_engines' check_lora; the
     # guard keeps a run without LoRA (a dry run too) from resolving, and so building, the model here.
-    if spec.model.lora.rank:
+    if spec.model.lora.served_as_adapter():
         from molt.plan.models import model_path
         from molt.rollout.engine_args import check_lora
 

@@ -37,9 +37,10 @@ from molt.driver.checkpoints import (
 from molt.driver.eval import evaluate
 from molt.driver.fleet import Fleet
 from molt.driver.judge_engines import judge_engines, set_up, start_judge
-from molt.driver.metrics import RunLogger
+from molt.driver.metrics import RunLogger, add_token_record
 from molt.driver.probe import probe_gap, probe_prompt, sample_probe
 from molt.driver.select import (
+    filter_decisions,
     filter_rollouts,
     group_ids,
     rollout_metrics,
@@ -119,6 +120,10 @@ async def _train(spec: RunSpec) -> dict[str, float]:
                   f"run.resume={spec.run.dir} (or run.resume=auto)")
     finally:
         await stop_run(at, workers, runner, logger, trainers, fleet)
+        if spec.logging.dump_rollouts and any((Path(spec.run.dir) / "rollouts").glob("step_*.jsonl")):
+            from molt.driver.inspect import inspect_command
+
+            print(f"molt: read the rollouts token by token: {inspect_command(spec.run.dir)}", flush=True)
     return metrics
 
 
@@ -259,12 +264,16 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
     rollouts = [r for g in groups for r in g]
     live = [fleet.dispatcher.engines[i] for i in sorted(fleet.dispatcher.live)]
     warmup = at.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
+    record = None   # the trainer's side of the dump: why each rollout is trained or not, what the loss saw
+    if spec.logging.dump_rollouts:
+        record = {rollout_id: {"decision": why, "version": at.version}
+                  for rollout_id, why in filter_decisions(spec, rollouts).items()}
     try:
         async with fleet.trainer:
             metrics = await learn(spec_with_kl_coef(spec, at.kl_coef), rollouts, trainers, at.version,
-                                  engines=live, train_policy=not warmup, probe=probe)
+                                  engines=live, train_policy=not warmup, probe=probe, record=record)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
-        logger.dump_rollouts(at.step + 1, rollouts)
+        logger.dump_rollouts(at.step + 1, rollouts, record)
     metrics.update(batch_metrics)
     if spec.algo.kl.coef:
         metrics["kl/coef"] = at.kl_coef
@@ -301,14 +310,14 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
 
 async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, version: int, *,
                 engines: list | None = None, train_policy: bool = True,
-                probe: Segment | None = None) -> dict[str, float]:
+                probe: Segment | None = None, record: dict[str, dict] | None = None) -> dict[str, float]:
     """One training step on finished rollouts (also how a dumped batch is replayed).
 
     The KL weight is `spec.algo.kl.coef`: the loop passes the adaptive controller's value in it
     (`spec_with_kl_coef`). With `model.router_replay`, segments without routed experts get them from `engines`
     (`fill_routes`). `train_policy=False` trains only the critic (train.critic_warmup_steps). `probe`
-    (async mode) is scored for invariant 3 when no trained token was sampled by `version`.
-    """
+    (async mode) is scored for invariant 3 when no trained token was sampled by `version`. `record` (the
+    dump's, by rollout id) gets what the policy's loss saw of each token (logging.dump_trainer)."""
     policy, reference, critic, pad_id = trainers.policy, trainers.reference, trainers.critic, trainers.pad_id
     metrics = rollout_metrics(spec, rollouts)
     kept, filter_metrics = filter_rollouts(spec, rollouts)
@@ -354,7 +363,8 @@ async def learn(spec: RunSpec, rollouts: list[Rollout], trainers: Trainers, vers
 
     t0 = time.perf_counter()
     trained = policy if train_policy else None
-    metrics.update(await update(batch, trained, critic, values, adv.returns, spec.algo.kl.coef))
+    metrics.update(await update(batch, trained, critic, values, adv.returns, spec.algo.kl.coef,
+                                record if spec.logging.dump_trainer else None, segments))
     metrics["time/train"] = time.perf_counter() - t0
     metrics["tokens/trained"] = float(batch["loss_mask"].sum())
     return metrics
@@ -379,12 +389,16 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
 
 async def update(batch: dict[str, torch.Tensor], policy: TrainerRanks | None, critic: TrainerRanks | None,
                  values: torch.Tensor | None, returns: torch.Tensor | None,
-                 kl_coef: float) -> dict[str, float]:
+                 kl_coef: float, record: dict[str, dict] | None = None,
+                 segments: list[Segment] = ()) -> dict[str, float]:
     """The optimizer steps of the policy (None: critic warm-up) and the critic on `batch`; their metrics
-    as the trainers name them (train/, critic/, the trainer/engine gap under mismatch/)."""
+    as the trainers name them (train/, critic/, the trainer/engine gap under mismatch/). `record` gets what
+    the policy's loss saw of each token of `segments` (the batch's rows) under their rollout ids."""
     metrics: dict[str, float] = {}
     if policy is not None:
-        metrics.update(await asyncio.to_thread(policy.update, batch, kl_coef))
+        metrics.update(await asyncio.to_thread(policy.update, batch, kl_coef, record is not None))
+        if record is not None:
+            add_token_record(record, segments, await asyncio.to_thread(policy.token_record))
     else:
         metrics["train/critic_warmup"] = 1.0
     if critic is not None:

@@ -19,6 +19,8 @@ import numpy as np
 from molt.spec import RunSpec
 from molt.trajectory import Rollout, Segment
 
+TRAINER_KEY = "trainer"   # a dumped rollout's trainer side (`learn`'s record), beside its Rollout fields
+
 # Shown on the progress bar, in this order: (metric name, short label, format).
 BAR_FIELDS = (("reward/mean", "reward", ".3f"), ("train/nll", "nll", ".3f"), ("time/step", "step_s", ".3g"),
               ("tokens/per_s", "tok/s", ".0f"))
@@ -39,15 +41,30 @@ def wandb_mode(configured: str) -> str:
 
 
 def load_rollouts(path: str | Path) -> list[Rollout]:
-    """Read a rollout dump (one JSON object per line) back into Rollouts, field for field."""
+    """Read a rollout dump (one JSON object per line) back into Rollouts, field for field (the trainer's
+    side, which the inspector reads, is left out)."""
     rollouts = []
     with Path(path).open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
+                record.pop(TRAINER_KEY, None)
                 record["segments"] = [Segment(**s) for s in record["segments"]]
                 rollouts.append(Rollout(**record))
     return rollouts
+
+
+def add_token_record(record: dict[str, dict], segments: list[Segment], tokens: dict[str, Any]) -> None:
+    """Put the policy's per-token record (`TrainerRanks.token_record`: [S, T] per field, rows in `segments`
+    order) into `record` (`learn`'s), under each segment's rollout: {"segments": [{"segment_index", and
+    per field one value per token of the segment}]}."""
+    for row, segment in enumerate(segments):
+        n = len(segment.token_ids)
+        fields = {k: v[row, :n].tolist() for k, v in tokens.items()}
+        for key in ("input_ids", "loss_mask", "decisions"):
+            fields[key] = [int(x) for x in fields[key]]
+        record.setdefault(segment.rollout_id, {}).setdefault("segments", []).append(
+            {"segment_index": segment.segment_index, **fields})
 
 
 def _listed(value: Any) -> Any:
@@ -104,8 +121,10 @@ class RunLogger:
             shown = {label: format(values[k], fmt) for k, label, fmt in BAR_FIELDS if k in values}
             self._bar.set_postfix(shown)
 
-    def dump_rollouts(self, step: int, rollouts: list[Rollout]) -> Path | None:
-        """Append this step's rollouts to rollouts/step_XXXXXX.jsonl (unless logging.dump_rollouts is off).
+    def dump_rollouts(self, step: int, rollouts: list[Rollout],
+                      trainer: dict[str, dict] | None = None) -> Path | None:
+        """Append this step's rollouts to rollouts/step_XXXXXX.jsonl (unless logging.dump_rollouts is off),
+        each with its `trainer` side under the key "trainer" (`learn`'s record: the inspector's view).
 
         The first dump of a step in this process truncates the file: a resumed run re-runs the steps
         after its checkpoint, and their files must hold the new batch, not the killed run's too (within
@@ -119,7 +138,10 @@ class RunLogger:
         with path.open("a" if step == self._dumping else "w", encoding="utf-8") as f:
             self._dumping = step
             for rollout in rollouts:  # every field, so load_rollouts rebuilds each rollout exactly
-                f.write(json.dumps(dataclasses.asdict(rollout), default=_listed) + "\n")
+                line = dataclasses.asdict(rollout)
+                if trainer and rollout.rollout_id in trainer:
+                    line[TRAINER_KEY] = trainer[rollout.rollout_id]
+                f.write(json.dumps(line, default=_listed) + "\n")
         keep = self.spec.logging.dump_keep_steps
         if keep:
             for old in path.parent.glob("step_*.jsonl"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from molt.algo import apply_filters, shape_rewards
+from molt.algo import apply_filters, filter_drops, shape_rewards
 from molt.rollout.pool import RolloutPool
 from molt.spec import RunSpec
 from molt.trajectory import Rollout, Segment
@@ -63,11 +63,28 @@ def group_ids(rollouts: list[Rollout]) -> torch.Tensor:
 def filter_rollouts(spec: RunSpec, rollouts: list[Rollout]) -> tuple[list[Rollout], dict[str, float]]:
     """The rollouts left after `drop_failed` and `algo.filters`, in order, and `filter/*` metrics."""
     kept = drop_failed(spec, rollouts)
-    rewards = torch.tensor([r.reward for r in kept], dtype=torch.float32)
-    scores = torch.tensor([r.reward if r.score is None else r.score for r in kept], dtype=torch.float32)
-    truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length" for r in kept])
-    keep, filter_metrics = apply_filters(rewards, scores, group_ids(kept), truncated, spec.algo)
+    keep, filter_metrics = apply_filters(*filter_inputs(kept), spec.algo)
     return [kept[i] for i in keep.tolist()], {k: float(v) for k, v in filter_metrics.items()}
+
+
+def filter_inputs(rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `algo.filters` read, [R] each: rewards, scores (the reward where none), group ids, and whether
+    the last turn was cut at max_tokens."""
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    scores = torch.tensor([r.reward if r.score is None else r.score for r in rollouts], dtype=torch.float32)
+    truncated = torch.tensor([bool(r.segments) and r.segments[-1].finish_reason == "length"
+                              for r in rollouts])
+    return rewards, scores, group_ids(rollouts), truncated
+
+
+def filter_decisions(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, str]:
+    """Rollout id -> why it is trained or not, as `filter_rollouts` decides: "kept", "failed" (its agent
+    failed), "group failed" (agent.on_failure=drop_group: another rollout of its group failed) or the
+    name of the `algo.filters` filter that dropped it. For the dump (the inspector's groups view)."""
+    ok = drop_failed(spec, rollouts)
+    drops = dict(zip((r.rollout_id for r in ok), filter_drops(*filter_inputs(ok), spec.algo), strict=True))
+    return {r.rollout_id: ("failed" if not r.ok else "group failed") if r.rollout_id not in drops
+            else drops[r.rollout_id] or "kept" for r in rollouts}
 
 
 def shaped_rewards(spec: RunSpec, kept: list[Rollout]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -78,7 +78,7 @@ class EngineActor:
         self.capture = False                       # routes come from our capture (CPU), not from vLLM
         self.closing = False
         # LoRA (model.lora): each refit is a new adapter; version 0 is the base model (no adapter)
-        self.lora = model.lora.model_dump() if model.lora.rank else None
+        self.lora = model.lora.model_dump() if model.lora.served_as_adapter() else None
         self.adapter: Any = None                   # the LoRARequest new requests get
         self.adapter_users: dict[Any, int] = {}    # loaded adapters -> requests in flight on each
         self.adapter_dir = tempfile.mkdtemp(prefix="molt-lora-", dir="/dev/shm" if os.path.isdir(

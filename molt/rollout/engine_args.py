@@ -54,7 +54,7 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
         # still be out, and its tokens would be labelled with the new policy version. A sync run refits
         # with nothing in flight, so it keeps vLLM's scheduling.
         kwargs["async_scheduling"] = False
-    if model.lora.rank:
+    if model.lora.served_as_adapter():
         kwargs.update(lora_kwargs(model.lora.rank, rollout.max_staleness))
     if is_vision_model(model_path, model.trust_remote_code):
         # Images only (the contract has no video). On CPU, vLLM's own Qwen-VL code imports torchvision,
@@ -120,7 +120,7 @@ def check_lora(model_path: str, model: ModelSpec) -> None:
     """Refuse `model.lora` on a model whose adapters the engines cannot serve (before any engine starts)."""
     from transformers import AutoConfig
 
-    if not model.lora.rank:
+    if not model.lora.served_as_adapter():
         return
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=model.trust_remote_code)
     if getattr(config, "vision_config", None) is not None:

@@ -12,10 +12,13 @@ from molt.spec.strict import Strict
 
 class LossSpec(Strict):
     policy: str = Field("ppo", description="policy surrogate, by registered name: ppo (clip), gspo "
-                        "(sequence ratio and clip), cispo (clipped, stop-gradient IS weight)")
+                        "(sequence ratio and clip), cispo (clipped, stop-gradient IS weight), dro "
+                        "(quadratic penalty on the log-ratio, no clip)")
     eps_low: float = Field(0.2, ge=0, le=1, description="clip: the ratio's (gspo: sequence ratio's; cispo: "
                            "IS weight's) lower bound is 1-eps_low")
     eps_high: float = Field(0.2, ge=0, description="clip: the upper bound is 1+eps_high")
+    dro_beta: float = Field(0.05, ge=0, description="dro: weight of the penalty dro_beta/2 * (logp - "
+                            "old_logp)^2")
     dual_clip: float | None = Field(None, description="c > 1 bounds the loss of negative-advantage tokens "
                                     "(policy=ppo)")
     norm: Literal["token", "seq", "seq-mean-token-mean"] = Field(

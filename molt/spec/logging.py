@@ -23,5 +23,8 @@ class LoggingSpec(Strict):
     wandb: WandbSpec = Field(default_factory=WandbSpec, description="Weights & Biases")
     progress: bool = Field(True, description="show a progress bar with reward, step time and tokens/s")
     dump_rollouts: bool = Field(True, description="write each step's rollouts to rollouts/step_*.jsonl")
+    dump_trainer: bool = Field(True, description="the dump also holds the trainer's side of every trained "
+                               "token (logprob, advantage, importance weight, entropy; python -m "
+                               "molt.inspect)")
     dump_keep_steps: int = Field(100, ge=0, description="keep the rollout dumps of the last N steps (0: all)")
     plots: bool = Field(True, description="write PNG plots into plots/ at the end of the run")

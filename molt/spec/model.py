@@ -56,6 +56,14 @@ class LoRASpec(Strict):
         default_factory=lambda: ["*_proj"], min_length=1,
         description="linear layers that get adapters: module-name patterns ('*' wildcards; '*_proj' = the "
                     "attention and MLP projections of Qwen / Llama models)")
+    refit: Literal["adapter", "merged"] = Field(
+        "adapter", description="what the engines get: adapter = vLLM's LoRA serving loads each new adapter "
+        "(only it is sent; inner linear layers of dense text models only); merged = the adapter folded "
+        "into the full weights, sent whole like full fine-tuning (any target, also the output head)")
+
+    def served_as_adapter(self) -> bool:
+        """Whether the engines serve adapters (vLLM's LoRA), rather than full weights."""
+        return self.rank > 0 and self.refit == "adapter"
 
 class ModelSpec(Strict):
     path: str | None = Field(None, description="Hugging Face folder or hub id; null builds the tiny model")

@@ -296,12 +296,13 @@ def spec_warnings(spec: RunSpec) -> list[str]:
                    "e.g. algo=decoupled_ppo) the rest")
     # With one update per batch the old logprobs are the update's own forward: every ratio is 1.
     loss, default = spec.algo.loss, LossSpec()
-    clips = [f"{k}={getattr(loss, k)}" for k in ("eps_low", "eps_high", "dual_clip", "value_clip")
+    clips = [f"{k}={getattr(loss, k)}" for k in ("eps_low", "eps_high", "dual_clip", "value_clip", "dro_beta")
              if getattr(loss, k) != getattr(default, k)]
     if rl and clips and spec.train.minibatches * spec.train.epochs == 1:
         out.append(f"algo.loss.{', '.join(clips)} with one update per batch (train.minibatches x "
                    "train.epochs = 1): the policy's ratio (and the critic's value change) starts at 1 (0) "
-                   "and the clip never acts; raise train.minibatches or train.epochs for the clip to matter")
+                   "and the clip (dro: its penalty, 0 at ratio 1) never acts; raise train.minibatches or "
+                   "train.epochs for it to matter")
     # group (grpo) or batch (reinforce_pp, undiscounted) whitening undoes any affine map of the rewards
     algo = spec.algo
     whitened = algo.estimator == "grpo" or (algo.estimator == "reinforce_pp" and algo.gamma == 1)

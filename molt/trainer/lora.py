@@ -44,15 +44,25 @@ def apply_lora(model: nn.Module, spec: RunSpec) -> None:
 
 
 def check_adapted(model: nn.Module, spec: RunSpec) -> None:
-    """The adapted layers exist and are ones the engine can serve an adapter on."""
+    """The adapted layers exist and are ones the engines can serve: as an adapter (model.lora.refit=adapter)
+    or folded into full weights (merged)."""
     adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
     patterns = spec.model.lora.target_modules
     if not adapted:
         raise ValueError(f"model.lora.target_modules={patterns} matched no linear layer of the model "
                          "(patterns match whole module names, e.g. '*_proj' or '*.q_proj')")
     unserved = [name for name in adapted if name.rsplit(".", 1)[-1] in UNSERVED]
-    if unserved:
+    if unserved and spec.model.lora.served_as_adapter():
         raise ValueError(f"model.lora.target_modules={patterns} adapts {unserved[0]}: vLLM serves adapters "
-                         "on the model's inner linear layers only; leave the output head and embeddings out")
+                         "on the model's inner linear layers only; leave the output head and embeddings out "
+                         "(or set model.lora.refit=merged)")
+    # The output head's weight tied to the input embeddings is one tensor: an adapter on the head alone
+    # changes the logits but has nowhere to be folded (the engines tie the two again).
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    head = model.get_output_embeddings()
+    if tied and head is not None and hasattr(head, "lora_A"):
+        raise ValueError(f"model.lora.target_modules={patterns} adapts the output head, whose weight is "
+                         "tied to the input embeddings (tie_word_embeddings): an adapter on it cannot be "
+                         "folded into the weights the engines hold; leave lm_head out")
     if any(p.requires_grad for n, p in model.named_parameters() if not is_adapter(n)):
         raise RuntimeError("LoRA: a base parameter is still trainable")

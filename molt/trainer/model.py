@@ -202,8 +202,10 @@ def chunkable(model: nn.Module, par: Any) -> bool:
     (hidden states are DTensors there), nor for a model that changes its logits after the head.
     On several ranks every rank makes the same calls of the sharded head (`shared_chunk_count`)."""
     config = model.config.get_text_config()
-    return par.tp_size == 1 and \
-        model.get_output_embeddings() is not None and not any(
+    head = model.get_output_embeddings()
+    # (AutoModel's LoRA linear fails on the empty slice `head_input` gives the head: an adapted head, under
+    # model.lora.refit=merged, computes its logits in the model's forward)
+    return par.tp_size == 1 and head is not None and not hasattr(head, "lora_A") and not any(
         getattr(config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
 
 

@@ -51,6 +51,7 @@ class TrainerRanks:
         if role not in ROLES:
             raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
         self.spec, self.role = spec, role
+        self._rows = 0   # the rows of the last update's batch (its shards are padded)
         if role == "reference":
             check_same_tokenizer(spec)
         path = model_path(spec, role)   # resolved here, once: ranks only read the folder
@@ -119,15 +120,39 @@ class TrainerRanks:
             raise ValueError(f"values() needs the critic, this group is the {self.role}")
         return self._forward(batch)
 
-    def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+    def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None,
+               record: bool = False) -> dict[str, float]:
         """train.minibatches x train.epochs optimizer steps over the batch (policy: policy_loss; critic:
         value_loss); `kl_coef` replaces algo.kl.coef for this batch. Returns the step's metrics as the run
         logs them: the policy's under train/ (its trainer/engine gap under mismatch/), the critic's under
-        critic/."""
+        critic/. `record`: the ranks keep what the policy loss computed on each token (`token_record`)."""
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
-        shards, _ = self._shards(batch)
-        return gather([w.update.remote(s, kl_coef) for w, s in zip(self.workers, shards, strict=True)])[0]
+        shards, self._rows = self._shards(batch)
+        return gather([w.update.remote(s, kl_coef, record)
+                       for w, s in zip(self.workers, shards, strict=True)])[0]
+
+    def token_record(self) -> dict[str, torch.Tensor]:
+        """The last `update(record=True)`'s per-token record, [B, T] per field in the batch's rows
+        (molt.trainer.token_record: ids, loss mask, logprobs, advantages, weights, decisions, entropy)."""
+        outs = gather([w.token_record.remote() for w in self.workers])[::self.spec.parallel.tp_size]
+        keys = set(outs[0]).intersection(*outs)
+        return {k: torch.cat([o[k] for o in outs])[:self._rows] for k in sorted(keys)}
+
+    def accumulate(self, batch: dict[str, torch.Tensor], loss: str, config: dict[str, Any],
+                   backward: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """[B, T] logprobs of the batch's `target_ids` and the summed datum loss `loss` (with `config`), its
+        gradient added to the accumulated ones with `backward` (TrainerWorker.accumulate); policy only."""
+        shards, rows = self._shards(batch)
+        outs = gather([w.accumulate.remote(s, loss, config, backward)
+                       for w, s in zip(self.workers, shards, strict=True)])
+        replicas = self.spec.parallel.tp_size
+        return torch.cat([out for out, _ in outs[::replicas]])[:rows], outs[0][1]
+
+    def apply_gradients(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                        max_norm: float) -> float:
+        """One AdamW step on the gradients `accumulate` added up; returns their norm before clipping."""
+        return self._all("apply_gradients", lr, betas, eps, weight_decay, max_norm)
 
     def _all(self, method: str, *args: Any) -> Any:
         return gather([getattr(w, method).remote(*args) for w in self.workers])[0]
@@ -159,8 +184,9 @@ class TrainerRanks:
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self._all("save", path, extra)
 
-    def load(self, path: str) -> dict[str, Any]:
-        return self._all("load", path)
+    def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
+        """Restore a `save`d state; `weights_only`: the weights, with a fresh optimizer."""
+        return self._all("load", path, weights_only)
 
     def export_hf(self, path: str) -> None:
         self._all("export_hf", path)

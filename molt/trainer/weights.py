@@ -196,10 +196,10 @@ def hf_chunks(model: nn.Module, chunk_bytes: int, dtype: torch.dtype, device: to
 
 def refit_chunks(model: nn.Module, spec: RunSpec, chunk_bytes: int, device: torch.device,
                  fp8: tuple[set[str], tuple[int, int]] | None) -> Iterator[dict[str, torch.Tensor]]:
-    """What a refit streams (`hf_chunks` in model.dtype on `device`); with LoRA only the adapter changes:
-    the engines keep the base weights and load a new adapter."""
+    """What a refit streams (`hf_chunks` in model.dtype on `device`); with LoRA served as an adapter only
+    the adapter changes: the engines keep the base weights and load a new adapter."""
     dtype = DTYPES[spec.model.dtype]
-    if spec.model.lora.rank:
+    if spec.model.lora.served_as_adapter():
         return adapter_chunks(model, chunk_bytes, dtype, device, device)
     return hf_chunks(model, chunk_bytes, dtype, device, device, fp8)
 

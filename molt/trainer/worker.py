@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from molt import refit
 from molt.algo import (
     LOSS_NORMS,
+    datum_loss,
     gap_metrics,
     gap_sums,
     load_plugins,
@@ -52,6 +53,7 @@ from molt.trainer.packing import pack, token_budget_groups, unpack
 from molt.trainer.router_replay import set_routes
 from molt.trainer.schedule import lr_factor
 from molt.trainer.threads import RankThreads
+from molt.trainer.token_record import TokenRecord
 
 # With several updates per batch these are also logged for the last update alone (`<name>_last`).
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
@@ -76,6 +78,7 @@ class TrainerWorker:
         self.refit_group: dist.ProcessGroup | None = None   # rank 0: the group to the engine workers
         self.refit_store: dist.TCPStore | None = None        # rank 0: where the next group meets
         self.store: dist.TCPStore | None = None              # rank 0: where the ranks meet (`address`)
+        self.record: TokenRecord | None = None   # the last update's per-token record (update(record=True))
 
     @ray.method(concurrency_group="control")   # runs while `update` holds the default group
     def set_engines_idle(self, idle: bool) -> None:
@@ -104,7 +107,8 @@ class TrainerWorker:
         self.mesh = setup.mesh_context.device_mesh
         # the refit's format (block FP8: molt/trainer/fp8.py), read first: one it cannot reproduce stops the
         # run here
-        self.fp8 = None if self.role != "policy" or self.spec.model.lora.rank else checkpoint_fp8(self.path)
+        self.fp8 = None if self.role != "policy" or self.spec.model.lora.served_as_adapter() else \
+            checkpoint_fp8(self.path)
         self.model = build_model(self.spec, self.role, self.path, setup)
         self.threads.follow_blocks(self.model)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
@@ -192,18 +196,20 @@ class TrainerWorker:
                                 **packed, **images).logits.float()
         # the distribution each token was sampled from: recorded per token, else the run's settings
         r = self.spec.rollout
+        # the token scored at each position: the next input, unless the batch names others (molt.tinker)
+        targets = mb.get("target_ids", mb["input_ids"])
         sampling = (mb.get("temperature", r.temperature), mb.get("top_p", r.top_p), mb.get("top_k", r.top_k))
         if hidden:   # only sampled tokens are scored (the loss and the mismatch need no other)
             select = scored * (mb["loss_mask"] > 0) if "loss_mask" in mb else scored
             with autocast:
                 chunk = chunk_tokens(self.spec, head.weight.shape[0])
-                return chunked_token_logprobs(hidden[0], head, mb["input_ids"], select, *sampling, entropy,
+                return chunked_token_logprobs(hidden[0], head, targets, select, *sampling, entropy,
                                               chunk, shared_chunk_count(select, chunk))
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
             return prefix_values(logits[..., 0], scored), None
-        return token_logprobs(logits, mb["input_ids"], scored, *sampling, entropy)
+        return token_logprobs(logits, targets, scored, *sampling, entropy)
 
     @torch.no_grad()
     def forward(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -229,11 +235,12 @@ class TrainerWorker:
         dist.all_reduce(t)
         return (t / self._replicas()).tolist()
 
-    def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None) -> dict[str, float]:
+    def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None,
+               record: bool = False) -> dict[str, float]:
         """train.epochs passes over this rank's shard split into train.minibatches row chunks, one
         optimizer step per chunk; returns globally reduced metrics (same on all ranks) under the names the
         run logs (`_reduce_metrics`). `kl_coef` replaces algo.kl.coef for this batch (the adaptive KL
-        controller's current value).
+        controller's current value). `record`: keep what the policy loss saw of each token (`token_record`).
 
         With more than one update the policy's old logprobs are computed once here, before the first
         update, unless the batch brings them; with one update they are the update's own forward."""
@@ -245,6 +252,7 @@ class TrainerWorker:
         # equal row shards on every rank give equal chunks, so every rank steps (or skips) together
         bounds = [rows * i // spec.train.minibatches for i in range(spec.train.minibatches + 1)]
         self.model.train()
+        self.record = TokenRecord(*shard["input_ids"].shape) if record and self.role == "policy" else None
         sums: dict[str, float] = {}
         grad_norms = []
         for epoch in range(spec.train.epochs):
@@ -274,6 +282,7 @@ class TrainerWorker:
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + float(value)
+        record = self.record.part(part["input_ids"].shape[0]) if self.record and first_pass else None
         for mb in mbs:
             mask = mb["loss_mask"] > 0
             n_tok = int(mask.sum())
@@ -284,11 +293,13 @@ class TrainerWorker:
             elif self.sft:
                 loss, metrics = sft_loss(self._forward(mb)[0], mb, norm)
             else:
-                logp, ent = self._forward(mb, entropy=algo.loss.entropy_coef != 0)
+                logp, ent = self._forward(mb, entropy=algo.loss.entropy_coef != 0 or record is not None)
                 lb = dict(mb)
                 lb.setdefault("old_logp", logp.detach())  # one update per batch: old == current
-                if ent is not None:
+                if algo.loss.entropy_coef:
                     lb["entropy"] = ent
+                if record:
+                    record.add(mb, lb["old_logp"], ent, algo.correction)
                 loss, metrics = policy_loss(logp, lb, algo, norm)
                 # The gap to the engine, on the tokens sampled by the weights held before the update (all
                 # of them unless the loop marks older-policy tokens out with `current_mask`).
@@ -310,11 +321,16 @@ class TrainerWorker:
                     add(f"l/{key}", float(value) * n_tok)
             if last:
                 add("l/weight", n_tok)
+        return self._step(self.spec.train.grad_clip)
+
+    def _step(self, max_norm: float) -> float:
+        """One optimizer step on the gradients accumulated so far, clipped to `max_norm` (inf: unclipped);
+        returns their global norm before clipping."""
         # Parameters replicated over tensor-parallel ranks (norms) got each rank's part of the gradient:
         # reduce them once; then clip with AutoModel, which groups gradients by mesh (TP and FSDP
         # parameters live on different meshes, which torch's clip_grad_norm_ cannot mix).
         self.sync_tp_replicas([self.model], self.mesh)
-        grad_norm = self.clip_grad_norm(self.spec.train.grad_clip, [self.model])
+        grad_norm = self.clip_grad_norm(max_norm, [self.model])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
@@ -349,6 +365,58 @@ class TrainerWorker:
             out.update(gap_metrics({"tokens": total["mismatch/tokens"], "abs_sum": total["mismatch/abs_sum"],
                                     "k3_sum": total["mismatch/k3_sum"], "max_abs": float(peak)}))
         return out
+
+    def token_record(self) -> dict[str, torch.Tensor]:
+        """The last `update(record=True)`'s per-token record of this rank's shard ([rows, T] per field)."""
+        record, self.record = self.record, None
+        return record.tensors() if record else {}
+
+    # -- client-driven steps (molt.tinker): gradients accumulate over calls until `apply_gradients` ----
+    def accumulate(self, shard: dict[str, torch.Tensor], loss: str, config: dict[str, Any],
+                   backward: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """The logprob of each row's `target_ids` [B, T] and the summed datum loss `loss` (with `config`:
+        molt.algo.datum_losses) of this rank's rows; with `backward` its gradient is added to the
+        parameters' gradients, which nothing else zeroes but `apply_gradients`. Returns the rows' logprobs
+        and, reduced over the group: `loss`, and the trainer/engine gap on the tokens `current_mask` marks
+        (those the engines sampled with the weights the trainer holds) as `mismatch/*` sums."""
+        fn = datum_loss(loss, config)
+        self.model.train(backward)
+        out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
+        sums: dict[str, float] = {"loss": 0.0}
+        start = 0
+        with torch.enable_grad() if backward else torch.no_grad():
+            for mb in self._micro_batches(shard):
+                self.threads.start_micro_batch()
+                rows, length = mb["input_ids"].shape
+                logp = self._forward(mb)[0]
+                value, _ = fn(logp, mb)
+                if backward:
+                    value.backward()
+                sums["loss"] += float(value.detach())
+                current = mb["current_mask"] > 0
+                if current.any():
+                    for key, gap in gap_sums((logp.detach() - mb["behaviour_logp"])[current]).items():
+                        sums[f"mismatch/{key}"] = max(sums.get(f"mismatch/{key}", 0.0), gap) \
+                            if key == "max_abs" else sums.get(f"mismatch/{key}", 0.0) + gap
+                if start < out.shape[0]:   # the inert micro-batches that even out ranks come last
+                    out[start:start + rows, :length] = logp.detach().cpu()
+                start += rows
+        peak = torch.tensor([sums.pop("mismatch/max_abs", 0.0)], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        keys = ["loss", "mismatch/tokens", "mismatch/abs_sum", "mismatch/k3_sum"]
+        total = dict(zip(keys, self._all_sum([sums.get(k, 0.0) for k in keys]), strict=True))
+        return out, {**total, "mismatch/max_abs": float(peak)}
+
+    def apply_gradients(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                        max_norm: float) -> float:
+        """One AdamW step with these hyperparameters (a client sends them with every step) on the
+        gradients `accumulate` added up since the last step, clipped to `max_norm` (inf: unclipped);
+        returns the gradient norm before clipping."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        norm = self._step(max_norm)
+        self.step += 1
+        return norm
 
     # -- weights and checkpoints -----------------------------------------------------------------------
     def host_refit(self, world_size: int) -> tuple[str, int]:
@@ -388,8 +456,13 @@ class TrainerWorker:
                         {"step": self.step, "role": self.role, "extra": extra})
 
     def load(self, path: str, weights_only: bool = False) -> dict[str, Any]:
-        """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer)."""
+        """Restore a `save`d state; `weights_only` restores the model alone (export, a fresh optimizer).
+        Gradients accumulated before (molt.tinker's `accumulate`) are dropped: a checkpoint holds none."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         if weights_only:
+            if self.optimizer is not None:
+                self.optimizer.state.clear()   # no moments: the next step starts AdamW afresh
             return rank_state.load(path, self.model, None, None)["extra"]
         meta = rank_state.load(path, self.model, self.optimizer, self.scheduler)
         self.step = meta["step"]
