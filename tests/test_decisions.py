@@ -169,3 +169,26 @@ def test_each_recipe_trains_two_steps_on_the_shared_engine(task, data, tok, engi
                 train_one_step(trainer, rollouts, sampler, tok)
         finally:
             runner.close()
+
+
+def test_the_dry_run_reports_the_longest_prompt_with_its_tools(data, tok, caplog):
+    """`run.dry_run=true` renders every prompt with the tools its rollouts offer and names the longest
+    against model.max_model_len, warning when it leaves no room for a reply (two tool schemas took a
+    user's trace past a 512-token context)."""
+    from molt.agents.render import encode
+    from molt.driver.launch import dry_run
+
+    sets = {"train": read(data / "decision_chain_train.jsonl"), "decision_chain_eval":
+            read(data / "decision_chain_eval.jsonl")}
+    lengths = {(name, i): len(encode(tok, render(tok, row["messages"], row["tools"])))
+               for name, rows in sets.items() for i, row in enumerate(rows)}
+    (name, i), longest = max(lengths.items(), key=lambda kv: kv[1])
+    base = ["+experiment=decision_chain", "model.path=null",
+            f"data.train_path={data}/decision_chain_train.jsonl",
+            f"data.eval=[{data}/decision_chain_eval.jsonl]"]
+    for ctx, warned in ((longest + 1, False), (longest, True)):
+        caplog.clear()
+        plan = dry_run(compose([*base, f"model.max_model_len={ctx}"]))
+        assert (f"data: longest prompt {longest} tokens with its tools ({name} row {i}) of "
+                f"model.max_model_len={ctx}") in plan.splitlines()
+        assert ("no room for a reply" in caplog.text) is warned
