@@ -116,8 +116,11 @@ def longest_prompt(spec: RunSpec) -> str:
     from molt.plan.models import model_path
 
     data, ctx, kwargs = spec.data, spec.model.max_model_len, spec.model.chat_template_kwargs
-    tokenizer = AutoTokenizer.from_pretrained(model_path(spec),
-                                              trust_remote_code=spec.model.trust_remote_code)
+    try:   # a dry run downloads nothing: a hub model not in the local cache is planned without this line
+        tokenizer = AutoTokenizer.from_pretrained(model_path(spec), local_files_only=True,
+                                                  trust_remote_code=spec.model.trust_remote_code)
+    except OSError:
+        return f"data: longest prompt not measured ({model_path(spec)}: its tokenizer is not on this machine)"
     longest, where, partial = 0, "", False
     for name, rows in {"train": PromptDataset(data.train_path, data), **load_eval_sets(data)}.items():
         partial |= len(rows) > LONGEST_ROWS
