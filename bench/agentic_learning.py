@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -94,15 +95,20 @@ def spread(values: list[float]) -> str:
 def summary(runs: list[dict]) -> list:
     """One table row for the runs of one task x credit x path (its seeds)."""
     ok = [curves(r) for r in runs if r["rc"] == 0]
-    first, last = (lambda c, k: c[k][1][0]), (lambda c, k: c[k][1][-1])   # noqa: E731
+    # a series a run never logged (an eval whose every rollout failed has no info/*) reads as NaN
+    first, last = ((lambda c, k: c[k][1][0] if c[k][1] else math.nan),   # noqa: E731
+                   (lambda c, k: c[k][1][-1] if c[k][1] else math.nan))
     if not ok or any(not c["accuracy"][1] for c in ok):
         return [runs[0]["task"], runs[0]["credit"], runs[0]["path"], "failed"] + [""] * 8
     gains = [last(c, "accuracy") - first(c, "accuracy") for c in ok]
     sampled_end = [statistics.fmean(c["sampled"][1][-5:]) for c in ok if c["sampled"][1]]
     sampled_start = [c["sampled"][1][0] for c in ok if c["sampled"][1]]
     met = "yes" if min(gains) >= TARGET else ("mean only" if statistics.fmean(gains) >= TARGET else "no")
+    # a run stopped early (SIGTERM: the step ends, a checkpoint is written, rc 0) ends at its last eval
+    evals = sorted({c["accuracy"][0][-1] for c in ok})
     return [runs[0]["task"], runs[0]["credit"], runs[0]["path"], len(ok),
-            spread([first(c, "accuracy") for c in ok]), spread([last(c, "accuracy") for c in ok]),
+            spread([first(c, "accuracy") for c in ok]),
+            spread([last(c, "accuracy") for c in ok]) + f" (step {'/'.join(map(str, evals))})",
             spread(gains) + f" ({met})",
             spread([first(c, "greedy") for c in ok]) + " → " + spread([last(c, "greedy") for c in ok]),
             spread(sampled_start) + " → " + spread(sampled_end),
@@ -185,7 +191,7 @@ def main() -> None:
         groups.setdefault((run["task"], run["credit"], run["path"]), []).append(run)
     command = "python " + " ".join(["bench/agentic_learning.py", *sys.argv[1:]])
     total = tuned["wall_s"] + sum(r["wall_s"] for r in runs)
-    head = ["task", "credit", "path", "seeds", "held-out accuracy, SFT model", f"after {args.steps} RL steps",
+    head = ["task", "credit", "path", "seeds", "held-out accuracy, SFT model", "after RL (last eval's step)",
             f"gain (target >= {TARGET} on every seed)", "decision, greedy: SFT → RL",
             "decision, sampled: step 1 → last 5 steps", "calls / turns per rollout (greedy): SFT → RL",
             "tool-off control after RL", "wall per run"]
@@ -195,7 +201,8 @@ def main() -> None:
         f"{tuned['wall_s']:.0f} s), then {len(runs)} RL runs of {args.steps} steps from its export "
         f"(`+experiment=decision_TASK`); decision metrics: choice `info/right_tool`, chain `info/chained`, "
         "recovery `info/retried`; values are the mean (min–max) over seeds",
-        f"- command: `{command}`; wall of all runs: {total / 60:.0f} min", "",
+        f"- command: `{command}`; wall of all runs: {total / 60:.0f} min; 1-minute load average at each "
+        f"RL run's start: {', '.join(str(round(r['load'])) for r in runs)}", "",
         table(head, [summary(g) for g in groups.values()]), "", "![agentic learning](agentic_learning.png)"])
     if not args.no_results:
         draw(groups, BENCH / "agentic_learning.png")
