@@ -226,6 +226,7 @@ def test_the_page_shows_a_rollouts_tokens_and_their_mismatch(run, run_dir, brows
     tip = page.locator("#tip").inner_text()
     assert f"id {seg['token_ids'][sampled]}" in tip
     assert f"logprob {round(seg['logprobs'][sampled], 4)}" in tip
+    assert "sampled at temperature 0.8 top_p 1 top_k -1" in tip   # the run's rollout.temperature=0.8
     page.screenshot(path=str(tmp_path / "rollout.png"))
     assert (tmp_path / "rollout.png").stat().st_size > 10_000
 

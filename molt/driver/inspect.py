@@ -82,7 +82,8 @@ def segment_data(seg: dict, trained: dict | None) -> dict:
     or not recorded). Values the page never shows for a token are zeroed, so the page stays small."""
     out = {"index": seg["segment_index"], "prompt_len": seg["prompt_len"], "finish": seg["finish_reason"],
            "turns": seg.get("turns") or [], "images": seg.get("images") or [], "ids": seg["token_ids"],
-           "mask": seg["loss_mask"], "lp": _round(seg["logprobs"]), "ver": seg["versions"], "tr": None}
+           "mask": seg["loss_mask"], "lp": _round(seg["logprobs"]), "ver": seg["versions"],
+           "sampling": seg.get("sampling") or [], "tr": None}
     if trained is None:
         return out
     mask = [int(m) for m in trained["loss_mask"]]
