@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -167,7 +168,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2", help="comma list of run.seed values of the RL runs")
     p.add_argument("--credits", default="rollout,turn", help="the chain task's algo.turn_credit values")
     p.add_argument("--chat-seeds", default="0,1,2", help="seeds of the choice task's ChatAgent runs")
-    p.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    p.add_argument("--steps", type=int, default=10, help="RL steps per run (the greedy decisions flip by 10)")
     p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--reuse", action="store_true", help="read back finished runs with identical overrides")
@@ -189,7 +190,7 @@ def main() -> None:
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         groups.setdefault((run["task"], run["credit"], run["path"]), []).append(run)
-    command = "python " + " ".join(["bench/agentic_learning.py", *sys.argv[1:]])
+    command = "python " + shlex.join(["bench/agentic_learning.py", *sys.argv[1:]])
     total = tuned["wall_s"] + sum(r["wall_s"] for r in runs)
     head = ["task", "credit", "path", "seeds", "held-out accuracy, SFT model", "after RL (last eval's step)",
             f"gain (target >= {TARGET} on every seed)", "decision, greedy: SFT → RL",
