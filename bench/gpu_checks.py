@@ -237,10 +237,11 @@ def refit_ranges(spec: Any) -> list[str]:
                   "tensor + 4 payloads)")
 
 
-def vlm_no_image_rank(spec: Any, timeout_s: float) -> list[str]:
-    """Item 5: a VLM with model.freeze_vision on 2 cuda ranks, whose rank 1 micro-batch holds no image,
-    completes a training step within `timeout_s` (a tower sharded per block would leave rank 0 waiting in
-    gathers rank 1 never joins, until NCCL's 10-minute watchdog)."""
+def vlm_no_image_rank(spec: Any, timeout_s: float, name: str = "item5_vlm_rank_without_image") -> list[str]:
+    """Item 5: a VLM on 2 cuda ranks, whose rank 1 micro-batch holds no image, completes a training step
+    within `timeout_s`: with model.freeze_vision the tower is one unit every rank gathers; trained, it is
+    sharded per block and rank 1 runs it on a placeholder (molt/trainer/tower.py), or rank 0 would wait in
+    gathers rank 1 never joins, until NCCL's 10-minute watchdog."""
     from molt.plan.models import model_path
     from molt.trainer.ranks import TrainerRanks
 
@@ -266,7 +267,7 @@ def vlm_no_image_rank(spec: Any, timeout_s: float) -> list[str]:
     what = ("no step within the timeout (a hang)" if thread.is_alive() else
             f"{errors[0]}" if errors else f"loss {result.get('train/loss', float('nan')):.4f}, grad norm "
             f"{norm:.3g}")
-    return report("item5_vlm_rank_without_image", ok, f"{what}; {seconds:.1f} s (timeout {timeout_s:g} s)")
+    return report(name, ok, f"{what}; {seconds:.1f} s (timeout {timeout_s:g} s)")
 
 
 def _engine_tensors(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:

@@ -138,7 +138,7 @@ class Rollout:
     tool_errors: int = 0
     tool_parse_errors: int = 0
     answered: bool = False
-    turn_rewards: list[float] = field(default_factory=list)   # an Env's reward of each step, in turn order
+    turn_rewards: list[float] = field(default_factory=list)   # each turn's (model reply's) reward, in order
 
     @property
     def ok(self) -> bool:

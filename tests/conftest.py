@@ -146,12 +146,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def push_weights(ray_session):
-    """`push(engines, state_dict, version, chunk_bytes)`: this test process stands in for trainer rank 0.
+    """`push(engines, state_dict, version, chunk_bytes, shared)`: this test process stands in for trainer
+    rank 0.
 
     It hosts a refit group (`molt.refit`) that the engines join through the Dispatcher, then broadcasts the
     state dict in chunks while every engine receives it through `update_weights(version)`, the path a
-    run takes. With `version=None` the workers only load (no pause, cache reset or relabel). Returns
-    each engine's result.
+    run takes. With `version=None` the workers only load (no pause, cache reset or relabel); with `shared`
+    the payloads go by handle (parallel.colocate). Returns each engine's result.
     """
     import asyncio
 
@@ -170,20 +171,21 @@ def push_weights(ray_session):
                 chunk, size = {}, 0
         yield chunk
 
-    def push(engines: list, state_dict: dict, version: int | None, chunk_bytes: int = 64 << 10) -> list:
+    def push(engines: list, state_dict: dict, version: int | None, chunk_bytes: int = 64 << 10,
+             shared: bool = False) -> list:
         dispatcher, cpu = Dispatcher(engines), torch.device("cpu")
 
         async def connect():
             size = await dispatcher.refit_size()
             store = refit.listen("127.0.0.1", size)
-            opened = asyncio.to_thread(refit.host_group, store, size, cpu)
+            opened = asyncio.to_thread(refit.host_group, store, size, cpu, shared)
             group, _ = await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", store.port))
             return group
 
         group = asyncio.run(connect())
         receiving = [e.update_weights.remote(version) if version is not None
                      else e.collective_rpc.remote("molt_refit_receive") for e in engines]
-        refit.send(group, chunked(state_dict, chunk_bytes), cpu, chunk_bytes)
+        refit.send(group, chunked(state_dict, chunk_bytes), cpu, chunk_bytes, shared)
         return ray_session.get(receiving)
 
     return push

@@ -184,8 +184,8 @@ def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine, module, k
         # ChatAgent, out of turns, does not run them (no request would carry their output)
         errors = (3 if kind == "env" else 2) * (name == "python")
         assert (r.turns, r.tool_calls, r.tool_errors, r.answered) == (3, 3, errors, False)
-        # an Env records each step's reward (algo.turn_credit=turn); a ChatAgent has one per rollout
-        assert r.turn_rewards == ([0.0, 0.0, 0.0] if kind == "env" else []) and r.reward == 0.0
+        # each turn's reward (algo.turn_credit=turn): an Env's steps', a ChatAgent's Result on its last reply
+        assert r.turn_rewards == [0.0, 0.0, 0.0] and r.reward == 0.0
         assert r.segments[0].turns == [[k, len(c["prompt_ids"])] for k, c in enumerate(calls)]   # turn credit
         rollouts.append(r)
     runner.close()

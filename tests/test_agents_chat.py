@@ -261,6 +261,51 @@ def test_a_failing_chat_agent_gives_an_error_rollout(tok, sampler, runners):
     assert runner.server.sessions == {}
 
 
+def test_a_chat_agent_rewards_its_turns_for_turn_credit(tok, sampler, runners):
+    """`ctx.reward_turn` adds to the reward of the latest reply (twice on one reply: the sum), a reply it
+    never names gets 0, and Result.reward lands on the last reply; the rollout's reward is their sum. Turn
+    credit then gives each turn's tokens its return from that turn on (d = 0.5): 0.5 + 0.5 * (0 + 0.5 * 1),
+    0.5 * 1 and 1. A reward before the first reply fails the rollout."""
+    from molt.driver.select import turn_credit
+    from molt.spec import RunSpec
+    from molt.trainer.batch import make_batch
+
+    class Rewarded(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
+                                        http_client=ctx.http_client)
+            messages = list(ctx.messages)
+            for turn in range(3):
+                reply = await client.chat.completions.create(model=ctx.model_name, messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "more"}]
+                if turn == 0:
+                    ctx.reward_turn(0.25)
+                    ctx.reward_turn(0.25)
+            return Result(reward=1.0)
+
+    class Early(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            ctx.reward_turn(1.0)
+            return Result(reward=0.0)
+
+    [r] = run_all(runners(Rewarded, {"max_turns": 3}), [{"prompt": "h", "label": "h"}], sampler)
+    assert (r.turn_rewards, r.reward, r.turns) == ([0.5, 0.0, 1.0], 1.5, 3)
+    algo = {"estimator": "rloo", "turn_credit": "turn", "turn_discount": 0.5}
+    spec = RunSpec.model_validate({"algo": algo})
+    mask = make_batch(r.segments)["loss_mask"]
+    first, extra = turn_credit(spec, [r], torch.tensor([r.reward]), r.segments, mask.shape)
+    [segment] = r.segments
+    starts = [start for _, start in segment.turns] + [len(segment.token_ids)]
+    assert [turn for turn, _ in segment.turns] == [0, 1, 2] and first.tolist() == [0.75]
+    for turn, expected in enumerate((0.75, 0.5, 1.0)):
+        span = slice(starts[turn], starts[turn + 1])
+        sampled = mask[0, span] > 0
+        assert sampled.any() and extra["turn_returns"][0, span][sampled].eq(expected).all()
+    [failed] = run_all(runners(Early), [{"prompt": "h", "label": "h"}], sampler)
+    assert not failed.ok and "reward_turn before the model's first reply" in failed.error
+
+
 def test_chat_context_urls_and_options(tok, sampler, runners):
     got = {}
 

@@ -130,3 +130,27 @@ def test_dump_disabled_and_plots_on_close(tmp_path: Path) -> None:
     assert logger.close() == [tmp_path / "plots" / "reward.png"]
     assert not (tmp_path / "rollouts").exists()
     assert (tmp_path / "plots" / "reward.png").stat().st_size > 0
+
+
+def test_throughput_per_gpu_and_stage_is_nemo_rls_arithmetic() -> None:
+    """tokens/s/GPU = the batch's tokens / (the stage's seconds x its devices), worked out by hand for
+    qwen30b_tools' layout (8 policy ranks on node 0, 8 one-GPU engines on node 1): sync generation is the
+    wait for the batch; async adds the logprob and training passes (NeMo-RL's exposed generation); no
+    logprob line for a step that ran no logprob pass; the colocated GPU counts once for every stage."""
+    from molt.driver.compose import compose
+    from molt.driver.throughput import stage_devices, throughput
+
+    step = {"tokens/total": 16000.0, "time/wait_batch": 10.0, "time/logprobs": 2.0, "time/train": 4.0,
+            "time/step": 20.0}
+    spec = compose(["+experiment=qwen30b_tools", "rollout.mode=sync"])
+    assert stage_devices(spec) == {"trainer": 8, "engines": 8, "all": 16}
+    assert throughput(spec, step) == {"throughput/generation_tokens_per_s_per_gpu": 200.0,
+                                      "throughput/logprobs_tokens_per_s_per_gpu": 1000.0,
+                                      "throughput/training_tokens_per_s_per_gpu": 500.0,
+                                      "throughput/e2e_tokens_per_s_per_gpu": 50.0}
+    spec = compose(["+experiment=qwen30b_tools"])   # async
+    assert throughput(spec, step)["throughput/generation_tokens_per_s_per_gpu"] == 16000 / (16 * 8)
+    assert "throughput/logprobs_tokens_per_s_per_gpu" not in throughput(spec, {**step, "time/logprobs": 0.0})
+    spec = compose(["parallel=gpu1", "model.reference=policy", "algo.kl.coef=0.1"])
+    assert stage_devices(spec) == {"trainer": 1, "engines": 1, "all": 1}
+    assert throughput(spec, step)["throughput/training_tokens_per_s_per_gpu"] == 4000.0

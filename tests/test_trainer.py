@@ -8,6 +8,7 @@ import os
 import random
 
 import pytest
+import ray
 import torch
 from trainerlib import full_weights, one_rank
 
@@ -321,6 +322,41 @@ def critic(ray_session, tiny_model_path) -> tuple[RunSpec, TrainerRanks]:
     group = TrainerRanks(spec, "critic")
     yield spec, group
     group.shutdown()
+
+
+def test_critic_ranks_after_the_first_take_their_shards_from_rank_0(ray_session, tiny_model_path) -> None:
+    """With 2 critic ranks only rank 0 reads the checkpoint (a whole fp32 critic per rank would be 120 GB of
+    host memory at 30B); rank 1 builds the critic on the meta device and receives its shards and the
+    buffers (the rotary frequencies are in no state dict) from rank 0. The values of both ranks' rows equal
+    one process's critic, seeded alike (the value head is new: rank 0 initializes it), 1e-5."""
+    spec = make_spec(tiny_model_path, 2)
+    spec.model.critic, spec.algo.estimator = True, "gae"
+    b = batch_of(3)
+    group = TrainerRanks(spec, "critic")
+    try:
+        values = group.values(b)
+        nccl = ray.get(group.workers[1].__ray_call__.remote(
+            lambda self: os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")))
+    finally:
+        group.shutdown()
+    one = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp_size": 1})})
+    with one_rank(one, "critic") as rank:
+        want = rank.forward(b)
+    assert float(want.abs().max()) > 0.01 and float((values - want).abs().max()) < 1e-5
+    assert nccl == "1"   # trainer ranks: a dead NCCL peer ends the collective (placement.NCCL_ENV)
+
+
+def test_a_critic_rank_after_the_first_reads_no_checkpoint(tiny_model_path, monkeypatch) -> None:
+    """The memory half of the test above, which the values alone cannot show: of 2 critic ranks, rank 1
+    builds the critic on the meta device (not one weight in its host memory), rank 0 reads the checkpoint.
+    Only the rank this process reports changes between the two builds."""
+    from molt.trainer import model as trainer_model
+
+    spec, common = make_spec(tiny_model_path, 2), dict(dtype=torch.float32, trust_remote_code=False)
+    for rank, on_meta in ((1, True), (0, False)):
+        monkeypatch.setattr(trainer_model.dist, "get_rank", lambda rank=rank: rank)
+        critic = trainer_model._critic(spec, tiny_model_path, "sdpa", common)
+        assert {p.is_meta for p in critic.parameters()} == {on_meta}, rank
 
 
 def test_critic_fits_returns_and_reference_is_frozen(critic, tiny_model_path) -> None:

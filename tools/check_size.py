@@ -27,6 +27,8 @@ REVIEWED: dict[str, str] = {
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",
+    "molt/spec/run.py": "the run spec and its rules across sections, which issue 52 moves to a rules file "
+                        "of their own",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "

@@ -4,9 +4,9 @@ Each turn sends the conversation with the row's tools (`tools=`, `tool_choice="a
 server, which renders them through the chat template and parses the calls with agent.tool_parser; the
 reply goes to the same `DecisionEnv.step` the Env path calls (the same tools on the row's hidden tables,
 the same reward and info), whose tool messages are the next request's tail. Out of turns, the last calls
-are not run (no request would carry their output), as in tool_chat.py. The rollout's reward is the sum
-of the steps' rewards; a ChatAgent reports no per-turn rewards (the spec refuses algo.turn_credit=turn
-with one), which the choice task, rewarded only at the answer, does not need.
+are not run (no request would carry their output), as in tool_chat.py. Each step's reward goes to the
+reply it judged (`ctx.reward_turn`: the chain's right first call earns its 0.5 at its own turn, for
+algo.turn_credit=turn); the rollout's reward is their sum.
 """
 
 import importlib.util
@@ -27,7 +27,7 @@ class DecisionChatAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
         env = decision_env.DecisionEnv(self.options)
         client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
-        messages, reward, info = list(ctx.messages), 0.0, {}
+        messages, info = list(ctx.messages), {}
         for turn in range(ctx.max_turns):
             reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,
                                                          tools=ctx.tools, tool_choice="auto")
@@ -41,11 +41,12 @@ class DecisionChatAgent(ChatAgent):
                           messages=list(messages), sampling_params=ctx.sampling_params, item=ctx.item,
                           tools=ctx.tools, tool_calls=calls)
             result = await env.step(state)
-            reward, info = reward + result.reward, result.info
+            ctx.reward_turn(result.reward)
+            info = result.info
             if result.terminated or result.observation is None:
                 break
             messages += result.observation
-        return Result(reward=reward, info=info)
+        return Result(reward=0.0, info=info)   # every reply's reward is in ctx.turn_rewards
 
 
 AgentRunner = ChatAgentRunner(DecisionChatAgent)

@@ -36,10 +36,9 @@ def to_spec(cfg: DictConfig) -> RunSpec:
 
 
 def check_agent_kind(spec: RunSpec, stated: str | None) -> None:
-    """The agent's kind is its module's (molt/spec/derived.py): the module is imported here only when a
-    rule needs the kind before the run imports it, an old config's `agent.kind` (the spec dropped it; it
-    must be the module's) or algo.turn_credit=turn (per-turn rewards come only from an Env)."""
-    if stated is None and spec.algo.turn_credit != "turn":
+    """The agent's kind is its module's (molt/spec/derived.py): the module is imported here only for an old
+    config's `agent.kind` (the spec dropped it; it must be the module's)."""
+    if stated is None:
         return
     from molt.agents import load_agent_runner
 
@@ -47,14 +46,10 @@ def check_agent_kind(spec: RunSpec, stated: str | None) -> None:
         runner = load_agent_runner(spec.agent)
     except (ImportError, TypeError) as err:   # the module is the user's: a one-line refusal, as at launch
         raise ValueError(str(err)) from None
-    what = f"agent.module={spec.agent.module} is a {type(runner).__name__} (kind {runner.kind})"
-    if stated is not None and stated != runner.kind:
-        raise ValueError(f"agent.kind={stated}, but {what}: the kind is derived from agent.module; remove "
-                         "agent.kind from your config (or name a module of that kind)")
-    if spec.algo.turn_credit == "turn" and runner.kind != "env":
-        raise ValueError(f"algo.turn_credit=turn, but {what}: a ChatAgent returns one reward per rollout, "
-                         "so there are no per-turn rewards to credit; use an Env, or "
-                         "algo.turn_credit=rollout")
+    if stated != runner.kind:
+        raise ValueError(f"agent.kind={stated}, but agent.module={spec.agent.module} is a "
+                         f"{type(runner).__name__} (kind {runner.kind}): the kind is derived from "
+                         "agent.module; remove agent.kind from your config (or name a module of that kind)")
 
 
 def compose(overrides: Sequence[str] = ()) -> RunSpec:

@@ -48,6 +48,7 @@ from molt.driver.select import (
     take_batch,
     turn_credit,
 )
+from molt.driver.throughput import throughput
 from molt.inputs.data import PromptDataset, PromptIterator, load_eval_sets
 from molt.inputs.vision import processor
 from molt.plan.models import model_path
@@ -172,9 +173,12 @@ def start_run(spec: RunSpec, policy_path: str, runner: Any) -> tuple[Fleet, Trai
             runner.judge = judge
         else:
             set_up(runner, tokenizer, spec, judge)   # the runner's close() stops the judge's engines
+        ready = [engine.ready.remote() for engine in engines]
+        if spec.parallel.colocate:   # vLLM sizes its KV cache from the GPU memory free when it starts
+            ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
         trainers = Trainers.start(spec, tokenizer.pad_token_id)
         logger = RunLogger(spec)
-        ray.get([engine.ready.remote() for engine in engines], timeout=spec.rollout.engine.start_timeout_s)
+        ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
     except BaseException:
         if judge is not None:   # also when the runner's set-up failed before it took the judge
             judge.shutdown()
@@ -269,11 +273,13 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
         record = {rollout_id: {"decision": why, "version": at.version}
                   for rollout_id, why in filter_decisions(spec, rollouts).items()}
     try:
+        await fleet.sleep_if_colocated()   # the engine sleeps while the trainer steps on its GPU
         async with fleet.trainer:
             metrics = await learn(spec_with_kl_coef(spec, at.kl_coef), rollouts, trainers, at.version,
                                   engines=live, train_policy=not warmup, probe=probe, record=record)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
         logger.dump_rollouts(at.step + 1, rollouts, record)
+        await fleet.wake_if_colocated()
     metrics.update(batch_metrics)
     if spec.algo.kl.coef:
         metrics["kl/coef"] = at.kl_coef
@@ -305,6 +311,7 @@ async def rl_step(spec: RunSpec, at: Position, trainers: Trainers, fleet: Fleet,
         **fleet.metrics(),
     })
     metrics["tokens/per_s"] = metrics["tokens/sampled"] / metrics["time/step"]
+    metrics.update(throughput(spec, metrics))   # per device and stage, as NeMo-RL reports it
     return metrics
 
 
@@ -382,6 +389,7 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
     current = sampled & (batch["versions"] == version)
     batch["current_mask"] = current.float()
     metrics["mismatch/stale_frac"] = 1 - float(current.sum()) / max(float(sampled.sum()), 1.0)
+    metrics["tokens/total"] = float(batch["attention_mask"].sum())   # (molt/driver/throughput.py)
     lag = (version - batch["versions"])[sampled]   # policy versions between sampling and this update
     metrics["policy/lag_mean"], metrics["policy/lag_max"] = float(lag.mean()), float(lag.max())
     return batch

@@ -112,7 +112,7 @@ def turn_credit(spec: RunSpec, kept: list[Rollout], rewards: torch.Tensor, segme
     for rollout in kept:
         if not rollout.turn_rewards:
             raise ValueError(f"algo.turn_credit=turn: rollout {rollout.rollout_id} has no per-turn rewards "
-                             "(only an Env's rollouts record them)")
+                             "(an Env's steps and a ChatAgent's Result and ctx.reward_turn record them)")
         g, out = 0.0, []
         for reward in reversed(rollout.turn_rewards):
             g = reward + spec.algo.turn_discount * g

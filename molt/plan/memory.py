@@ -177,9 +177,7 @@ def engine_estimate(spec: RunSpec, role: str, a: Arch) -> tuple[Estimate, float]
     gpu_memory_utilization leaves; also the bytes one max_model_len sequence needs in that cache."""
     engine = spec.agent.judge.engine if role == "judge" else spec.rollout.engine
     c = DTYPE_BYTES[spec.model.dtype]
-    spec_cfg = engine.speculative_config or {}
-    mtp = role == "engine" and str(spec_cfg.get("method", "")).endswith("mtp")
-    params, _ = param_count(a, mtp=mtp)
+    params, _ = param_count(a)
     weights = params * (a.weight_bits / 8 if a.weight_bits else c) / engine.tp_size
     if a.kv_lora_rank:   # MLA caches the compressed key/value, the same on every TP rank
         kv_token = a.num_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * c
@@ -265,11 +263,13 @@ def check(spec: RunSpec) -> None:
     if spec.parallel.device != "cuda":
         return
     limit = spec.parallel.gpu_memory_gib * GIB
-    problems = []
+    problems = _colocated_problems(spec, limit) if spec.parallel.colocate else []
     for est in estimates(spec)[0]:
         role = {"engine": "engine", "judge": "judge"}.get(est.role.split()[0], est.role.split()[0])
         if role in ("engine", "judge"):
             problems += _engine_problems(spec, role, limit)
+        elif spec.parallel.colocate:
+            continue   # its rank shares the GPU: checked with the engine, phase by phase, above
         elif est.total > limit:
             a = arch_of(spec, "policy" if role == "critic" else role)
             fixes = "; ".join(_trainer_fixes(spec, role, a, limit) if a else []) or (
@@ -299,12 +299,74 @@ def _engine_problems(spec: RunSpec, role: str, limit: float) -> list[str]:
 
 
 def describe(spec: RunSpec) -> list[str]:
-    """The dry run's memory lines: one per role (every rank or engine GPU of a role holds the same)."""
+    """The dry run's memory lines: one per role (every rank or engine GPU of a role holds the same); with
+    parallel.colocate on cuda, then the shared GPU in each phase."""
     ests, unknown = estimates(spec)
     cuda = spec.parallel.device == "cuda"
     head = (f"per GPU, of parallel.gpu_memory_gib={spec.parallel.gpu_memory_gib:g}" if cuda else
             "per process, host memory (CPU: not checked; processes share the host's RAM)")
     lines = [f"estimate {head}"] + [e.line() for e in ests]
+    if cuda and spec.parallel.colocate and not unknown:
+        lines += [e.line() for e in colocated_phases(spec)]
     lines += [f"{role}: no estimate (model.path is a hub id: set model.arch from its config.json)"
               for role in unknown]
     return lines
+
+
+# -- colocation (parallel.colocate: the trainer's ranks and the engine on one GPU) ----------------------
+# What a sleeping engine still holds on the GPU: its CUDA context and the allocations vLLM's sleep mode does
+# not release (level 1 moves the weights to host memory, level 2 drops them; both free the KV cache). An
+# assumption, as CUDA_RESERVE_GIB, until the GPU check measures it.
+ENGINE_ASLEEP_GIB = 1.0
+RESIDENT = ("params", "optimizer")   # what a trainer rank keeps on the GPU between its steps
+
+
+def colocated_phases(spec: RunSpec) -> list[Estimate]:
+    """The shared GPU while the engine generates (its gpu_memory_utilization share beside every trainer
+    role's resident state and CUDA context) and while the trainer steps (the engine asleep beside the
+    same, plus the largest role's step: grads, gathered units, activations, logits; roles step in turn)."""
+    trainers = [e for e in estimates(spec)[0] if not e.role.startswith(("engine", "judge"))]
+    engine = spec.rollout.engine.gpu_memory_utilization * spec.parallel.gpu_memory_gib * GIB
+    kept = {f"{e.role.removesuffix(' rank')} kept": sum(v for k, v in e.parts.items() if k in RESIDENT)
+            for e in trainers}
+    steps = {f"{e.role.removesuffix(' rank')} step": sum(
+        v for k, v in e.parts.items() if k not in (*RESIDENT, "cuda")) for e in trainers}
+    busiest = max(steps, key=steps.get)
+    cuda = sum(e.parts.get("cuda", 0.0) for e in trainers)
+    note = f"parallel.colocate: {len(trainers)} trainer role(s) and the engine on one GPU"
+    return [Estimate("colocated GPU, generating", {"engine": engine, **kept, "cuda": cuda}, note),
+            Estimate("colocated GPU, training", {"engine asleep": ENGINE_ASLEEP_GIB * GIB, **kept,
+                                                 busiest: steps[busiest], "cuda": cuda},
+                     f"{note}; the engine asleep")]
+
+
+def _colocated_problems(spec: RunSpec, limit: float) -> list[str]:
+    """Each phase of the shared GPU that exceeds it, with the single settings under which both fit (the
+    largest engine share first)."""
+    if estimates(spec)[1]:
+        return []   # no architecture numbers: the dry run says so
+    over = [e for e in colocated_phases(spec) if e.total > limit]
+    if not over:
+        return []
+    par, share = spec.parallel, spec.rollout.engine.gpu_memory_utilization
+    shares = [(f"rollout.engine.gpu_memory_utilization={u:.1f}",
+               {"rollout": {"engine": {"gpu_memory_utilization": u}}}) for u in (0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
+              if u < share]
+    knobs = [(f"parallel.{k}={v}".replace("True", "true"), {"parallel": {k: v}}) for k, v in
+             (("offload", "optimizer"), ("activation_checkpointing", True)) if getattr(par, k) != v]
+    fits = [words for words, change in shares + knobs
+            if all(e.total <= limit for e in colocated_phases(_updated(spec, change)))]
+    fits = [w for w in fits if not w.startswith("rollout.engine")] + [w for w in fits if w.startswith(
+        "rollout.engine")][:1]
+    alone = "; ".join(fits) or ("none of a smaller engine share, optimizer offload or activation "
+                                "checkpointing alone: combine them, or use a larger GPU")
+    return [f"{e.line()} exceeds parallel.gpu_memory_gib={par.gpu_memory_gib:g}" for e in over] + [
+        f"both colocated phases would fit with: {alone}"]
+
+
+def _updated(spec: RunSpec, change: dict) -> RunSpec:
+    """`spec` with nested section values replaced (no validation: the plan's own arithmetic)."""
+    def apply(obj, values: dict):
+        return obj.model_copy(update={k: apply(getattr(obj, k), v) if isinstance(v, dict) else v
+                                      for k, v in values.items()})
+    return apply(spec, change)

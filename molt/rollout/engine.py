@@ -54,7 +54,7 @@ class EngineActor:
     """
 
     def __init__(self, model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int = 0,
-                 index: int = 0) -> None:
+                 index: int = 0, sleeps: bool = False) -> None:
         from vllm import EngineArgs
 
         self.index = index
@@ -62,7 +62,7 @@ class EngineActor:
         self.prompt_too_long = rollout.prompt_too_long
         self.max_model_len = model.max_model_len
         self.router_replay = model.router_replay
-        self.engine_args = EngineArgs(**engine_kwargs(model_path, rollout, model, seed + index))
+        self.engine_args = EngineArgs(**engine_kwargs(model_path, rollout, model, seed + index, sleeps))
         self.llm: Any = None                       # vLLM's LLMEngine, built by the engine thread
         self.built: concurrent.futures.Future = concurrent.futures.Future()
         self.calls: queue.SimpleQueue = queue.SimpleQueue()   # (function, future, drain) for the thread
@@ -333,6 +333,17 @@ class EngineActor:
             shutil.rmtree(old.lora_path, ignore_errors=True)
         return time.perf_counter() - start
 
+    async def sleep(self, level: int) -> None:
+        """Free the GPU for a colocated trainer (parallel.colocate) once no request is in flight: vLLM's
+        sleep, level 1 (weights to host memory) or 2 (weights dropped; the next refit restores them); the
+        KV cache goes either way. On CPU vLLM's sleep frees nothing: the same calls, cores shared."""
+        await self._on_engine(lambda: self.llm.sleep(level), drain=True)
+
+    async def wake_up(self) -> None:
+        """Take the GPU back for generation (after a level-2 sleep its weights are garbage until the refit
+        that follows); the prefix cache was emptied by the sleep."""
+        await self._on_engine(self.llm.wake_up)
+
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         return await self._on_engine(lambda: self.llm.collective_rpc(method, args=args, kwargs=kwargs))
 
@@ -364,14 +375,16 @@ class EngineActor:
 def start_engine(spec: Any, model_path: str, index: int, slot: Any = None) -> Any:
     """Engine actor `index` on its plan node (molt/plan/placement.py), or on `slot`'s (a judge engine, planned
     from the run's spec); call `ready` on it before use."""
-    from molt.plan.placement import cluster_nodes, cpu_threads, node_selector, plan
+    from molt.plan.placement import cluster_nodes, colocated, cpu_threads, gpu_share, node_selector, plan
 
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
     slot = slot or next(s for s in plan(spec) if s.role == "engine" and s.index == index)
     threads = cpu_threads(spec, "engine", index)
-    options = dict(actor_options(spec.rollout.engine, spec.parallel.device, threads),
+    share = gpu_share(spec) if colocated(spec, slot.role) else 1.0
+    options = dict(actor_options(spec.rollout.engine, spec.parallel.device, threads, share),
                    label_selector=node_selector(ids[slot.node]))
-    return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index)
+    return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index,
+                                                 colocated(spec, slot.role))
 
 
 def start_engines(spec: Any, model_path: str, slots: list | None = None) -> list:

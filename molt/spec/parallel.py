@@ -30,6 +30,12 @@ class ParallelSpec(Strict):
     gpu_memory_gib: float = Field(
         80.0, gt=0, description="cuda: memory of one GPU; the plan is refused when a role's estimate "
         "(molt/plan/memory.py, shown by run.dry_run=true) exceeds it")
+    colocate: bool = Field(
+        False, description="one GPU for the trainer and the engine (conf/parallel/gpu1.yaml): the engine "
+        "sleeps while the trainer steps, the refit goes over CUDA IPC (cpu: the same schedule, cores shared)")
+    engine_sleep_level: Literal[1, 2] = Field(
+        1, description="colocate: the engine's vLLM sleep while the trainer steps: 1 keeps its weights in "
+        "host memory, 2 drops them (the refit after the step restores them)")
     cpu_threads: int | None = Field(
         None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
         "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
@@ -63,6 +69,11 @@ def _check_parallel(par: ParallelSpec) -> None:
                          "the host; use offload=optimizer")
     if par.nodes < 1 or par.gpus_per_node < 1:
         raise ValueError(f"nodes={par.nodes} and gpus_per_node={par.gpus_per_node} must be >= 1")
+    if par.colocate and (par.world_size > 1 or par.nodes > 1):
+        raise ValueError(f"colocate=true with {par.world_size} trainer rank(s) on {par.nodes} node(s): "
+                         "colocation shares one GPU between one trainer rank and one engine (dp_size=tp_size="
+                         "nodes=1); on several GPUs each rank would have to refit the engine on its own GPU, "
+                         "which the refit does not do")
     if par.trainer_nodes is not None and not 1 <= par.trainer_nodes < par.nodes:
         raise ValueError(f"trainer_nodes={par.trainer_nodes} must leave the engines at least one of the "
                          f"{par.nodes} node(s) (1 <= trainer_nodes < nodes), or be null to share all nodes")

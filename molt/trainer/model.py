@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from molt.inputs.vision import is_vision_model
 from molt.plan.memory import AUTO_CHUNK_BYTES, chunk_tokens  # noqa: F401 (the trainer's names)
 from molt.spec import RunSpec
+from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.lora import apply_lora, check_adapted, peft_config
 from molt.trainer.packing import VARLEN
 from molt.trainer.router_replay import freeze_router, install_replay
@@ -79,17 +80,7 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
     attention = VARLEN if spec.train.micro_batch_tokens else "sdpa"   # packed rows need their attention
     if role == "critic":
-        from transformers import AutoConfig, AutoModelForTokenClassification
-
-        if is_vision_model(path, spec.model.trust_remote_code):
-            raise ValueError("model.critic: a value model of a vision-language model is not supported "
-                             "(use an estimator without a critic, e.g. algo=grpo)")
-
-        # no dropout on the value head: the critic's forward must be deterministic like the policy's
-        config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
-                                            trust_remote_code=spec.model.trust_remote_code)
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, attn_implementation=attention, **common)
+        model = _critic(spec, path, attention, common)
     elif cuda:
         import nemo_automodel
 
@@ -107,6 +98,12 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         auto = transformers.AutoModelForImageTextToText if is_vision_model(
             path, spec.model.trust_remote_code) else transformers.AutoModelForCausalLM
         model = auto.from_pretrained(path, attn_implementation=attention, **common)
+        if checkpoint_fp8(path) is not None:
+            # transformers dequantized the block-FP8 checkpoint as it loaded (no FP8 kernel on CPU) and
+            # recorded it: reverting that record would re-quantize what the refit and the export convert
+            # back to checkpoint names. The weights are plain from here (a refit to an FP8 engine
+            # quantizes them itself, molt/trainer/fp8.py): revert as for a model built without a record.
+            model._weight_conversions = None
     if adapted:
         apply_lora(model, spec)   # before sharding: FSDP2 then shards adapters and frozen weights alike
     if cuda and spec.parallel.world_size == 1:
@@ -115,7 +112,50 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
         # device as they wrap it, so no GPU holds a whole critic (120 GB in fp32 at 30B).
         model.to(torch.device("cuda", torch.cuda.current_device()))
     _prepare(model, spec, role)
-    return parallelize_model(model, setup.mesh_context)
+    whole = model.state_dict() if role == "critic" and spec.parallel.world_size > 1 else None
+    model = parallelize_model(model, setup.mesh_context)
+    if whole is not None:
+        _shards_from_rank0(model, whole, spec)
+    return model
+
+
+def _shards_from_rank0(model: nn.Module, whole: dict[str, torch.Tensor], spec: RunSpec) -> None:
+    """Fill a sharded model that ranks other than 0 built on the meta device from rank 0's `whole` state
+    dict (taken before sharding: its tensors are rank 0's loaded weights): each rank keeps its shards.
+    Buffers are broadcast too: the non-persistent ones (rotary frequencies) are in no state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    cuda = spec.parallel.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if dist.get_rank() > 0:
+        model.to_empty(device="cpu" if spec.parallel.offload == "full" or not cuda else device)
+        whole = {}
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        sent = buffer.detach().to(device)
+        dist.broadcast(sent, src=0)
+        buffer.data.copy_(sent)
+
+
+def _critic(spec: RunSpec, path: str, attention: str, common: dict[str, Any]) -> nn.Module:
+    """The critic: a token-classification model with one label, a value head on the policy's backbone (the
+    head is new: rank 0 initializes it). Only rank 0 reads the checkpoint into host memory (a whole fp32
+    critic: 120 GB at 30B); other ranks build it on the meta device and take their shards from rank 0
+    once it is sharded (`_shards_from_rank0`)."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    if is_vision_model(path, spec.model.trust_remote_code):
+        raise ValueError("model.critic: a value model of a vision-language model is not supported "
+                         "(use an estimator without a critic, e.g. algo=grpo)")
+    # no dropout on the value head: the critic's forward must be deterministic like the policy's
+    config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
+                                        trust_remote_code=spec.model.trust_remote_code)
+    auto = AutoModelForTokenClassification
+    if spec.parallel.world_size > 1 and dist.get_rank() > 0:
+        with torch.device("meta"):
+            return auto.from_config(config, attn_implementation=attention, **common)
+    return auto.from_pretrained(path, config=config, attn_implementation=attention, **common)
 
 
 def automodel_kwargs(spec: RunSpec, role: str, path: str) -> dict[str, Any]:

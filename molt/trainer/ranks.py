@@ -20,7 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.plan.models import check_same_tokenizer, model_path
-from molt.plan.placement import cluster_nodes, node_selector, plan
+from molt.plan.placement import NCCL_ENV, cluster_nodes, gpu_share, node_selector, plan
 from molt.spec import RunSpec
 from molt.trainer.batch import pad_rows
 
@@ -56,7 +56,7 @@ class TrainerRanks:
             check_same_tokenizer(spec)
         path = model_path(spec, role)   # resolved here, once: ranks only read the folder
         par = spec.parallel
-        bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
+        bundle = {"CPU": 1, "GPU": gpu_share(spec)} if par.device == "cuda" else {"CPU": 1}
         # Each rank's bundle is pinned to its plan node; a role the spec does not configure (a direct
         # TrainerRanks call) goes where the policy goes.
         slots = plan(spec)
@@ -81,7 +81,7 @@ class TrainerRanks:
         # "control": `set_engines_idle` is delivered while a step runs in the default group
         actor = ray.remote(concurrency_groups={"control": 1})(TrainerWorker)
         self.workers = [
-            actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0),
+            actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0), runtime_env={"env_vars": NCCL_ENV},
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               self._pg, placement_group_bundle_index=r))
             .remote(spec, role, r, path)

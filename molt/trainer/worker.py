@@ -54,6 +54,7 @@ from molt.trainer.router_replay import set_routes
 from molt.trainer.schedule import lr_factor
 from molt.trainer.threads import RankThreads
 from molt.trainer.token_record import TokenRecord
+from molt.trainer.tower import sharded_tower, tower_in_every_forward
 
 # With several updates per batch these are also logged for the last update alone (`<name>_last`).
 LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
@@ -112,6 +113,7 @@ class TrainerWorker:
         self.model = build_model(self.spec, self.role, self.path, setup)
         self.threads.follow_blocks(self.model)
         self.image_token = getattr(self.model.config, "image_token_id", None)   # VLMs only
+        self.tower_collectives = self.image_token is not None and sharded_tower(self.model)
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
                              "use train.micro_batch_size with a vision-language model")
@@ -191,7 +193,9 @@ class TrainerWorker:
                                   enabled=self.autocast is not None)
         chunked = self.role != "critic" and chunkable(self.model, self.spec.parallel)
         head = self.model.get_output_embeddings() if chunked else None
-        with head_input(head) as hidden, autocast:
+        # a VLM batch's micro-batch without an image still runs a sharded tower's collectives, as its peers do
+        placeholder = "image_grid_thw" in mb and not images and self.tower_collectives
+        with head_input(head) as hidden, autocast, tower_in_every_forward(self.model, placeholder):
             logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
                                 **packed, **images).logits.float()
         # the distribution each token was sampled from: recorded per token, else the run's settings
@@ -223,6 +227,7 @@ class TrainerWorker:
             if start < out.shape[0]:  # the inert micro-batches that even out ranks come last
                 out[start:start + rows, :length] = scores
             start += rows
+        self._release_cached_memory()
         return out
 
     # -- training --------------------------------------------------------------------------------------
@@ -267,7 +272,14 @@ class TrainerWorker:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()  # counts the batches this role trains on, not updates (schedule.py)
         self.step += 1
+        self._release_cached_memory()
         return self._reduce_metrics(sums, grad_norms, lr)
+
+    def _release_cached_memory(self) -> None:
+        """parallel.colocate on cuda: the blocks this pass freed go back to the GPU, where the engine wakes
+        into them; the caching allocator would keep them for this rank's next pass."""
+        if self.cuda and self.spec.parallel.colocate:
+            torch.cuda.empty_cache()
 
     def _update(self, part: dict[str, torch.Tensor], algo: AlgoSpec, sums: dict[str, float], first_pass: bool,
                 last: bool) -> float | None:
@@ -428,8 +440,10 @@ class TrainerWorker:
         return ray.util.get_node_ip_address(), self.refit_store.port
 
     def join_refit(self, world_size: int) -> None:
-        """Rank 0: open the refit group `host_refit` listens for; returns once all `world_size` joined."""
-        self.refit_group = refit.host_group(self.refit_store, world_size, self.device)
+        """Rank 0: open the refit group `host_refit` listens for; returns once all `world_size` joined.
+        A colocated engine shares this device: its payloads go by handle (`molt.refit`, shared)."""
+        self.refit_group = refit.host_group(self.refit_store, world_size, self.device,
+                                            shared=self.spec.parallel.colocate)
 
     @ray.method(concurrency_group="control")   # runs while `send_weights` waits in the default group
     def abort_refit(self) -> None:
@@ -442,7 +456,8 @@ class TrainerWorker:
         chunk_bytes = int(self.spec.rollout.refit_chunk_mb * 2**20)
         chunks = weights.refit_chunks(self.model, self.spec, chunk_bytes, self.device, self.fp8)
         try:
-            return refit.send(self.refit_group, chunks, self.device, chunk_bytes) if self.rank == 0 else 0
+            return refit.send(self.refit_group, chunks, self.device, chunk_bytes,
+                              shared=self.spec.parallel.colocate) if self.rank == 0 else 0
         finally:   # the other ranks only take part in the gathers; so does rank 0 after a failed stream
             for _ in chunks:
                 pass
