@@ -53,8 +53,8 @@ def step_records(rows: list[dict[str, float]]) -> list[dict[str, float]]:
 
 
 def run_molt(args: list[str], run_dir: Path, timeout: float = 1800, module: str = "molt") -> dict[str, Any]:
-    """Run Molt (`python -m module`: molt, or molt.sft) with these overrides in `run_dir`; returns {rows,
-    steps, wall_s, setup_s, rc, log}.
+    """Run Molt (`python -m molt`, or another command `module`: molt.sft) with these overrides in `run_dir`;
+    returns {rows, steps, wall_s, setup_s, rc, log}.
 
     A failed or timed-out run comes back with rc != 0 and the tail of its log, not an exception, so a
     sweep keeps going and reports what failed.

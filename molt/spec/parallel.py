@@ -3,6 +3,7 @@ and the layouts the trainer cannot run (refused with the reason)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -30,6 +31,10 @@ class ParallelSpec(Strict):
     gpu_memory_gib: float = Field(
         80.0, gt=0, description="cuda: memory of one GPU; the plan is refused when a role's estimate "
         "(molt/plan/memory.py, shown by run.dry_run=true) exceeds it")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="seconds a trainer rank waits in one collective (gloo, NCCL) before it "
+        "fails with an error instead of hanging (a peer that died or called another collective); torch's "
+        "default. Rank 0 saving a checkpoint or an export while the others wait must fit in it")
     colocate: bool = Field(
         False, description="one GPU for the trainer and the engine (conf/parallel/gpu1.yaml): the engine "
         "sleeps while the trainer steps, the refit goes over CUDA IPC (cpu: the same schedule, cores shared)")
@@ -39,12 +44,18 @@ class ParallelSpec(Strict):
     cpu_threads: int | None = Field(
         None, ge=1, description="cpu: torch threads per trainer rank and engine worker; null: the stage that "
         "runs takes the node's cores (sync: each in turn; async: engines and ranks split them, and the ranks "
-        "take them all while no rollout generates); 1 where other jobs keep the cores busy")
+        "take them all while no rollout generates), less those other work kept busy over the last second "
+        "(molt/plan/cores.py)")
 
     @property
     def world_size(self) -> int:
         """Trainer ranks per role: the data-parallel replicas times the tensor-parallel ranks of each."""
         return self.dp_size * self.tp_size
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        """`collective_timeout_s` as torch.distributed takes it (the ranks' rendezvous waits as long)."""
+        return timedelta(seconds=self.collective_timeout_s)
 
     @model_validator(mode="after")
     def _sizes(self) -> ParallelSpec:

@@ -14,7 +14,6 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -88,8 +87,9 @@ class TrainerWorker:
     def address(self) -> tuple[str, int]:
         """Rank 0: listen for the ranks' rendezvous on a port the OS assigns as it binds (a port found free
         and bound later can be taken meanwhile: `molt.refit.listen`); returns this node's IP and the port."""
-        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.spec.parallel.world_size,
-                                   is_master=True, timeout=default_pg_timeout, wait_for_workers=False)
+        par = self.spec.parallel
+        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, par.world_size, is_master=True,
+                                   timeout=par.collective_timeout, wait_for_workers=False)
         return ray.util.get_node_ip_address(), self.store.port
 
     def setup(self, host: str, port: int) -> None:
@@ -99,9 +99,9 @@ class TrainerWorker:
         os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(self.rank),
                           WORLD_SIZE=str(par.world_size), LOCAL_RANK="0")
         store = self.store if self.rank == 0 else dist.TCPStore(host, port, par.world_size, is_master=False,
-                                                                timeout=default_pg_timeout)
+                                                                timeout=par.collective_timeout)
         dist.init_process_group("nccl" if self.cuda else "gloo", store=store, rank=self.rank,
-                                world_size=par.world_size)
+                                world_size=par.world_size, timeout=par.collective_timeout)
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         torch.manual_seed(self.spec.run.seed)
         setup = distributed_setup(self.spec)
