@@ -200,9 +200,18 @@ def test_the_working_neighbours_of_each_refusal_validate(overrides):
     compose(overrides)
 
 
+def test_a_best_metric_without_a_set_is_the_first_eval_sets():
+    spec = compose(["train.best_metric=pass@1", "data.eval=[examples/data/math_eval.jsonl,"
+                    "examples/data/repeat_eval.jsonl]"])
+    assert spec.train.best_metric == "eval/math_eval/pass@1"
+    assert compose(["+experiment=tool_rl"]).train.best_metric == "eval/tool_products_eval/pass@1"
+    with pytest.raises(SpecError, match="none configured"):
+        compose(["train.best_metric=pass@1", "data.eval=[]"])
+
+
 def test_missing_experiment_fails():
-    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: distill_tiny, dsv3_ep256, "
-                                        "qwen30b_tools"):
+    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: decision_chain, "
+                                        "decision_choice, .*, qwen30b_tools"):
         compose(["+experiment=nope"])
 
 
@@ -310,6 +319,14 @@ PLANS = {
                       "total: 16 of 2 x 8 = 16 GPUs"],
     "tiny_vlm_geo": ["node 0: policy rank 0, engine 0",
                      "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_choice": ["node 0: policy rank 0, engine 0",
+                        "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_chain": ["node 0: policy rank 0, engine 0",
+                       "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_recovery": ["node 0: policy rank 0, engine 0",
+                          "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_sft": ["node 0: policy rank 0",
+                     "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "distill_tiny": ["node 0: policy rank 0, reference rank 0, engine 0",
                      "total: 2 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "rg_rl": ["node 0: policy rank 0, engine 0",
@@ -345,13 +362,28 @@ GENERATED = {"qwen30b_tools": ["data.train_path=examples/data/tool_flagship_trai
                                "data.eval=[examples/data/bfcl_multi_turn_base_eval.jsonl]"]}
 
 
+def decision_data(name: str, folder: Path) -> list[str]:
+    """The decision recipes' rows, generated (not committed) as their header says, into `folder`."""
+    if not name.startswith("decision_"):
+        return []
+    from test_tool_use import load
+
+    load("decision_env").main([str(folder), "--train", "8", "--eval", "4", "--sft", "4", "--sft-eval", "2"])
+    if name == "decision_sft":
+        return [f"data.train_path={folder}/decision_sft.jsonl",
+                f"data.eval=[{folder}/decision_sft_eval.jsonl]"]
+    task = name.removeprefix("decision_")
+    return [f"data.train_path={folder}/decision_{task}_train.jsonl",
+            f"data.eval=[{folder}/decision_{task}_eval.jsonl,{folder}/decision_{task}_eval_off.jsonl]"]
+
+
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
     from datalib import with_local_hub
 
     from molt.driver.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
 
-    spec = compose([f"+experiment={name}", *GENERATED.get(name, [])])
+    spec = compose([f"+experiment={name}", *GENERATED.get(name, []), *decision_data(name, tmp_path)])
     lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
              if line.startswith("placement: ")]
     assert lines == PLANS[name]

@@ -113,10 +113,12 @@ def _check_eval_keys(spec: RunSpec) -> None:
     if spec.train.objective == "sft" and (spec.model.critic or spec.model.reference):
         raise ValueError("train.objective=sft trains the policy alone: set model.critic=false and "
                          "model.reference=null")
-    metric = spec.train.best_metric
+    metric, names = spec.train.best_metric, eval_names(spec.data.eval)
     if metric is None:
         return
-    parts, names = metric.split("/"), eval_names(spec.data.eval)
+    if "/" not in metric and names:   # a metric alone (pass@1) is the first eval set's, named here once
+        spec.train.best_metric = metric = f"eval/{names[0]}/{metric}"
+    parts = metric.split("/")
     if len(parts) != 3 or parts[0] != "eval" or parts[1] not in names:
         raise ValueError(f"train.best_metric={metric!r} must be eval/NAME/METRIC with NAME the stem of a "
                          f"data.eval file ({', '.join(names) or 'none configured'}), e.g. eval/NAME/pass@1")
