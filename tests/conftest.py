@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 # One thread per process: 2 cores are shared by Ray, vLLM and the trainer ranks (tests/README.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -12,6 +14,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # hub datasets: a local copy or the cache, never fetched
 
 import pytest  # noqa: E402
+
+
+def host_kernels() -> str:
+    """The host's kernels, in every report: float tolerances meet its dispatch (AVX2 or AVX-512;
+    ATEN_CPU_CAPABILITY=avx2 forces the former), the memory test its transparent huge pages."""
+    import torch
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    pages = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else "unknown"
+    return (f"cpu: torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} torch thread(s), {len(os.sched_getaffinity(0))} cores, transparent "
+            f"huge pages {pages}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return host_kernels()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if config.get_verbosity() < 0:   # -q (CI) prints no header: the line ends the report instead
+        terminalreporter.write_line(host_kernels())
 
 
 @pytest.fixture(scope="session")

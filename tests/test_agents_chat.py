@@ -146,6 +146,33 @@ def test_n_choices_the_trajectory_follows_the_choice_the_agent_continues(tok, sa
     assert r.reward == 0.5
 
 
+def test_a_reply_edited_before_it_is_sent_back_restarts_the_segment(tok, sampler, runners):
+    """An agent that changes the last character of the reply it got before sending it back: that is not the
+    sampled reply, so the first segment ends with the reply as sampled and a second one starts from the
+    edited conversation, rendered whole (an echo taken as unchanged would train the edited text's tokens
+    as sampled ones, or glue the next turn after ids the agent never sent)."""
+    sent: list[list[dict]] = []   # the conversations the agents sent back
+
+    class EditLast(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
+                                        http_client=ctx.http_client)
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            text = reply.choices[0].message.content or ""
+            edited = text[:-1] + ("b" if text.endswith("a") else "a")
+            messages = ctx.messages + [{"role": "assistant", "content": edited},
+                                       {"role": "user", "content": "again"}]
+            sent.append(messages)
+            await client.chat.completions.create(model=ctx.model_name, messages=messages)
+            return Result(reward=1.0)
+
+    runner = runners(EditLast, {"max_turns": 2})
+    for r in run_all(runner, [{"prompt": "f", "label": "f"}] * 2, sampler):
+        first, second = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+        assert len(first) == 1 and len(second) == 1
+        assert second[0]["prompt_ids"] in [chat_ids(tok, messages) for messages in sent]
+
+
 def test_a_compacting_agent_makes_segments_that_share_one_reward(tok, sampler, runners):
     runner = runners(str(EXAMPLES / "chat_compact.py"), {"max_turns": 3, "options": {"keep_turns": 2}})
     minimal = runners(str(EXAMPLES / "chat_minimal.py"))

@@ -26,8 +26,10 @@ from molt.driver.plot import read_metrics as metrics_by_step
 from molt.inputs.data import PromptDataset, PromptIterator
 
 REPO = Path(__file__).resolve().parents[1]
+# One thread per process: a redone step is bit for bit only on the threads of the first run, and null's
+# follow the cores the suite's other work leaves (molt/plan/cores.py).
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
-         "rollout.temperature=0.7", "rollout.top_p=0.9",
+         "rollout.temperature=0.7", "rollout.top_p=0.9", "parallel.cpu_threads=1",
          "logging.plots=false", "logging.progress=false", "logging.wandb.mode=disabled",
          "rollout.engine.kv_cache_gib=0.25"]
 
@@ -192,14 +194,24 @@ def check_same_steps(run_a: Path, run_b: Path, first: int) -> None:
         assert load_rollouts(run_a / name) == load_rollouts(run_b / name), step
 
 
-def test_async_chat_agent_run(tmp_path, ray_session):
+def test_async_chat_agent_run(tmp_path, ray_session, monkeypatch):
+    """An async run of a ChatAgent, handing out the oldest groups first (rollout.handout=oldest: the pool the
+    loop builds is asked for that order; the order itself: test_pool.py)."""
     from molt.driver.loop import train
+    from molt.rollout.pool import RolloutPool
 
+    pools, build = [], RolloutPool.__init__
+
+    def init(self, *args, **kwargs) -> None:   # the real pool, noted
+        pools.append(self)
+        build(self, *args, **kwargs)
+    monkeypatch.setattr(RolloutPool, "__init__", init)
     spec = compose([*SMALL, "agent=chat_minimal", "rollout.mode=async", "rollout.groups_in_flight=12",
                     "rollout.max_staleness=1", "train.steps=3", "train.save_every=0", "train.eval_every=3",
-                    "agent.max_turns=2", "model.max_model_len=512"])
+                    "agent.max_turns=2", "model.max_model_len=512", "rollout.handout=oldest"])
     spec.run.dir = str(tmp_path)
     last = train(spec)
+    assert len(pools) == 1 and pools[0].oldest_first
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]   # step 0: the starting model's eval, alone
     assert set(rows[0]) == {"step", "time", "eval/repeat_eval/mean@1", "eval/repeat_eval/pass@1"}

@@ -49,6 +49,33 @@ def test_metrics_jsonl_and_progress_bar(tmp_path: Path, capsys: pytest.CaptureFi
     assert "reward" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("threads", [None, 2])
+def test_a_step_far_slower_on_an_overloaded_host_names_cpu_threads_once(tmp_path: Path, capsys, monkeypatch,
+                                                                        threads: int | None) -> None:
+    """A step 4x the earlier steps' median (the first, warming up, left out) while the 1-minute load exceeds
+    the cores is said once, naming parallel.cpu_threads; a slow step on a host within its cores, a slow
+    first step, or a second slow step say nothing. (The load is the one thing faked: a host's 1-minute
+    average takes minutes to move.)"""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    load = [float(cores)]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
+    spec = make_spec(tmp_path, progress=False)
+    spec.parallel.cpu_threads = threads
+    with closing(RunLogger(spec)) as logger:
+        for step, seconds in enumerate([9.0, 1.0, 1.2, 0.8, 5.0], start=1):   # load == cores: not over
+            logger.log(step, {"time/step": seconds})
+        assert capsys.readouterr().out == ""
+        load[0] = cores + 3.5
+        for step, seconds in enumerate([3.9, 6.0, 9.0], start=6):   # 3.9 < 4 x the median 1.1
+            logger.log(step, {"time/step": seconds})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"molt: step 7 took 6.0 s, 5x the earlier steps, while the "
+                                               f"host's load ({cores + 3.5:.1f}) exceeds its {cores} cores")
+    assert f"parallel.cpu_threads={threads or 'null'}" in out[0]
+
+
 def test_run_dir_required() -> None:
     with pytest.raises(ValueError, match="run.dir"):
         RunLogger(RunSpec())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 
 import pytest
 import ray
@@ -22,9 +23,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def make_spec(path: str, ws: int = 1, mbs: int = 4, lr: float = 1e-3, **train) -> RunSpec:
+    # a collective one rank never joins (ranks calling FSDP's gathers a different number of times) fails
+    # the test within a minute, not at pytest's timeout
     return RunSpec.model_validate({
         "model": {"path": path},
-        "parallel": {"dp_size": ws},
+        "parallel": {"dp_size": ws, "collective_timeout_s": 60},
         "rollout": {"samples_per_prompt": 8, "max_tokens": 8, "temperature": 0.7},
         "train": {"prompts_per_step": 1, "micro_batch_size": mbs, "lr": lr, "steps": 4, **train},
     })
@@ -500,6 +503,12 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
         make_spec(tiny_model_path, critic_warmup_steps=1)   # no critic
 
 
+def ignore_other_work(worker) -> None:
+    """The rank's threads follow its plan alone, not the cores the rest of the host (the suite's other test
+    worker) keeps busy: what the tests of the plan's lending measure."""
+    worker.threads.free = None
+
+
 def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_session, tiny_model_path) -> None:
     """rollout.mode=async, parallel.cpu_threads null: a rank computes with its share of the node's cores
     while the engines generate and with all of them while the engines are idle. `set_engines_idle` reaches
@@ -512,6 +521,7 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     spec.rollout.mode = "async"
     group = TrainerRanks(spec)
     [worker] = group.workers
+    ray.get(worker.__ray_call__.remote(ignore_other_work))
     segs = [s for seed in range(8) for s in segments(seed)]             # 64 rows: 64 micro-batches
     batch = make_batch(segs, advantages=[[0.5] * len(s.token_ids) for s in segs])
     try:
@@ -529,6 +539,29 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     assert generating < switched <= idle
 
 
+def test_null_threads_leave_the_cores_that_other_work_keeps_busy(tiny_model_path) -> None:
+    """parallel.cpu_threads null plans every core for a sync run's rank, but with as many processes
+    spinning beside it as the host has cores, the rank computes with one thread (`train/threads`): more would
+    wait for each other at every parallel region while other work holds their cores."""
+    import subprocess
+    import sys
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: null plans one thread anyway")
+    with one_rank(make_spec(tiny_model_path, mbs=1)) as rank:
+        assert rank.threads.counts[False] == cores   # the plan: the running stage takes every core
+        spinning = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(cores)]
+        try:
+            time.sleep(1.1)   # a window of the busy host (molt/plan/cores.py RESAMPLE_S)
+            threads = rank.update(batch_of(0))["train/threads"]
+        finally:
+            for proc in spinning:
+                proc.kill()
+                proc.wait()
+    assert threads == 1
+
+
 def test_a_rank_switches_threads_at_each_block_forward_and_backward(tiny_model_path) -> None:
     """A step may be a single micro-batch: the switch happens at the next block of the model. Here the
     engines go idle while block 0 computes its forward (a hook stands in for the message); block 1's
@@ -543,6 +576,7 @@ def test_a_rank_switches_threads_at_each_block_forward_and_backward(tiny_model_p
     before = torch.get_num_threads()
     try:
         worker = TrainerWorker(spec, "policy", 0, tiny_model_path)   # no process group: no setup()
+        ignore_other_work(worker)
         worker.model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
         worker.threads.follow_blocks(worker.model)
         block0 = worker.model.model.layers[0]

@@ -119,9 +119,9 @@ def cpu_threads(spec: RunSpec, role: str, index: int, engines_idle: bool = False
     `parallel.cpu_threads` when set; null: the cores this process may run on, split between the processes
     of its node that compute at the same time. In sync mode generation and training take turns, so the
     stage that runs takes every core (a 30M-parameter step: 15.9 -> 10.6 s on 2 idle cores, bench/RESULTS.md
-    `peer`); in async mode the node's engines and one role's ranks run together and split them. Where other
-    jobs hold the cores, set 1: every parallel region would wait for a descheduled thread (a tiny model's
-    step went from 0.26 to 2.0 s at load 10 on 2 cores). `engines_idle`: a trainer rank's threads while
+    `peer`); in async mode the node's engines and one role's ranks run together and split them. This is the
+    plan; at run time null also leaves the cores other work keeps busy (molt/plan/cores.py: every parallel
+    region would wait for a descheduled thread). `engines_idle`: a trainer rank's threads while
     no rollout generates in async mode (every slot of the pool holds a finished group): the engines' cores
     are lent to the trainer until generation resumes (molt.trainer.worker `set_engines_idle`).
     """

@@ -24,6 +24,7 @@ import numpy as np
 import ray
 
 from molt.inputs.vision import collapse, decode
+from molt.plan.cores import FreeCores
 from molt.rollout.engine_args import actor_options, check_lora, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.rollout.sampling import sampling_params
@@ -54,10 +55,10 @@ class EngineActor:
     """
 
     def __init__(self, model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int = 0,
-                 index: int = 0, sleeps: bool = False) -> None:
+                 index: int = 0, sleeps: bool = False, threads: int | None = None) -> None:
         from vllm import EngineArgs
 
-        self.index = index
+        self.index, self.free = index, FreeCores(threads)   # threads: None but with cpu_threads null on CPU
         self.partial_rollout = rollout.partial_rollout
         self.prompt_too_long = rollout.prompt_too_long
         self.max_model_len = model.max_model_len
@@ -135,6 +136,7 @@ class EngineActor:
                     except Exception as err:   # noqa: BLE001 - the caller's failure, raised in the caller
                         self.loop.call_soon_threadsafe(_settle, future, None, err)
                 if self.llm.has_unfinished_requests():
+                    self.free.set_threads()   # the planned threads, less the cores other work keeps busy
                     finals = [out for out in self.llm.step() if out.finished]
                     if finals:
                         self.loop.call_soon_threadsafe(self._finished, finals)
@@ -383,8 +385,9 @@ def start_engine(spec: Any, model_path: str, index: int, slot: Any = None) -> An
     share = gpu_share(spec) if colocated(spec, slot.role) else 1.0
     options = dict(actor_options(spec.rollout.engine, spec.parallel.device, threads, share),
                    label_selector=node_selector(ids[slot.node]))
+    follow = threads if spec.parallel.device == "cpu" and spec.parallel.cpu_threads is None else None
     return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index,
-                                                 colocated(spec, slot.role))
+                                                 colocated(spec, slot.role), follow)
 
 
 def start_engines(spec: Any, model_path: str, slots: list | None = None) -> list:
