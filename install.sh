@@ -32,8 +32,9 @@ fi
 case "$TARGET" in cpu|gpu) ;; *) echo "install.sh: target must be cpu, gpu or tinker-client, not '$TARGET'" >&2; exit 2;; esac
 case "$MODE" in install|--resolve) ;; *) echo "install.sh: unknown option '$MODE' (--resolve)" >&2; exit 2;; esac
 # agents / verifiers: the third-party agent frameworks and MCP (docs/agents.md), which the tests exercise;
-# tasks: procedural task libraries (reasoning-gym); tinker: the Tinker API service (docs/tinker.md).
-EXTRAS="$TARGET,dev,tasks,agents,verifiers,tinker"
+# tasks: procedural task libraries (reasoning-gym); tinker: the Tinker API service (docs/tinker.md); bfcl:
+# BFCL's multi-turn environments (without its dependencies: pyproject.toml's [tool.uv] dependency-metadata).
+EXTRAS="$TARGET,dev,tasks,agents,verifiers,tinker,bfcl"
 if [ "$MODE" = install ]; then
   # Tool code runs under bubblewrap (molt.agents.sandbox); as root on Debian/Ubuntu it is installed here.
   if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -98,4 +99,4 @@ if [ "$TARGET" = cpu ]; then
 else
   .venv/bin/python -c "import torch; assert torch.version.cuda, f'install.sh gpu: torch {torch.__version__} has no CUDA'"
 fi
-.venv/bin/python -c "import torch, vllm, ray, nemo_automodel, molt, agents, verifiers; print('molt ready: torch', torch.__version__, 'vllm', vllm.__version__)"
+.venv/bin/python -c "import torch, vllm, ray, nemo_automodel, molt, agents, verifiers, bfcl_eval; print('molt ready: torch', torch.__version__, 'vllm', vllm.__version__)"

@@ -4,7 +4,8 @@ ASSUMPTIONS (checked first; the script stops with exit code 2 and says which one
 - Linux x86_64, this checkout installed with `bash install.sh gpu` (.venv: CUDA torch, vLLM's GPU build).
 - 2 CUDA GPUs visible, bf16-capable (Ampere or newer), >= 24 GB each, `nvidia-smi` on PATH. Two, not one:
   the placement puts the trainer and the engines on disjoint GPUs, and NCCL refuses two ranks of one group on
-  one GPU ("Duplicate GPU detected"), so the NCCL refit needs a second GPU.
+  one GPU ("Duplicate GPU detected"), so the NCCL refit needs a second GPU. `--only colocated` needs one:
+  its run shares GPU 0 between the trainer and the engine (parallel.colocate).
 - No network and no download: every model is random-init, built offline (molt.inputs.tiny: a ~0.5B dense
   Qwen3 of 28 layers, hidden 1024, as Qwen3-0.6B without its vocabulary; a tiny Qwen3-MoE; the tiny
   Qwen2.5-VL; bench/gpu_smoke_models.py: a block-FP8 copy of a 2-layer dense Qwen3, a 2-layer DeepSeek-V3).
@@ -18,6 +19,9 @@ WHAT IT CHECKS; each check prints one `CHECK name: PASS|FAIL  <what it measured>
   rounds each logit to ~3 significant digits, and a random-init model's logits are near 0, so a gap of a
   tenth of a nat means a real disagreement; replace it by the measured value once known). Each run also
   prints the dry run's plan and memory estimate, its step times and each role's peak GPU memory.
+- run_colocated_sync: the same on GPU 0 alone (parallel=gpu1, parallel.colocate): the engine sleeps while the
+  trainer steps and wakes for generation (vLLM's sleep mode), the refit goes over CUDA IPC; per-role peaks
+  (nvidia-smi) against the dry run's two colocated phases.
 - item1_engine_refit_{dense,moe}: an engine refit over NCCL with perturbed weights in 1 MiB payloads (its
   larger tensors split) generates (greedy) the tokens of an engine started on those weights, logprobs
   within 1e-3. item13_reformed_group_{dense,moe}: that refit went over a re-formed group (the first one
@@ -25,10 +29,13 @@ WHAT IT CHECKS; each check prints one `CHECK name: PASS|FAIL  <what it measured>
 - item1_trainer_ranges: 2 FSDP ranks stream a model whose tensors exceed the chunk (ranged gathers over
   NCCL); every tensor arrives bit-equal, no payload above the chunk, the receiver's peak memory bounded.
 - item5_vlm_rank_without_image: the tiny VLM, model.freeze_vision, 2 ranks, rank 1's micro-batch without
-  an image: the step completes within --hang-timeout.
+  an image: the step completes within --hang-timeout. item5_trained_tower_no_image: the same with the tower
+  trained (sharded per block; rank 1 runs it on a placeholder image, molt/trainer/tower.py).
 - item9_fp8_refit: a block-FP8 engine refit with bf16 weights quantized by molt/trainer/fp8.py equals a
   fresh FP8 engine on the same weights, and stays within --fp8-max-abs of a bf16 forward of them.
 - item11_fp32_buffer: DeepSeek-V3's fp32 e_score_correction_bias arrives in the engine bit-equal.
+- cp_trainer: context parallel (parallel.cp_size=2) over the 2 GPUs equals one GPU at cp=1 in fp32
+  (logprobs of ragged rows, an update's loss and gradient norm, within 1e-4): the all-to-alls over NCCL.
 (Item numbers: docs/parallelism.md's GPU-only column.) --plan runs the CPU part of every check (specs
 composed and accepted, models built and checked) without a GPU; tests/test_bench.py runs it.
 Exit code 0 when every check passes, 1 when one fails (the summary says which).
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -61,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_smoke")
     p.add_argument("--steps", type=int, default=5, help="steps per run (sync and async)")
-    p.add_argument("--only", choices=["dense", "moe", "items", "all"], default="all",
-                   help="the dense runs, the MoE runs, the item checks, or all")
+    p.add_argument("--only", choices=["dense", "moe", "colocated", "items", "all"], default="all",
+                   help="the dense runs, the MoE runs, the colocated run (one GPU), the item checks, or all")
     p.add_argument("--layers", type=int, default=DENSE["num_layers"], help="dense model depth")
     p.add_argument("--max-abs", type=float, default=0.1, help="bound on every step's mismatch/max_abs")
     p.add_argument("--fp8-max-abs", type=float, default=0.1,
@@ -94,7 +102,7 @@ TWO_RANKS = ["parallel.dp_size=2", "parallel.gpus_per_node=3"]
 def runs(args: argparse.Namespace) -> dict[str, list[str]]:
     """Every run's `python -m molt` overrides, by name (kind_mode)."""
     out = {}
-    kinds = {"all": ["dense", "moe"], "items": []}.get(args.only, [args.only])
+    kinds = {"all": ["dense", "moe"], "items": [], "colocated": []}.get(args.only, [args.only])
     for kind in kinds:
         for mode in ("sync", "async"):
             out[f"{kind}_{mode}"] = [
@@ -106,6 +114,13 @@ def runs(args: argparse.Namespace) -> dict[str, list[str]]:
                 "rollout.groups_in_flight=8",
                 f"train.steps={args.steps}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
                 "train.micro_batch_size=8", "train.save_every=0"]
+    if args.only in ("colocated", "all"):   # parallel.colocate: GPU 0 alone (train_run hides GPU 1)
+        out["colocated_sync"] = [
+            *model_overrides("dense", args.layers), *CUDA, "parallel=gpu1", "rollout.mode=sync",
+            "rollout.partial_rollout=false",
+            "rollout.engine.gpu_memory_utilization=0.3", "rollout.max_tokens=256",
+            "agent.max_total_tokens=512", f"train.steps={args.steps}", "train.prompts_per_step=8",
+            "rollout.samples_per_prompt=4", "train.micro_batch_size=8", "train.save_every=0"]
     return out
 
 
@@ -125,22 +140,37 @@ def item_overrides(models: dict[str, Path]) -> dict[str, list[str]]:
     return {
         "item1": [*model_overrides("dense", 2), *CUDA, *TWO_RANKS],
         "item5": ["model=tiny_vl", "model.freeze_vision=true", *CUDA, *TWO_RANKS, "train.micro_batch_size=2"],
+        "item5_trained": ["model=tiny_vl", "model.freeze_vision=false", *CUDA, *TWO_RANKS,
+                          "train.micro_batch_size=2"],
         "item9": [f"model.path={models['item9']}", *CUDA, "parallel.gpus_per_node=2"],
         "item11": [f"model.path={models['item11']}", *CUDA, "parallel.gpus_per_node=2"],
+        # the 2 GPUs are the cp ranks of one data-parallel rank; fp32 so cp=2 and cp=1 compare closely
+        "cp": [*model_overrides("dense", 2), *CUDA, "model.dtype=float32", "parallel.cp_size=2",
+               "parallel.gpus_per_node=3"],
     }
 
 
-def preflight() -> str | None:
-    """What of the assumptions above does not hold here (None: all hold)."""
+def gpus_needed(args: argparse.Namespace) -> int:
+    """GPUs the chosen checks need: one for the colocated run alone, two for anything else."""
+    return 1 if args.only == "colocated" else 2
+
+
+def preflight(gpus: int) -> str | None:
+    """What of the assumptions above does not hold here for checks that need `gpus` GPUs (None: all hold)."""
     try:
         import torch
     except ImportError as error:
         return f"torch does not import ({error}): run `bash install.sh gpu` first"
     if not torch.version.cuda:
         return f"torch {torch.__version__} has no CUDA: run `bash install.sh gpu`"
-    if torch.cuda.device_count() < 2:
-        return (f"needs 2 CUDA GPUs, sees {torch.cuda.device_count()} (trainer and engine on disjoint GPUs; "
-                "NCCL refuses two ranks on one GPU)")
+    from gpu_one import driver_problem, driver_version
+
+    problem = driver_problem(torch.version.cuda, driver_version())
+    if problem:
+        return problem
+    if torch.cuda.device_count() < gpus:
+        return (f"needs {gpus} CUDA GPUs, sees {torch.cuda.device_count()} (trainer and engine on disjoint "
+                "GPUs; NCCL refuses two ranks on one GPU); on one GPU run `--only colocated`")
     if not torch.cuda.is_bf16_supported():
         return "the GPU has no bf16 (Ampere or newer needed)"
     try:
@@ -206,8 +236,15 @@ def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list
     label = f"item10_run_{name}" if name.startswith("moe") else f"run_{name}"
     print(f"\n=== {name}\n--- dry run (the plan and each role's memory estimate)\n{dry_run(overrides)}",
           flush=True)
-    with GpuMemory() as memory:
-        result = run_molt(overrides, args.out / name, timeout=1800)
+    environ = dict(os.environ)
+    if name.startswith("colocated"):   # one GPU for the trainer and the engine: Ray sees only GPU 0
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    try:
+        with GpuMemory() as memory:
+            result = run_molt(overrides, args.out / name, timeout=1800)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     if result["rc"]:
         return report(label, False, f"the run failed (rc {result['rc']}); log tail:\n{result['log']}")
     steps = [r for r in result["rows"] if "time/step" in r]
@@ -222,15 +259,23 @@ def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list
 
 
 def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[str]:
-    """The engine refits after each sync run's kind, then the item checks (gpu_checks.py)."""
-    from gpu_checks import engine_refit, fp8_refit, fp32_buffer, refit_ranges, vlm_no_image_rank
+    """The engine refits after each sync run's kind, then the item checks (gpu_checks.py). The colocated
+    run has none: its refit is the shared transport's, which every one of its steps checks."""
+    from gpu_checks import (
+        context_parallel_ranks,
+        engine_refit,
+        fp8_refit,
+        fp32_buffer,
+        refit_ranges,
+        vlm_no_image_rank,
+    )
     from gpu_smoke_models import perturbed_copy
 
     from molt.driver.compose import compose
     from molt.plan.models import model_path
 
     failed = []
-    for name in [n for n in plan if n.endswith("_sync")]:
+    for name in [n for n in plan if n.endswith("_sync") and not n.startswith("colocated")]:
         spec = compose(plan[name])
         path = Path(model_path(spec))
         new = perturbed_copy(path, args.out / f"{name}_new_weights", scale=0.05)
@@ -241,8 +286,10 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     specs = {name: compose(overrides) for name, overrides in item_overrides(models).items()}
     failed += refit_ranges(specs["item1"])
     failed += vlm_no_image_rank(specs["item5"], args.hang_timeout)
+    failed += vlm_no_image_rank(specs["item5_trained"], args.hang_timeout, "item5_trained_tower_no_image")
     failed += fp8_refit(specs["item9"], models["dense"], args.out / "models", args.fp8_max_abs)
     failed += fp32_buffer(specs["item11"], models["item11"], args.out / "models")
+    failed += context_parallel_ranks(specs["cp"])
     return failed
 
 
@@ -282,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.plan:
         return plan_only(args)
-    problem = preflight()
+    problem = preflight(gpus_needed(args))
     if problem:
         print(f"gpu_smoke: an assumption does not hold: {problem}", file=sys.stderr)
         return 2

@@ -10,13 +10,25 @@ tensors' bytes packed into one buffer of at most `rollout.refit_chunk_mb`; a zer
 A tensor larger than that is split across payloads and assembled by the receivers, so beside the
 tensors it is made of, each side holds one payload (and a receiver the one tensor being assembled).
 Receivers get (name, tensor) pairs in checkpoint names, which is what vLLM's reload consumes.
-Both sides import this module: it belongs to neither `molt.trainer` nor `molt.rollout`.
+
+With `parallel.colocate` the engine shares the trainer's device, where NCCL refuses two ranks of one group
+("Duplicate GPU detected"): the group is gloo and carries only headers, and each payload stays where the
+sender packed it, shared (`shared=True`): a CUDA IPC handle on cuda (keyed by the GPU's UUID, as vLLM's
+`ipc` weight-transfer backend does), a /dev/shm file on the host. Each receiver copies it out on the same
+device and acknowledges; then the sender frees it. The host tells the receivers which transport the group
+uses through the rendezvous store. Both sides import this module: it belongs to neither `molt.trainer` nor
+`molt.rollout`.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import os
+import pickle
+import tempfile
+import uuid
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -35,20 +47,28 @@ def listen(host: str, world_size: int) -> dist.TCPStore:
     return dist.TCPStore(host, 0, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
 
 
-def host_group(store: dist.TCPStore, world_size: int, device: torch.device) -> dist.ProcessGroup:
-    """Rank 0: open the refit group on `store` (from `listen`); returns once all ranks joined."""
-    return _group(store, 0, world_size, device)
+def host_group(store: dist.TCPStore, world_size: int, device: torch.device,
+               shared: bool = False) -> dist.ProcessGroup:
+    """Rank 0: open the refit group on `store` (from `listen`); returns once all ranks joined. `shared`:
+    the receivers share this device (parallel.colocate), payloads go by handle (module docstring)."""
+    store.set(_TRANSPORT, "shared" if shared else "broadcast")
+    return _group(store, 0, world_size, device, shared)
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, device: torch.device) -> dist.ProcessGroup:
-    """A receiver (rank >= 1): join the refit group rank 0 listens for at host:port (`listen`)."""
+    """A receiver (rank >= 1): join the refit group rank 0 listens for at host:port (`listen`), over the
+    transport the host chose (`host_group`)."""
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=TIMEOUT)
-    return _group(store, rank, world_size, device)
+    return _group(store, rank, world_size, device, store.get(_TRANSPORT) == b"shared")
 
 
-def _group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> dist.ProcessGroup:
+_TRANSPORT = "molt-refit-transport"
+
+
+def _group(store: dist.Store, rank: int, world_size: int, device: torch.device,
+           shared: bool) -> dist.ProcessGroup:
     store = dist.PrefixStore("molt-refit", store)
-    if device.type == "cuda":
+    if device.type == "cuda" and not shared:
         from torch.distributed import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
@@ -70,6 +90,48 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()
+
+
+def _wire(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where the group's collectives take tensors: the device for NCCL, the host for gloo (also the
+    headers-only group of the shared transport on cuda)."""
+    return device if group.name() == "nccl" else torch.device("cpu")
+
+
+def _ack(group: dist.ProcessGroup) -> None:
+    """Every rank waits until every receiver has copied the shared payload out (the sender frees it next)."""
+    group.allreduce([torch.zeros(1)]).wait()
+
+
+def _share(payload: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """(a handle receivers on the same device open, the storage to keep alive until they acknowledge): a
+    CUDA IPC handle with the GPU's UUID, or on the host a /dev/shm file holding the payload."""
+    if payload.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(payload)
+        uuid_ = str(torch.cuda.get_device_properties(payload.device).uuid)
+        return {"cuda": base64.b64encode(pickle.dumps((rebuild, args))).decode(), "gpu": uuid_}, payload
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(folder, f"molt-refit-{os.getpid()}-{uuid.uuid4().hex}")
+    kept = torch.from_file(path, shared=True, size=payload.numel(), dtype=torch.uint8)
+    kept.copy_(payload)
+    return {"file": path}, kept
+
+
+def _open(handle: dict, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A copy, on `device`, of the payload a `_share` handle names (the sender frees its storage next)."""
+    if "file" in handle:
+        return torch.from_file(handle["file"], shared=True, size=nbytes, dtype=torch.uint8).to(device,
+                                                                                               copy=True)
+    here = str(torch.cuda.get_device_properties(device).uuid)
+    if handle["gpu"] != here:
+        raise RuntimeError(f"refit: parallel.colocate, but the trainer's payload is on GPU {handle['gpu']} "
+                           f"and this engine worker on GPU {here}: CUDA IPC needs the same GPU")
+    rebuild, args = pickle.loads(base64.b64decode(handle["cuda"]))
+    args = list(args)
+    args[6] = device.index   # the storage's device, as this process numbers it (vLLM's ipc backend does so)
+    return rebuild(*args).clone()
 
 
 def _padded(nbytes: int) -> int:
@@ -101,25 +163,37 @@ def _payloads(chunks: Iterable[dict[str, torch.Tensor]], cap: int) -> Iterator[l
 
 
 def send(group: dist.ProcessGroup, chunks: Iterable[dict[str, torch.Tensor]], device: torch.device,
-         chunk_bytes: int) -> int:
+         chunk_bytes: int, shared: bool = False) -> int:
     """Broadcast the tensors of `chunks` (name -> full tensor) from rank 0 in payloads of at most
     `chunk_bytes` (rollout.refit_chunk_mb; a larger tensor is split across payloads), then the end mark;
-    returns the bytes sent."""
-    sent = 0
+    returns the bytes sent. `shared`: the group's receivers share this device (`host_group`)."""
+    sent, wire = 0, _wire(group, device)
     for entries in _payloads(chunks, max(chunk_bytes // _ALIGN * _ALIGN, _ALIGN)):
-        header = json.dumps([[name, str(t.dtype).removeprefix("torch."), list(t.shape), start, stop]
-                             for name, t, _, start, stop in entries]).encode()
+        header: dict = {"entries": [[name, str(t.dtype).removeprefix("torch."), list(t.shape), start, stop]
+                                    for name, t, _, start, stop in entries]}
         payload = torch.empty(sum(_padded(stop - start) for *_, start, stop in entries), dtype=torch.uint8,
                               device=device)
         offset = 0
         for _, _, data, start, stop in entries:
             payload[offset:offset + stop - start] = data[start:stop]
             offset += _padded(stop - start)
-        _broadcast(group, torch.tensor([len(header), payload.numel()], dtype=torch.int64, device=device))
-        _broadcast(group, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
-        _broadcast(group, payload)
+        kept = None
+        if shared:
+            header["shared"], kept = _share(payload)
+        encoded = json.dumps(header).encode()
+        _broadcast(group, torch.tensor([len(encoded), payload.numel()], dtype=torch.int64, device=wire))
+        _broadcast(group, torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(wire))
+        if shared:
+            _ack(group)
+            if "file" in header["shared"]:
+                os.unlink(header["shared"]["file"])
+            del kept
+        else:
+            _broadcast(group, payload)
         sent += sum(stop - start for *_, start, stop in entries)
-    _broadcast(group, torch.zeros(2, dtype=torch.int64, device=device))
+    _broadcast(group, torch.zeros(2, dtype=torch.int64, device=wire))
+    if shared and device.type == "cuda":
+        torch.cuda.ipc_collect()   # the receivers' handles of freed payloads
     return sent
 
 
@@ -128,18 +202,24 @@ def receive(group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[st
     tensor that fits in one payload is a view into it; a split one is assembled (the one buffer beyond
     the payload a receiver holds) and yielded once its last byte arrived."""
     assembling: torch.Tensor | None = None
+    wire = _wire(group, device)
     while True:
-        sizes = torch.empty(2, dtype=torch.int64, device=device)
+        sizes = torch.empty(2, dtype=torch.int64, device=wire)
         _broadcast(group, sizes)
         header_len, payload_len = sizes.tolist()
         if header_len == 0:
             return
-        header = torch.empty(header_len, dtype=torch.uint8, device=device)
-        _broadcast(group, header)
-        payload = torch.empty(payload_len, dtype=torch.uint8, device=device)
-        _broadcast(group, payload)
+        encoded = torch.empty(header_len, dtype=torch.uint8, device=wire)
+        _broadcast(group, encoded)
+        header = json.loads(encoded.cpu().numpy().tobytes())
+        if "shared" in header:
+            payload = _open(header["shared"], payload_len, device)
+            _ack(group)
+        else:
+            payload = torch.empty(payload_len, dtype=torch.uint8, device=device)
+            _broadcast(group, payload)
         offset = 0
-        for name, dtype_name, shape, start, stop in json.loads(header.cpu().numpy().tobytes()):
+        for name, dtype_name, shape, start, stop in header["entries"]:
             dtype = getattr(torch, dtype_name)
             nbytes, piece = math.prod(shape) * dtype.itemsize, payload[offset:offset + stop - start]
             offset += _padded(stop - start)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 # One thread per process: 2 cores are shared by Ray, vLLM and the trainer ranks (tests/README.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -12,6 +14,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # hub datasets: a local copy or the cache, never fetched
 
 import pytest  # noqa: E402
+
+
+def host_kernels() -> str:
+    """The host's kernels, in every report: float tolerances meet its dispatch (AVX2 or AVX-512;
+    ATEN_CPU_CAPABILITY=avx2 forces the former), the memory test its transparent huge pages."""
+    import torch
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    pages = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else "unknown"
+    return (f"cpu: torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} torch thread(s), {len(os.sched_getaffinity(0))} cores, transparent "
+            f"huge pages {pages}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return host_kernels()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if config.get_verbosity() < 0:   # -q (CI) prints no header: the line ends the report instead
+        terminalreporter.write_line(host_kernels())
 
 
 @pytest.fixture(scope="session")
@@ -146,12 +169,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def push_weights(ray_session):
-    """`push(engines, state_dict, version, chunk_bytes)`: this test process stands in for trainer rank 0.
+    """`push(engines, state_dict, version, chunk_bytes, shared)`: this test process stands in for trainer
+    rank 0.
 
     It hosts a refit group (`molt.refit`) that the engines join through the Dispatcher, then broadcasts the
     state dict in chunks while every engine receives it through `update_weights(version)`, the path a
-    run takes. With `version=None` the workers only load (no pause, cache reset or relabel). Returns
-    each engine's result.
+    run takes. With `version=None` the workers only load (no pause, cache reset or relabel); with `shared`
+    the payloads go by handle (parallel.colocate). Returns each engine's result.
     """
     import asyncio
 
@@ -170,20 +194,21 @@ def push_weights(ray_session):
                 chunk, size = {}, 0
         yield chunk
 
-    def push(engines: list, state_dict: dict, version: int | None, chunk_bytes: int = 64 << 10) -> list:
+    def push(engines: list, state_dict: dict, version: int | None, chunk_bytes: int = 64 << 10,
+             shared: bool = False) -> list:
         dispatcher, cpu = Dispatcher(engines), torch.device("cpu")
 
         async def connect():
             size = await dispatcher.refit_size()
             store = refit.listen("127.0.0.1", size)
-            opened = asyncio.to_thread(refit.host_group, store, size, cpu)
+            opened = asyncio.to_thread(refit.host_group, store, size, cpu, shared)
             group, _ = await asyncio.gather(opened, dispatcher.join_refit("127.0.0.1", store.port))
             return group
 
         group = asyncio.run(connect())
         receiving = [e.update_weights.remote(version) if version is not None
                      else e.collective_rpc.remote("molt_refit_receive") for e in engines]
-        refit.send(group, chunked(state_dict, chunk_bytes), cpu, chunk_bytes)
+        refit.send(group, chunked(state_dict, chunk_bytes), cpu, chunk_bytes, shared)
         return ray_session.get(receiving)
 
     return push

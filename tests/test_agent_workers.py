@@ -25,23 +25,42 @@ ROWS = [{"prompt": "Repeat this letter 3 times: a", "label": "a"},
         {"prompt": "Repeat this letter 3 times: q", "label": "q"}]
 
 
+VERSION = 3   # the policy version the groups are sampled at: it keys every request's seed
+
+
 def in_process(tok, spec: RunSpec, engine, judge=None) -> list[list]:
-    """The groups as the loop runs them without workers: the runner in this loop, one group at a time."""
+    """The groups as the loop runs them without workers: the runner in this loop, all groups at once."""
     runner = load_agent_runner(spec.agent)
     runner.setup(tok, spec, judge)
-    sampler = TrainingSampler(Dispatcher([engine]), spec.run.seed, lambda: 0)
+    sampler = TrainingSampler(Dispatcher([engine]), spec.run.seed, lambda: VERSION)
     n = spec.rollout.samples_per_prompt
 
+    async def group(k: int, row: dict) -> list:
+        return await asyncio.gather(*[runner.run(row, f"g{k}-{i}", f"g{k}", sampler) for i in range(n)])
+
     async def groups() -> list[list]:
-        return [await asyncio.gather(*[runner.run(row, f"g{k}-{i}", f"g{k}", sampler) for i in range(n)])
-                for k, row in enumerate(ROWS)]
+        return await asyncio.gather(*[group(k, row) for k, row in enumerate(ROWS)])
     try:
         return asyncio.run(groups())
     finally:
         runner.close()   # a judge on the caller's engines leaves them running
 
 
-def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list], list[int]]:
+def count_requests(worker) -> None:
+    """From now on the worker counts the requests its training sampler sends (`requests`)."""
+    def install(self) -> None:
+        generate, self.requests = self.sampler.generate, 0
+
+        async def counted(*args, **kwargs):
+            self.requests += 1
+            return await generate(*args, **kwargs)
+        self.sampler.generate = counted
+    ray.get(worker.__ray_call__.remote(install))
+
+
+def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list], list[int], list[int]]:
+    """The groups run on the workers at policy version VERSION, all at once (so each worker gets one);
+    also the workers' pids and the requests each one's training sampler sent."""
     workers = AgentWorkers(spec, path, Dispatcher([engine]), judge_engines(judge))
     try:
         pids = workers.ready()
@@ -49,10 +68,15 @@ def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list]
             ids = ray.get(workers.workers[0].__ray_call__.remote(
                 lambda self: [e._actor_id for e in self.runner.judge.sampler.engines]))
             assert ids == [e._actor_id for e in judge_engines(judge)]
+        workers.set_version(VERSION)
+        for worker in workers.workers:
+            count_requests(worker)
 
         async def groups() -> list[list]:
-            return [await workers.run_group(row, f"g{k}") for k, row in enumerate(ROWS)]
-        return asyncio.run(groups()), pids
+            return await asyncio.gather(*[workers.run_group(row, f"g{k}") for k, row in enumerate(ROWS)])
+        out = asyncio.run(groups())
+        requests = [ray.get(w.__ray_call__.remote(lambda self: self.requests)) for w in workers.workers]
+        return out, pids, requests
     finally:
         workers.close()
 
@@ -61,14 +85,17 @@ def on_workers(spec: RunSpec, path: str, engine, judge=None) -> tuple[list[list]
                                    {"module": str(EXAMPLES / "chat_minimal.py"),
                                     "options": {"turns": 2}, "max_turns": 2}], ids=["env", "chat"])
 def test_workers_sample_the_tokens_the_driver_loop_samples(ray_session, tok, tiny_model_path, engine, agent):
-    """Both paths seed each request from the run seed, the version and the rollout id, and run one group
-    at a time on the same engine: the same ids, logprobs, rewards, in two worker processes of their own."""
+    """Both paths seed each request from the run seed, the policy version (3, which the pool forwards to the
+    workers) and the rollout id: the same ids, logprobs, rewards, with the two groups run at once on the
+    same engine, on the workers one each, in two worker processes of their own (so a worker seeded
+    otherwise, or left at version 0, samples other tokens)."""
     import os
 
     spec = make_spec({**agent, "workers": 2}, samples_per_prompt=2)
     mine = in_process(tok, spec, engine)
-    theirs, pids = on_workers(spec, tiny_model_path, engine)
+    theirs, pids, requests = on_workers(spec, tiny_model_path, engine)
     assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert all(requests), requests   # both workers sampled
     assert_same(mine, theirs)
 
 
@@ -143,7 +170,7 @@ def test_a_worker_judges_with_the_drivers_judge_engines(ray_session, tok, tiny_m
                      samples_per_prompt=2)
     judge = start_judge(spec, [engine])
     mine = in_process(tok, spec, engine, judge)
-    theirs, _ = on_workers(spec, tiny_model_path, engine, judge)
+    theirs, _, _ = on_workers(spec, tiny_model_path, engine, judge)
     assert_same(mine, theirs)
     assert all(0.0 < r.reward < 1.0 for g in theirs for r in g)
     assert ray.get(engine.stats.remote())["version"] == 0   # still serving
@@ -198,7 +225,7 @@ def test_a_run_on_agent_workers_learns_what_the_driver_loop_learns(ray_session, 
     runs = {}
     for workers in (0, 2):
         run_dir = tmp_path / f"w{workers}"
-        train(small_spec({"workers": workers}, run={"dir": str(run_dir)},
+        train(small_spec({"workers": workers}, run={"dir": str(run_dir)}, parallel={"cpu_threads": 1},
                          train={"steps": 3, "prompts_per_step": 4}, rollout={"engine": {"kv_cache_gib": 0.1}},
                          logging={"plots": False, "progress": False, "wandb": {"mode": "disabled"}}))
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -185,8 +185,8 @@ def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine, module, k
         # ChatAgent, out of turns, does not run them (no request would carry their output)
         errors = (3 if kind == "env" else 2) * (name == "python")
         assert (r.turns, r.tool_calls, r.tool_errors, r.answered) == (3, 3, errors, False)
-        # an Env records each step's reward (algo.turn_credit=turn); a ChatAgent has one per rollout
-        assert r.turn_rewards == ([0.0, 0.0, 0.0] if kind == "env" else []) and r.reward == 0.0
+        # each turn's reward (algo.turn_credit=turn): an Env's steps', a ChatAgent's Result on its last reply
+        assert r.turn_rewards == [0.0, 0.0, 0.0] and r.reward == 0.0
         assert r.segments[0].turns == [[k, len(c["prompt_ids"])] for k, c in enumerate(calls)]   # turn credit
         rollouts.append(r)
     runner.close()
@@ -205,7 +205,8 @@ def test_tool_env_scores_the_first_reply_without_a_call(tok):
     state = lambda text, item: State("q", text, [], "stop", entry["answer"], 1, [], {}, item)  # noqa: E731
     for text, reward in ((f"<answer>{entry['answer']}</answer>", 1.0), ("<answer>12</answer>", 0.0)):
         result = asyncio.run(env.step(state(text, {"entry": entry})))
-        assert (result.reward, result.terminated, result.info) == (reward, True, {"exact": reward})
+        assert (result.reward, result.terminated, result.info) == \
+            (reward, True, {"exact": reward, "unscorable": 0.0})
     assert asyncio.run(env.step(state(f"so {entry['answer']}", {}))).reward == 1.0   # a row without entry
 
 

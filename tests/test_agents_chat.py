@@ -146,6 +146,33 @@ def test_n_choices_the_trajectory_follows_the_choice_the_agent_continues(tok, sa
     assert r.reward == 0.5
 
 
+def test_a_reply_edited_before_it_is_sent_back_restarts_the_segment(tok, sampler, runners):
+    """An agent that changes the last character of the reply it got before sending it back: that is not the
+    sampled reply, so the first segment ends with the reply as sampled and a second one starts from the
+    edited conversation, rendered whole (an echo taken as unchanged would train the edited text's tokens
+    as sampled ones, or glue the next turn after ids the agent never sent)."""
+    sent: list[list[dict]] = []   # the conversations the agents sent back
+
+    class EditLast(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
+                                        http_client=ctx.http_client)
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+            text = reply.choices[0].message.content or ""
+            edited = text[:-1] + ("b" if text.endswith("a") else "a")
+            messages = ctx.messages + [{"role": "assistant", "content": edited},
+                                       {"role": "user", "content": "again"}]
+            sent.append(messages)
+            await client.chat.completions.create(model=ctx.model_name, messages=messages)
+            return Result(reward=1.0)
+
+    runner = runners(EditLast, {"max_turns": 2})
+    for r in run_all(runner, [{"prompt": "f", "label": "f"}] * 2, sampler):
+        first, second = assert_exact(r, [c for c in sampler.calls if c["key"] == r.rollout_id])
+        assert len(first) == 1 and len(second) == 1
+        assert second[0]["prompt_ids"] in [chat_ids(tok, messages) for messages in sent]
+
+
 def test_a_compacting_agent_makes_segments_that_share_one_reward(tok, sampler, runners):
     runner = runners(str(EXAMPLES / "chat_compact.py"), {"max_turns": 3, "options": {"keep_turns": 2}})
     minimal = runners(str(EXAMPLES / "chat_minimal.py"))
@@ -259,6 +286,51 @@ def test_a_failing_chat_agent_gives_an_error_rollout(tok, sampler, runners):
     [r] = run_all(runner, [{"label": "g"}], sampler)
     assert not r.ok and "dataset row has neither 'prompt' nor 'messages'" in r.error
     assert runner.server.sessions == {}
+
+
+def test_a_chat_agent_rewards_its_turns_for_turn_credit(tok, sampler, runners):
+    """`ctx.reward_turn` adds to the reward of the latest reply (twice on one reply: the sum), a reply it
+    never names gets 0, and Result.reward lands on the last reply; the rollout's reward is their sum. Turn
+    credit then gives each turn's tokens its return from that turn on (d = 0.5): 0.5 + 0.5 * (0 + 0.5 * 1),
+    0.5 * 1 and 1. A reward before the first reply fails the rollout."""
+    from molt.driver.select import turn_credit
+    from molt.spec import RunSpec
+    from molt.trainer.batch import make_batch
+
+    class Rewarded(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
+                                        http_client=ctx.http_client)
+            messages = list(ctx.messages)
+            for turn in range(3):
+                reply = await client.chat.completions.create(model=ctx.model_name, messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "more"}]
+                if turn == 0:
+                    ctx.reward_turn(0.25)
+                    ctx.reward_turn(0.25)
+            return Result(reward=1.0)
+
+    class Early(ChatAgent):
+        async def run(self, ctx: ChatContext) -> Result:
+            ctx.reward_turn(1.0)
+            return Result(reward=0.0)
+
+    [r] = run_all(runners(Rewarded, {"max_turns": 3}), [{"prompt": "h", "label": "h"}], sampler)
+    assert (r.turn_rewards, r.reward, r.turns) == ([0.5, 0.0, 1.0], 1.5, 3)
+    algo = {"estimator": "rloo", "turn_credit": "turn", "turn_discount": 0.5}
+    spec = RunSpec.model_validate({"algo": algo})
+    mask = make_batch(r.segments)["loss_mask"]
+    first, extra = turn_credit(spec, [r], torch.tensor([r.reward]), r.segments, mask.shape)
+    [segment] = r.segments
+    starts = [start for _, start in segment.turns] + [len(segment.token_ids)]
+    assert [turn for turn, _ in segment.turns] == [0, 1, 2] and first.tolist() == [0.75]
+    for turn, expected in enumerate((0.75, 0.5, 1.0)):
+        span = slice(starts[turn], starts[turn + 1])
+        sampled = mask[0, span] > 0
+        assert sampled.any() and extra["turn_returns"][0, span][sampled].eq(expected).all()
+    [failed] = run_all(runners(Early), [{"prompt": "h", "label": "h"}], sampler)
+    assert not failed.ok and "reward_turn before the model's first reply" in failed.error
 
 
 def test_chat_context_urls_and_options(tok, sampler, runners):

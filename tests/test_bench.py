@@ -82,7 +82,7 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     """bench/gpu_smoke.py cannot run here; its CPU parts can: every run's overrides compose into a spec the
     real config accepts and the placement plan fits, the dense model builds offline (2 of its 28 layers,
     the depth being a flag) at the stated size, and on a machine without 2 GPUs it stops with exit code 2
-    naming the assumption before it starts anything."""
+    naming the assumption before it starts anything; `--only colocated` asks for one GPU."""
     from molt.driver.compose import compose
     from molt.plan.models import model_path
     from molt.plan.placement import plan
@@ -91,7 +91,7 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     smoke = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(smoke)
     runs = smoke.runs(smoke.parse_args(["--layers", "2", "--steps", "3"]))
-    assert sorted(runs) == ["dense_async", "dense_sync", "moe_async", "moe_sync"]
+    assert sorted(runs) == ["colocated_sync", "dense_async", "dense_sync", "moe_async", "moe_sync"]
     for name, overrides in runs.items():
         spec = compose(overrides)
         assert (spec.parallel.device, spec.model.dtype, spec.train.steps) == ("cuda", "bfloat16", 3)
@@ -99,7 +99,8 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
         # router replay with partial rollouts is refused on cuda: the MoE runs keep requests whole
         assert spec.rollout.mode == mode and spec.rollout.partial_rollout == (kind == "dense")
         assert spec.model.router_replay == name.startswith("moe")
-        assert sorted(slot.role for slot in plan(spec)) == ["engine", "policy"]   # on 2 GPUs
+        assert sorted(slot.role for slot in plan(spec)) == ["engine", "policy"]   # on 2 GPUs, or 1 shared
+        assert spec.parallel.colocate == (kind == "colocated")
     monkeypatch.setenv("MOLT_CACHE", str(smoke_cache))
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -115,6 +116,11 @@ def test_the_gpu_smoke_composes_its_runs_builds_its_model_and_stops_without_gpus
     assert smoke.main(["--print-specs"]) == 0 and "dense_sync" in capsys.readouterr().out
     assert smoke.main([]) == 2
     assert "an assumption does not hold" in capsys.readouterr().err
+    # its one-GPU part: the colocated run alone, which a machine with one GPU passes the preflight for
+    one = smoke.parse_args(["--only", "colocated"])
+    assert list(smoke.runs(one)) == ["colocated_sync"] and smoke.gpus_needed(one) == 1
+    dense = smoke.parse_args(["--only", "dense"])
+    assert smoke.gpus_needed(dense) == 2 and "colocated_sync" not in smoke.runs(dense)
 
 
 def torch_numel(shape: list[int]) -> int:
@@ -139,7 +145,8 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, 
     check's spec is accepted on cuda, the models build offline (a block-FP8 copy, a DeepSeek-V3 with an
     fp32 bias, the tiny VLM), and each check's CPU part holds. Each part fails on a broken variant: a
     chunk no tensor exceeds (item 1), no freeze for the GPU loader (5), a quantizer with another FP8
-    range than the checkpoint's (9), replay with partial rollouts (10), a bias bf16 can hold (11)."""
+    range than the checkpoint's (9), replay with partial rollouts (10), a bias bf16 can hold (11), no
+    context parallel for the cp check's loader (cp)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -154,6 +161,7 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, 
     assert "every check's CPU part holds" in out
     for name in ("item1", "item5", "item9", "item10", "item11"):
         assert f"PLAN {name}: cuda, bfloat16" in out
+    assert "PLAN cp: cuda, float32" in out
     specs, paths = smoke.plan_specs(smoke.parse_args(argv))
     assert specs["item1"].parallel.world_size == specs["item5"].parallel.world_size == 2
     assert plan_checks(specs, paths) == []
@@ -167,6 +175,7 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, 
     assert [p[:6] for p in broken("item1", rollout__refit_chunk_mb=100.0)] == ["item1:"]
     assert [p[:6] for p in broken("item5", model__freeze_vision=False)] == ["item5:"]
     assert [p[:7] for p in broken("item10", rollout__partial_rollout=True)] == ["item10:"]
+    assert [p[:3] for p in broken("cp", parallel__cp_size=1)] == ["cp:"]
     with monkeypatch.context() as patched:
         patched.setattr(fp8, "FP8_MAX", 240.0)   # e4m3fnuz's range, not the checkpoint's e4m3fn
         assert [p[:6] for p in plan_checks(specs, paths)] == ["item9:"]
@@ -209,6 +218,8 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     item11 = on_cpu(smoke.item_overrides({"item9": "", "item11": dsv3})["item11"])
     gpu_checks.refit_ranges(on_cpu(items["item1"]))
     gpu_checks.vlm_no_image_rank(on_cpu(items["item5"]), 300)
+    gpu_checks.vlm_no_image_rank(on_cpu(items["item5_trained"]), 300, "item5_trained_tower_no_image")
+    gpu_checks.context_parallel_ranks(on_cpu(items["cp"]))
     gpu_checks.engine_refit("dense", dense, path, new, smoke.CHUNK_MB)
     gpu_checks.fp32_buffer(item11, dsv3, tmp_path)
     send = refit.send
@@ -228,7 +239,42 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CHECK ")]
     verdicts = [line.split("  ")[0] for line in lines]
     assert verdicts == ["CHECK item1_trainer_ranges: PASS", "CHECK item5_vlm_rank_without_image: PASS",
+                        "CHECK item5_trained_tower_no_image: PASS", "CHECK cp_trainer: PASS",
                         "CHECK item1_engine_refit_dense: PASS", "CHECK item13_reformed_group_dense: PASS",
                         "CHECK item11_fp32_buffer: PASS", "CHECK item1_engine_refit_dense: FAIL",
                         "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL",
                         "CHECK item1_trainer_ranges: FAIL"], lines
+
+
+def test_the_one_gpu_check_runs_its_checks_on_the_host(tmp_path) -> None:
+    """`bench/gpu_one.py --plan`: every check of the one-GPU machine's first command runs here with device
+    cpu (gloo for NCCL, /dev/shm for CUDA IPC, a 2-layer model), the ones a host cannot measure say so
+    (SKIP: the GPU's memory peak, vLLM's Triton sampler), the spec it plans with composes, and the summary
+    is written. What it needs beyond torch, transformers and numpy is listed in bench/gpu_one_wheels.sh."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "bench/gpu_one.py", "--plan", "--out", str(tmp_path)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    lines = [line.split("  ")[0] for line in out.stdout.splitlines() if line.startswith("CHECK ")]
+    assert out.returncode == 0 and lines == [
+        "CHECK fsdp2_step: PASS", "CHECK memory_vs_plan: SKIP", "CHECK chunked_logprobs: PASS",
+        "CHECK fp8_refit_packing: PASS", "CHECK fp32_buffer_cast: PASS", "CHECK nccl_group_abort: PASS",
+        "CHECK ipc_refit: PASS", "CHECK topk_topp_mirror: SKIP"], out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["checks"]) == {line.split()[1].rstrip(":") for line in lines}
+    assert set(summary["throughput"]) == {f"throughput/{s}_tokens_per_s_per_gpu" for s in
+                                          ("logprobs", "training", "e2e")}
+
+
+def test_the_gpu_preflight_names_the_driver_cuda_13_needs(monkeypatch) -> None:
+    """torch's CUDA 13 builds need an NVIDIA driver >= 580 (CUDA 12: 525); the preflight says which driver
+    the machine has and what to do, and stays quiet when it cannot tell."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    import gpu_one
+
+    problem = gpu_one.driver_problem
+    assert "needs an NVIDIA driver >= 580; this machine's is 575.57.08" in problem("13.0", "575.57.08")
+    assert problem("13.0", "580.65.06") is None and problem("12.8", "550.1") is None
+    assert ">= 525" in problem("12.8", "520.61") and problem("13.0", None) is None

@@ -95,11 +95,15 @@ def test_bad_type_is_reported_with_key_and_value():
         (["algo.correction.low=1.5", "algo.correction.high=1.0"], "must be below"),
         # layouts the trainer cannot run, refused with the reason (docs/parallelism.md)
         (["parallel=cpu2", "parallel.ep_size=2"], "ep_size > 1 needs parallel.device=cuda"),
+        (["parallel.cp_size=3"], r"cp_size=3 must divide the policy's attention heads per tensor-parallel "
+                                 r"rank \(4 / tp_size=1\)"),
+        (["+experiment=qwen30b_tools", "model.router_replay=false", "parallel.ep_size=8",
+          "parallel.cp_size=2"], "cp_size > 1 with ep_size > 1"),
         (["+experiment=qwen30b_tools", "parallel.ep_size=8"], "router_replay with parallel.ep_size=8"),
         # vLLM's GPU capture keeps a kept request's pre-refit routes (docs/generator.md)
         (["+experiment=qwen30b_tools", "rollout.partial_rollout=true"],
          "router_replay=true with rollout.partial_rollout=true on parallel.device=cuda"),
-        (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*tp_size > 1"),
+        (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*cp_size\*tp_size > 1"),
         (["parallel.nodes=2", "parallel.trainer_nodes=2"], "trainer_nodes=2 must leave the engines"),
         # combinations peers refuse
         (["+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
@@ -107,6 +111,16 @@ def test_bad_type_is_reported_with_key_and_value():
         (["model=tiny_moe", "rollout.engine.enable_prefix_caching=false",
           "+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
          "speculative_config with model.router_replay"),
+        # parallel.colocate: one GPU, one rank, one engine, taking turns (docs/parallelism.md#colocation)
+        (["parallel=gpu1", "rollout.mode=async", "algo=tis"], "colocate=true with rollout.mode=async"),
+        (["parallel=gpu1", "parallel.dp_size=2"], "colocate=true with 2 trainer rank"),
+        (["parallel=gpu1", "rollout.engine.num_engines=2"], "colocate=true with 2 engine"),
+        (["parallel=gpu1", "parallel.engine_sleep_level=2", "model.lora.rank=8"],
+         "engine_sleep_level=2 with model.lora"),
+        # a refit never updates a drafter's own weights (an MTP layer, EAGLE): it would go stale
+        (["rollout.engine.enable_prefix_caching=false",
+          "+rollout.engine.speculative_config={method: mtp, num_speculative_tokens: 1}"],
+         "method=mtp: a drafter with weights of its own"),
         (["algo=grpo", "rollout.samples_per_prompt=1"], "grpo compares samples of one prompt"),
         (["algo=rloo", "rollout.samples_per_prompt=1"], "rloo compares samples of one prompt"),
         # a 24-GPU plan on a 16-GPU layout
@@ -174,14 +188,27 @@ def test_cross_field_rules(overrides, fragment):
     ["train.objective=sft", "rollout.samples_per_prompt=1"],   # SFT samples nothing
     ["train.best_metric=eval/repeat_eval/pass@4", "rollout.eval.n=4"],
     ["train.best_metric=eval/repeat_eval/mean@1"],
+    ["parallel=gpu1", "parallel.engine_sleep_level=2", "model.reference=policy", "algo.kl.coef=0.1"],
+    ["parallel=gpu1", "model.lora.rank=8"], ["parallel.colocate=true"],   # colocated on cpu: cores shared
+    ["rollout.engine.enable_prefix_caching=false",
+     "+rollout.engine.speculative_config={method: ngram, num_speculative_tokens: 2}"],
 ])
 def test_the_working_neighbours_of_each_refusal_validate(overrides):
     compose(overrides)
 
 
+def test_a_best_metric_without_a_set_is_the_first_eval_sets():
+    spec = compose(["train.best_metric=pass@1", "data.eval=[examples/data/math_eval.jsonl,"
+                    "examples/data/repeat_eval.jsonl]"])
+    assert spec.train.best_metric == "eval/math_eval/pass@1"
+    assert compose(["+experiment=tool_rl"]).train.best_metric == "eval/tool_products_eval/pass@1"
+    with pytest.raises(SpecError, match="none configured"):
+        compose(["train.best_metric=pass@1", "data.eval=[]"])
+
+
 def test_missing_experiment_fails():
-    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: distill_tiny, dsv3_ep256, "
-                                        "qwen30b_tools"):
+    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: decision_chain, "
+                                        "decision_choice, .*, qwen30b_tools"):
         compose(["+experiment=nope"])
 
 
@@ -304,6 +331,7 @@ PLANS = {
     "tiny": ["node 0: policy rank 0, engine 0",
              "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "qwen3_4b_math": ["node 0: policy ranks 0-3, engines 0-1 | 8/8 GPUs", "total: 8 of 1 x 8 = 8 GPUs"],
+    "qwen3_4b_bfcl": ["node 0: policy ranks 0-3, engines 0-1 | 8/8 GPUs", "total: 8 of 1 x 8 = 8 GPUs"],
     "qwen30b_tools": ["node 0: policy ranks 0-7 | 8/8 GPUs", "node 1: engines 0-7 | 8/8 GPUs",
                       "total: 16 of 2 x 8 = 16 GPUs"],
     "dsv3_ep256": ["nodes 0-31: policy ranks 0-255 | 8/8 GPUs each",
@@ -312,12 +340,22 @@ PLANS = {
                       "total: 16 of 2 x 8 = 16 GPUs"],
     "tiny_vlm_geo": ["node 0: policy rank 0, engine 0",
                      "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_choice": ["node 0: policy rank 0, engine 0",
+                        "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_chain": ["node 0: policy rank 0, engine 0",
+                       "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_recovery": ["node 0: policy rank 0, engine 0",
+                          "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_sft": ["node 0: policy rank 0",
+                     "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "distill_tiny": ["node 0: policy rank 0, reference rank 0, engine 0",
                      "total: 2 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "rg_rl": ["node 0: policy rank 0, engine 0",
               "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "rg_sft": ["node 0: policy rank 0",
                "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "tiny_bfcl": ["node 0: policy rank 0, engine 0",
+                  "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "tiny_tools": ["node 0: policy rank 0, engine 0",
                    "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "tool_rl": ["node 0: policy rank 0, engine 0",
@@ -338,11 +376,28 @@ def test_qwen_vl_geo3k_matches_its_description():
     assert spec.parallel.world_size == 8 and spec.rollout.engine.num_engines == 8
 
 
-# The flagship's data is generated, not committed (its header); the CPU twin's rows are the same mix.
+# The GPU recipes' data is generated, not committed (their headers); their CPU twins' rows have the same form.
 GENERATED = {"qwen30b_tools": ["data.train_path=examples/data/tool_flagship_train.jsonl",
                                "data.eval=[examples/data/tool_flagship_eval.jsonl]"],
+             "qwen3_4b_bfcl": ["data.train_path=examples/data/bfcl_multi_turn_base_train.jsonl",
+                               "data.eval=[examples/data/bfcl_multi_turn_base_eval.jsonl]"],
              # the SFT export their header names (the placeholder is refused): the tiny model stands in
              "rg_rl": ["model.path=null"], "tool_rl": ["model.path=null"]}
+
+
+def decision_data(name: str, folder: Path) -> list[str]:
+    """The decision recipes' rows, generated (not committed) as their header says, into `folder`."""
+    if not name.startswith("decision_"):
+        return []
+    from test_tool_use import load
+
+    load("decision_env").main([str(folder), "--train", "8", "--eval", "4", "--sft", "4", "--sft-eval", "2"])
+    if name == "decision_sft":
+        return [f"data.train_path={folder}/decision_sft.jsonl",
+                f"data.eval=[{folder}/decision_sft_eval.jsonl]"]
+    task = name.removeprefix("decision_")
+    return [f"data.train_path={folder}/decision_{task}_train.jsonl",
+            f"data.eval=[{folder}/decision_{task}_eval.jsonl,{folder}/decision_{task}_eval_off.jsonl]"]
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
@@ -352,7 +407,8 @@ def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
     from molt.driver.compose import EP_WITHOUT_DEEPEP, prepare
     from molt.driver.launch import describe_plan
 
-    dry = [f"+experiment={name}", "run.dry_run=true", *GENERATED.get(name, [])]
+    dry = [f"+experiment={name}", "run.dry_run=true", *GENERATED.get(name, []),
+           *decision_data(name, tmp_path)]
     spec = compose(dry)
     lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
              if line.startswith("placement: ")]
@@ -395,7 +451,7 @@ def test_the_plan_says_fsdp2_only_where_it_shards():
     from molt.driver.launch import describe_plan
 
     plan = describe_plan(compose([]))
-    assert "1 rank(s) [dp=1 tp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
+    assert "1 rank(s) [dp=1 cp=1 tp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
     assert "] FSDP2 on cpu" in describe_plan(compose(["parallel=cpu2"]))
 
 
@@ -566,13 +622,18 @@ def test_engine_keys_reach_vllms_arguments(tiny_model_path):
 def test_engine_ray_resources_follow_the_specs_device():
     """`parallel.device`, not the driver's host, decides an engine's Ray resources: a driver on a CPU
     machine (this one) still asks for the GPUs of a cuda spec's engines."""
+    from molt.plan.placement import gpu_share
     from molt.rollout.engine_args import actor_options
 
     gpu = compose(["+experiment=qwen30b_tools"])
     engine = gpu.rollout.engine
     assert actor_options(engine, gpu.parallel.device) == {
         "num_cpus": 1, "num_gpus": engine.tp_size, "max_concurrency": 10_000,
-        "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}}   # the core in the actor
+        "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # the core in the actor
+                                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}}}   # placement.NCCL_ENV
+    colocated = compose(["parallel=gpu1", "model.reference=policy", "algo.kl.coef=0.1"])
+    share = gpu_share(colocated)   # the policy rank, the reference rank and the engine on one GPU
+    assert share == 1 / 3 and actor_options(colocated.rollout.engine, "cuda", 1, share)["num_gpus"] == share
     cpu = actor_options(compose([]).rollout.engine, "cpu", 2)
     assert cpu["num_cpus"] < 1 and "num_gpus" not in cpu
     assert cpu["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"

@@ -305,7 +305,8 @@ EXTERNAL = {"vllm", "torch", "aten", "httpx2", "anyio",   # other packages' name
             "context_parallel"}                                            # torch's
 NOT_CODE = {"thinking.budget_tokens", "output_config.effort",   # Anthropic request fields
             "response.created", "response.completed",           # Responses API stream events
-            "sigmoid", "whiten_batch", "mean_group", "mean_t"}  # formula notation (algo.md, agents.md)
+            "sigmoid", "whiten_batch", "mean_group", "mean_t",  # formula notation (algo.md, agents.md)
+            "a_k", "s_k"}
 FREE_FORM = {"options", "extra_args", "tiny", "reference_tiny", "chat_template_kwargs", "arch", "fields"}
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 CALL = re.compile(r"(?<![\w.])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\(")

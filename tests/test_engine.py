@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -216,6 +217,26 @@ def test_refit_equals_fresh_engine_and_needs_cache_reset(direct, engine, new_wei
     assert [o["token_ids"] for o in generate_all(engine, GREEDY)] == [ids for ids, _ in direct[0][1]]
 
 
+def test_a_colocated_engine_sleeps_wakes_and_takes_a_shared_refit(direct, engine, new_weights,
+                                                                  tiny_model_path, push_weights):
+    """parallel.colocate's engine side on CPU: the engine sleeps (level 2) and wakes, and a refit over the
+    shared transport (each payload a /dev/shm file the worker copies out; CUDA IPC on a GPU) gives the
+    greedy tokens and logprobs of a fresh engine on the new weights. On CPU vLLM's sleep frees nothing (the
+    same calls run); on a GPU it is GPU-only (docs/parallelism.md#colocation)."""
+    direct = ray.get(direct)
+    try:
+        ray.get(engine.sleep.remote(2))
+        ray.get(engine.wake_up.remote())
+        [seconds] = push_weights([engine], new_weights[0], 1, shared=True)
+        assert seconds > 0
+        for out, (ids, logprobs) in zip(generate_all(engine, GREEDY), direct[1][1], strict=True):
+            assert out["token_ids"] == ids and max_gap(out["logprobs"], logprobs) <= 1e-5
+            assert out["versions"] == [1] * len(ids)
+    finally:  # the engine is shared: restore the initial weights as version 0
+        push_weights([engine], initial_weights(tiny_model_path), 0)
+    assert not list(Path("/dev/shm").glob(f"molt-refit-{os.getpid()}-*"))   # every payload freed
+
+
 def test_engine_refuses_an_empty_or_partial_reload(engine, new_weights, tiny_model_path, push_weights):
     """A refit stream with no tensor, or without one tensor of the checkpoint, fails the engine's
     update_weights with an error naming what is missing, and the engine's version does not move (vLLM's
@@ -356,8 +377,10 @@ def test_engine_runs_in_its_actor_with_the_planned_threads(engine, engine_spec):
         import psutil
 
         return (type(actor.llm.engine_core).__name__, os.environ.get("OMP_NUM_THREADS"),
-                [p.name() for p in psutil.Process().children(recursive=True)])
+                [p.name() for p in psutil.Process().children(recursive=True)],
+                os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 
-    client, omp, children = ray.get(engine.__ray_call__.remote(layout))
+    client, omp, children, nccl = ray.get(engine.__ray_call__.remote(layout))
     assert client == "InprocClient" and omp == str(cpu_threads(engine_spec, "engine", 0))
+    assert nccl == "1"   # a dead NCCL peer ends the collective (molt.plan.placement.NCCL_ENV)
     assert not [name for name in children if "EngineCore" in name], children

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_refit import _stream
 
-from molt.trainer.fp8 import FP8, checkpoint_fp8, quantize_blocks, quantize_chunk
+from molt.trainer.fp8 import FP8, SCALE, checkpoint_fp8, quantize_blocks, quantize_chunk
 
 
 def test_each_block_gets_the_scale_of_its_largest_magnitude() -> None:
@@ -69,3 +69,40 @@ def test_fp8_tensors_and_their_scales_cross_the_wire(tmp_path) -> None:
         for (_, tensor), want in zip(received, sent.values(), strict=True):
             assert tensor.dtype == want.dtype
             assert torch.equal(tensor.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_an_fp8_policy_exports_plain_tensors_that_vllm_and_transformers_read_as_such(tmp_path) -> None:
+    """A policy loaded from a block-FP8 checkpoint (the tiny model's FP8 copy, bench/gpu_smoke_models.py)
+    exports model.dtype tensors under plain names, so the folder must not carry the FP8
+    `quantization_config`: vLLM would build FP8 layers and transformers dequantize bf16 tensors as FP8.
+    On CPU transformers dequantizes the checkpoint and drops the config itself; AutoModel's GPU loader keeps
+    it on the model, which the test reproduces by setting it back before the export."""
+    import sys
+    from pathlib import Path
+
+    from trainerlib import one_rank
+    from transformers import AutoModelForCausalLM
+    from vllm import EngineArgs
+
+    from molt.driver.compose import compose
+    from molt.plan.models import model_path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from gpu_smoke_models import fp8_copy, load_weights
+
+    fp8 = fp8_copy(Path(model_path(compose([]))), tmp_path / "fp8")
+    quant = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    spec = compose([f"model.path={fp8}", "model.dtype=bfloat16"])
+    with one_rank(spec) as rank:
+        rank.model.config.quantization_config = quant   # as AutoModel's loader leaves it (GPU)
+        rank.export_hf(str(tmp_path / "hf"))
+        want = {n: p.detach().to(torch.bfloat16) for n, p in rank.model.state_dict().items()}
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    exported = load_weights(tmp_path / "hf")
+    assert all(t.dtype == torch.bfloat16 for t in exported.values()) and not any(
+        n.endswith(SCALE) for n in exported)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16)
+    assert all(torch.equal(p, want[n]) for n, p in model.state_dict().items())
+    read = EngineArgs(model=str(tmp_path / "hf"), dtype="bfloat16", max_model_len=128).create_engine_config()
+    assert read.model_config.quantization is None and read.quant_config is None

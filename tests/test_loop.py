@@ -26,10 +26,17 @@ from molt.driver.plot import read_metrics as metrics_by_step
 from molt.inputs.data import PromptDataset, PromptIterator
 
 REPO = Path(__file__).resolve().parents[1]
+# One thread per process: a redone step is bit for bit only on the threads of the first run, and null's
+# follow the cores the suite's other work leaves (molt/plan/cores.py).
 SMALL = ["train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8",
-         "rollout.temperature=0.7", "rollout.top_p=0.9",
+         "rollout.temperature=0.7", "rollout.top_p=0.9", "parallel.cpu_threads=1",
          "logging.plots=false", "logging.progress=false", "logging.wandb.mode=disabled",
          "rollout.engine.kv_cache_gib=0.25"]
+
+
+# The resumed run's layout: parallel.colocate, on CPU the layout that runs anyway (cores shared), through the
+# colocated path: the engine's sleep and wake around every step, refits over the shared transport (/dev/shm)
+COLOCATED = ["parallel.colocate=true", "parallel.engine_sleep_level=2"]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -67,8 +74,8 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
                                                                               ray_session):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=2",
-                             "train.eval_every=0", f"hydra.run.dir={run_a}"], cwd=REPO, env=env,
+    cli = [sys.executable, "-m", "molt", *SMALL, *COLOCATED, "train.steps=200", "train.eval_every=0"]
+    proc = subprocess.Popen([*cli, "train.save_every=2", f"hydra.run.dir={run_a}"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     saved_step = kill_one_step_after_a_checkpoint(proc, run_a)
     checkpoint = run_a / "checkpoints" / f"step_{saved_step:06d}"
@@ -80,10 +87,9 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
     # checkpoints and exits 0. It attaches to this test's Ray (`ray.address`, as on a cluster): the
     # killed run started its own, and a second local start would only repeat that path.
     address = ray_session.get_runtime_context().gcs_address
-    proc = subprocess.Popen([sys.executable, "-m", "molt", *SMALL, "train.steps=200", "train.save_every=0",
-                             "train.eval_every=0", f"run.resume={run_a}", f"hydra.run.dir={run_b}",
-                             f"ray.address={address}"], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([*cli, "train.save_every=0", f"run.resume={run_a}", f"hydra.run.dir={run_b}",
+                             f"ray.address={address}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
     try:
         # The killed run: every step logged reward, refit and a trainer/engine gap; the first step's
@@ -92,6 +98,7 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
         assert [r["step"] for r in rows[: saved["step"]]] == list(range(1, saved["step"] + 1))
         for r in rows:
             assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/refit"] > 0 and r["policy/version"] == r["step"]
+            assert r["time/engine_sleep"] > 0 and r["time/engine_wake"] > 0   # COLOCATED, around the step
         assert rows[0]["mismatch/max_abs"] <= 1e-5
         check_trained_tokens(run_a, tiny_model_path)
 
@@ -113,7 +120,7 @@ def test_cli_run_killed_after_checkpoint_resumes_exactly_and_stops_on_sigterm(tm
     # Weights: the engines were refit from the loaded trainer weights, and they agree with the trainer.
     assert resumed[0]["policy/version"] == saved["version"] + 1 and resumed[0]["mismatch/max_abs"] <= 1e-5
     # Data position: the first resumed batch holds exactly the prompts the saved iterator yields next.
-    spec = compose(SMALL)
+    spec = compose([*SMALL, *COLOCATED])
     iterator = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=spec.run.seed)
     iterator.load_state_dict(saved["data"])
     consumed = saved["data"]["index"] + 256 * saved["data"]["epoch"]
@@ -187,19 +194,34 @@ def check_same_steps(run_a: Path, run_b: Path, first: int) -> None:
         assert load_rollouts(run_a / name) == load_rollouts(run_b / name), step
 
 
-def test_async_chat_agent_run(tmp_path, ray_session):
+def test_async_chat_agent_run(tmp_path, ray_session, monkeypatch):
+    """An async run of a ChatAgent, handing out the oldest groups first (rollout.handout=oldest: the pool the
+    loop builds is asked for that order; the order itself: test_pool.py)."""
     from molt.driver.loop import train
+    from molt.rollout.pool import RolloutPool
 
+    pools, build = [], RolloutPool.__init__
+
+    def init(self, *args, **kwargs) -> None:   # the real pool, noted
+        pools.append(self)
+        build(self, *args, **kwargs)
+    monkeypatch.setattr(RolloutPool, "__init__", init)
     spec = compose([*SMALL, "agent=chat_minimal", "rollout.mode=async", "rollout.groups_in_flight=12",
                     "rollout.max_staleness=1", "train.steps=3", "train.save_every=0", "train.eval_every=3",
-                    "agent.max_turns=2", "model.max_model_len=512"])
+                    "agent.max_turns=2", "model.max_model_len=512", "rollout.handout=oldest"])
     spec.run.dir = str(tmp_path)
     last = train(spec)
+    assert len(pools) == 1 and pools[0].oldest_first
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]   # step 0: the starting model's eval, alone
     assert set(rows[0]) == {"step", "time", "eval/repeat_eval/mean@1", "eval/repeat_eval/pass@1"}
     rows = rows[1:]
     assert all(r["time/refit"] > 0 and "reward/mean" in r for r in rows)
+    # throughput per device and stage (molt/driver/throughput.py): one engine, one rank; async generation
+    # is the exposed wait plus the logprob and training passes (NeMo-RL's definition)
+    for r in rows:
+        seconds = r["time/wait_batch"] + r["time/logprobs"] + r["time/train"]
+        assert r["throughput/generation_tokens_per_s_per_gpu"] * seconds == pytest.approx(r["tokens/total"])
     # Invariant 3 every step: on the batch's tokens of the current policy, or, in a batch of older groups
     # only (the engines finished all 12 before the refit), on the probe sampled right after the refit;
     # older tokens are reported as policy lag, within max_staleness. A probe drawn before the refit

@@ -49,6 +49,33 @@ def test_metrics_jsonl_and_progress_bar(tmp_path: Path, capsys: pytest.CaptureFi
     assert "reward" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("threads", [None, 2])
+def test_a_step_far_slower_on_an_overloaded_host_names_cpu_threads_once(tmp_path: Path, capsys, monkeypatch,
+                                                                        threads: int | None) -> None:
+    """A step 4x the earlier steps' median (the first, warming up, left out) while the 1-minute load exceeds
+    the cores is said once, naming parallel.cpu_threads; a slow step on a host within its cores, a slow
+    first step, or a second slow step say nothing. (The load is the one thing faked: a host's 1-minute
+    average takes minutes to move.)"""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    load = [float(cores)]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
+    spec = make_spec(tmp_path, progress=False)
+    spec.parallel.cpu_threads = threads
+    with closing(RunLogger(spec)) as logger:
+        for step, seconds in enumerate([9.0, 1.0, 1.2, 0.8, 5.0], start=1):   # load == cores: not over
+            logger.log(step, {"time/step": seconds})
+        assert capsys.readouterr().out == ""
+        load[0] = cores + 3.5
+        for step, seconds in enumerate([3.9, 6.0, 9.0], start=6):   # 3.9 < 4 x the median 1.1
+            logger.log(step, {"time/step": seconds})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"molt: step 7 took 6.0 s, 5x the earlier steps, while the "
+                                               f"host's load ({cores + 3.5:.1f}) exceeds its {cores} cores")
+    assert f"parallel.cpu_threads={threads or 'null'}" in out[0]
+
+
 def test_run_dir_required() -> None:
     with pytest.raises(ValueError, match="run.dir"):
         RunLogger(RunSpec())
@@ -130,3 +157,27 @@ def test_dump_disabled_and_plots_on_close(tmp_path: Path) -> None:
     assert logger.close() == [tmp_path / "plots" / "reward.png"]
     assert not (tmp_path / "rollouts").exists()
     assert (tmp_path / "plots" / "reward.png").stat().st_size > 0
+
+
+def test_throughput_per_gpu_and_stage_is_nemo_rls_arithmetic() -> None:
+    """tokens/s/GPU = the batch's tokens / (the stage's seconds x its devices), worked out by hand for
+    qwen30b_tools' layout (8 policy ranks on node 0, 8 one-GPU engines on node 1): sync generation is the
+    wait for the batch; async adds the logprob and training passes (NeMo-RL's exposed generation); no
+    logprob line for a step that ran no logprob pass; the colocated GPU counts once for every stage."""
+    from molt.driver.compose import compose
+    from molt.driver.throughput import stage_devices, throughput
+
+    step = {"tokens/total": 16000.0, "time/wait_batch": 10.0, "time/logprobs": 2.0, "time/train": 4.0,
+            "time/step": 20.0}
+    spec = compose(["+experiment=qwen30b_tools", "rollout.mode=sync"])
+    assert stage_devices(spec) == {"trainer": 8, "engines": 8, "all": 16}
+    assert throughput(spec, step) == {"throughput/generation_tokens_per_s_per_gpu": 200.0,
+                                      "throughput/logprobs_tokens_per_s_per_gpu": 1000.0,
+                                      "throughput/training_tokens_per_s_per_gpu": 500.0,
+                                      "throughput/e2e_tokens_per_s_per_gpu": 50.0}
+    spec = compose(["+experiment=qwen30b_tools"])   # async
+    assert throughput(spec, step)["throughput/generation_tokens_per_s_per_gpu"] == 16000 / (16 * 8)
+    assert "throughput/logprobs_tokens_per_s_per_gpu" not in throughput(spec, {**step, "time/logprobs": 0.0})
+    spec = compose(["parallel=gpu1", "model.reference=policy", "algo.kl.coef=0.1"])
+    assert stage_devices(spec) == {"trainer": 1, "engines": 1, "all": 1}
+    assert throughput(spec, step)["throughput/training_tokens_per_s_per_gpu"] == 4000.0

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +14,12 @@ import torch
 from molt import refit
 
 
-def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) -> tuple[list[list], list[int]]:
+def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False,
+            shared: bool = False) -> tuple[list[list], list[int]]:
     """Send each refit's chunks from rank 0 to ranks 1 and 2 of one gloo group (threads); returns what
     each receiver got (name, tensor), and the bytes each refit sent. With `reform`, every rank closes its
-    group after each refit and joins a new one (as when the engine set changes)."""
+    group after each refit and joins a new one (as when the engine set changes); with `shared`, payloads
+    go by handle (parallel.colocate: /dev/shm files here, CUDA IPC on a GPU)."""
     stores = [refit.listen("127.0.0.1", 3) for _ in (refits if reform else refits[:1])]
     cpu = torch.device("cpu")
     got: list[list] = [[], []]
@@ -35,8 +40,8 @@ def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) ->
         for k, chunks in enumerate(refits):
             if k == 0 or reform:
                 refit.close_group(group)
-                group = refit.host_group(stores[k], 3, cpu)
-            sent.append(refit.send(group, chunks, cpu, chunk_bytes))
+                group = refit.host_group(stores[k], 3, cpu, shared)
+            sent.append(refit.send(group, chunks, cpu, chunk_bytes, shared))
 
     def guarded(fn, *args) -> None:
         try:
@@ -55,7 +60,14 @@ def _stream(refits: list[list[dict]], chunk_bytes: int, reform: bool = False) ->
     return got, sent
 
 
-def test_stream_arrives_whole_in_order_and_in_chunks():
+def _shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"molt-refit-{os.getpid()}-*")}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["broadcast", "shared"])
+def test_stream_arrives_whole_in_order_and_in_chunks(shared):
+    """Both transports: broadcast payloads, and (parallel.colocate) payloads shared by handle, each
+    receiver copying them out before the sender frees them (no /dev/shm file is left behind)."""
     g = torch.Generator().manual_seed(0)
     state = {   # mixed dtypes and odd byte sizes (alignment), a transposed view, a scalar, shared storage
         "a.weight": torch.randn(3, 5, generator=g),
@@ -67,7 +79,8 @@ def test_stream_arrives_whole_in_order_and_in_chunks():
     }
     state["e.tied"] = state["a.weight"]
     chunks = [dict(list(state.items())[:2]), dict(list(state.items())[2:5]), dict(list(state.items())[5:])]
-    got, sent = _stream([chunks, [{"z": torch.ones(2)}]], 1 << 20)   # a second refit over the same group
+    got, sent = _stream([chunks, [{"z": torch.ones(2)}]], 1 << 10, shared=shared)   # then a second refit
+    assert not _shm_files()
     assert sent[0] == sum(t.numel() * t.element_size() for t in state.values())
     for received in got:
         assert [n for n, _ in received] == [*state, "z"]
@@ -104,12 +117,13 @@ def test_a_tensor_larger_than_a_chunk_streams_in_bounded_payloads(monkeypatch):
             assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
 
 
-def test_a_re_formed_group_closes_the_one_it_replaces():
+@pytest.mark.parametrize("shared", [False, True], ids=["broadcast", "shared"])
+def test_a_re_formed_group_closes_the_one_it_replaces(shared):
     """When the engine set changes, every rank closes (aborts) its refit group before it joins the new one:
     on NCCL that frees the communicator that would otherwise leak at each re-form. On gloo, three refits
     through three groups, each closed before the next forms, arrive whole."""
     refits = [[{"w": torch.full((3, 4), float(k))}] for k in range(3)]
-    got, sent = _stream(refits, 1 << 20, reform=True)
+    got, sent = _stream(refits, 1 << 20, reform=True, shared=shared)
     assert sent == [48] * 3
     for received in got:
         assert [float(t[0, 0]) for _, t in received] == [0.0, 1.0, 2.0]
@@ -172,3 +186,101 @@ def test_trainer_stream_carries_every_tensor_of_the_model(tiny_model_path):
     check_complete(names, expected)
     with pytest.raises(RuntimeError, match="lacked 1 of"):
         check_complete(names[:-1], expected)
+
+
+def test_the_engine_expects_what_its_model_loads_read_from_the_hub_cache(tiny_model_path, tmp_path,
+                                                                          monkeypatch):
+    """The completeness check's names for a hub id come from its snapshot in the Hugging Face cache (local
+    files only): an empty set would let any refit through. A DeepSeek-V3 checkpoint's multi-token-prediction
+    layer (layer `num_hidden_layers`, vLLM's main model skips it, the trainer's model has none) and
+    Qwen3-Next's `mtp.*` are not expected, or every refit of such a model would be refused. A hub id that is
+    not cached is refused with the reason."""
+    import huggingface_hub
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from molt.rollout.worker_extension import check_complete, checkpoint_names
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    with safe_open(f"{tiny_model_path}/model.safetensors", "pt") as f:
+        sent = sorted(set(f.keys()) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    last = config.num_hidden_layers
+    mtp = [f"model.layers.{last}.{k}" for k in ("enorm.weight", "eh_proj.weight", "shared_head.norm.weight")]
+    commit = "0" * 40
+    repo = tmp_path / "models--org--tiny-mtp"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text((Path(tiny_model_path) / "config.json").read_text())
+    weight_map = dict.fromkeys([*sent, *mtp, "mtp.fc.weight"], "model.safetensors")
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    config.num_nextn_predict_layers = 1
+    expected = checkpoint_names("org/tiny-mtp", config)
+    assert expected == set(sent)
+    check_complete(sent, expected)
+    with pytest.raises(RuntimeError, match="lacked 1 of"):
+        check_complete(sent[1:], expected)
+    with pytest.raises(RuntimeError, match="org/not-cached is neither a folder nor a hub id in the Hugging"):
+        checkpoint_names("org/not-cached", config)
+
+
+RECEIVER = """
+import sys, time, torch
+from molt import refit
+group = refit.open_group("127.0.0.1", int(sys.argv[1]), 1, 2, torch.device("cpu"))
+stream = refit.receive(group, torch.device("cpu"))
+if sys.argv[2] == "stall":
+    next(stream)
+    print("stalled", flush=True)
+    time.sleep(600)                      # a receiver that stops reading mid-stream, until it is killed
+print(sum(t.numel() for _, t in stream) + 0, flush=True)
+"""
+
+
+def test_a_broadcast_in_flight_ends_when_its_receiver_dies_and_a_new_group_streams(tmp_path):
+    """The refit's abort path on gloo (the fleet's, when engines die mid-transfer): the sender is blocked in
+    a broadcast to a receiver that stopped reading; killing the receiver (the fleet drops and kills a
+    stuck engine) ends the broadcast with an error at once instead of after molt.refit.TIMEOUT (gloo's
+    `abort` does not unblock a waiting broadcast, which is why the trainer aborts only NCCL groups);
+    closing the broken group returns, and a group re-formed with a new receiver streams whole. The
+    NCCL abort of a waiting broadcast needs two GPUs (bench/gpu_smoke.py, item 13)."""
+    import subprocess
+    import sys
+    import time
+
+    cpu = torch.device("cpu")
+    big = {"w": torch.randn(64, 2**16)}   # 16 MiB in 1 MiB payloads: far beyond the sockets' buffers
+
+    def receiver(port: int, mode: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), mode], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    store = refit.listen("127.0.0.1", 2)
+    stuck = receiver(store.port, "stall")
+    group = refit.host_group(store, 2, cpu)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            refit.send(group, [big], cpu, 1 << 20)
+        except BaseException as err:   # the broken stream
+            errors.append(err)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    assert stuck.stdout.readline().strip() == "stalled"
+    time.sleep(1.0)
+    assert sender.is_alive()          # in flight: blocked on the receiver that stopped reading
+    stuck.kill()
+    stuck.wait(30)
+    sender.join(timeout=60)
+    assert not sender.is_alive() and errors, "the broadcast still waits for a dead receiver"
+    refit.close_group(group)
+    store = refit.listen("127.0.0.1", 2)
+    fresh = receiver(store.port, "whole")
+    group = refit.host_group(store, 2, cpu)
+    assert refit.send(group, [big], cpu, 1 << 20) == big["w"].numel() * 4
+    assert int(fresh.communicate(timeout=120)[0].split()[-1]) == big["w"].numel()
+    refit.close_group(group)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 
 import pytest
+import ray
 import torch
 from trainerlib import full_weights, one_rank
 
@@ -21,9 +23,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def make_spec(path: str, ws: int = 1, mbs: int = 4, lr: float = 1e-3, **train) -> RunSpec:
+    # a collective one rank never joins (ranks calling FSDP's gathers a different number of times) fails
+    # the test within a minute, not at pytest's timeout
     return RunSpec.model_validate({
         "model": {"path": path},
-        "parallel": {"dp_size": ws},
+        "parallel": {"dp_size": ws, "collective_timeout_s": 60},
         "rollout": {"samples_per_prompt": 8, "max_tokens": 8, "temperature": 0.7},
         "train": {"prompts_per_step": 1, "micro_batch_size": mbs, "lr": lr, "steps": 4, **train},
     })
@@ -323,6 +327,41 @@ def critic(ray_session, tiny_model_path) -> tuple[RunSpec, TrainerRanks]:
     group.shutdown()
 
 
+def test_critic_ranks_after_the_first_take_their_shards_from_rank_0(ray_session, tiny_model_path) -> None:
+    """With 2 critic ranks only rank 0 reads the checkpoint (a whole fp32 critic per rank would be 120 GB of
+    host memory at 30B); rank 1 builds the critic on the meta device and receives its shards and the
+    buffers (the rotary frequencies are in no state dict) from rank 0. The values of both ranks' rows equal
+    one process's critic, seeded alike (the value head is new: rank 0 initializes it), 1e-5."""
+    spec = make_spec(tiny_model_path, 2)
+    spec.model.critic, spec.algo.estimator = True, "gae"
+    b = batch_of(3)
+    group = TrainerRanks(spec, "critic")
+    try:
+        values = group.values(b)
+        nccl = ray.get(group.workers[1].__ray_call__.remote(
+            lambda self: os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")))
+    finally:
+        group.shutdown()
+    one = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"dp_size": 1})})
+    with one_rank(one, "critic") as rank:
+        want = rank.forward(b)
+    assert float(want.abs().max()) > 0.01 and float((values - want).abs().max()) < 1e-5
+    assert nccl == "1"   # trainer ranks: a dead NCCL peer ends the collective (placement.NCCL_ENV)
+
+
+def test_a_critic_rank_after_the_first_reads_no_checkpoint(tiny_model_path, monkeypatch) -> None:
+    """The memory half of the test above, which the values alone cannot show: of 2 critic ranks, rank 1
+    builds the critic on the meta device (not one weight in its host memory), rank 0 reads the checkpoint.
+    Only the rank this process reports changes between the two builds."""
+    from molt.trainer import model as trainer_model
+
+    spec, common = make_spec(tiny_model_path, 2), dict(dtype=torch.float32, trust_remote_code=False)
+    for rank, on_meta in ((1, True), (0, False)):
+        monkeypatch.setattr(trainer_model.dist, "get_rank", lambda rank=rank: rank)
+        critic = trainer_model._critic(spec, tiny_model_path, "sdpa", common)
+        assert {p.is_meta for p in critic.parameters()} == {on_meta}, rank
+
+
 def test_critic_fits_returns_and_reference_is_frozen(critic, tiny_model_path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -464,6 +503,12 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
         make_spec(tiny_model_path, critic_warmup_steps=1)   # no critic
 
 
+def ignore_other_work(worker) -> None:
+    """The rank's threads follow its plan alone, not the cores the rest of the host (the suite's other test
+    worker) keeps busy: what the tests of the plan's lending measure."""
+    worker.threads.free = None
+
+
 def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_session, tiny_model_path) -> None:
     """rollout.mode=async, parallel.cpu_threads null: a rank computes with its share of the node's cores
     while the engines generate and with all of them while the engines are idle. `set_engines_idle` reaches
@@ -476,6 +521,7 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     spec.rollout.mode = "async"
     group = TrainerRanks(spec)
     [worker] = group.workers
+    ray.get(worker.__ray_call__.remote(ignore_other_work))
     segs = [s for seed in range(8) for s in segments(seed)]             # 64 rows: 64 micro-batches
     batch = make_batch(segs, advantages=[[0.5] * len(s.token_ids) for s in segs])
     try:
@@ -493,6 +539,29 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     assert generating < switched <= idle
 
 
+def test_null_threads_leave_the_cores_that_other_work_keeps_busy(tiny_model_path) -> None:
+    """parallel.cpu_threads null plans every core for a sync run's rank, but with as many processes
+    spinning beside it as the host has cores, the rank computes with one thread (`train/threads`): more would
+    wait for each other at every parallel region while other work holds their cores."""
+    import subprocess
+    import sys
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: null plans one thread anyway")
+    with one_rank(make_spec(tiny_model_path, mbs=1)) as rank:
+        assert rank.threads.counts[False] == cores   # the plan: the running stage takes every core
+        spinning = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(cores)]
+        try:
+            time.sleep(1.1)   # a window of the busy host (molt/plan/cores.py RESAMPLE_S)
+            threads = rank.update(batch_of(0))["train/threads"]
+        finally:
+            for proc in spinning:
+                proc.kill()
+                proc.wait()
+    assert threads == 1
+
+
 def test_a_rank_switches_threads_at_each_block_forward_and_backward(tiny_model_path) -> None:
     """A step may be a single micro-batch: the switch happens at the next block of the model. Here the
     engines go idle while block 0 computes its forward (a hook stands in for the message); block 1's
@@ -507,6 +576,7 @@ def test_a_rank_switches_threads_at_each_block_forward_and_backward(tiny_model_p
     before = torch.get_num_threads()
     try:
         worker = TrainerWorker(spec, "policy", 0, tiny_model_path)   # no process group: no setup()
+        ignore_other_work(worker)
         worker.model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
         worker.threads.follow_blocks(worker.model)
         block0 = worker.model.model.layers[0]

@@ -299,3 +299,48 @@ def test_the_gpu_loader_freezes_the_tower_before_it_shards(vlm_spec, vlm_path, r
     assert tower and frozen(gpu) == frozen(cpu) == tower
     spec.model.freeze_vision = False   # a trained tower: nothing frozen before sharding for the policy
     assert ("freeze_config" in automodel_kwargs(spec, role, vlm_path)) == (role == "reference")
+
+
+def test_a_rank_without_an_image_still_runs_a_sharded_tower_in_order(vlm_path) -> None:
+    """A trainable tower on several ranks is sharded per block: a rank whose micro-batch holds no image
+    must still run it, or its peers wait in gathers it never joins (gloo fails with "collective mismatch",
+    NCCL hangs; seen with 2 CPU ranks before `tower_in_every_forward`). Its placeholder pass runs where a
+    real image's does, after the embedding and before the first decoder layer (FSDP's gathers follow that
+    order), changes no logit, and gives the tower gradients of exactly 0 (its reduce-scatter runs too).
+    The 2-rank step itself: bench/gpu_checks.py item5, run on CPU by the slow test_bench.py test."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForImageTextToText
+
+    from molt.trainer.batch import image_inputs
+    from molt.trainer.tower import tower_in_every_forward
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from gpu_smoke_models import image_batch
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_path, dtype=torch.float32)
+    inner = model.model
+    order: list[str] = []
+    for name, module in (("embed", inner.language_model.embed_tokens), ("tower", inner.visual),
+                         ("layer0", inner.language_model.layers[0])):
+        module.register_forward_pre_hook(lambda m, a, name=name: order.append(name))
+    batch = image_batch(vlm_path)
+    keys = ("input_ids", "attention_mask")
+
+    def forward(rows: slice, placeholder: bool) -> torch.Tensor:
+        order.clear()
+        mb = {k: v[rows] for k, v in batch.items()}
+        with tower_in_every_forward(model, placeholder):
+            return model(**{k: mb[k] for k in keys}, **image_inputs(mb, model.config.image_token_id)).logits
+
+    forward(slice(0, 2), False)           # rows with an image
+    with_image = list(order)
+    plain = forward(slice(2, 4), False)   # rows without: the tower is skipped
+    assert "tower" not in order
+    logits = forward(slice(2, 4), True)
+    assert order == with_image == ["embed", "tower", "layer0"]
+    assert torch.equal(logits, plain)
+    logits.sum().backward()
+    grads = [p.grad for p in inner.visual.parameters()]
+    assert all(g is not None and not g.any() for g in grads)

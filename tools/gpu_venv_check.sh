@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the GPU dependency set into a separate venv on a machine without a GPU, imports every module the
-# GPU path imports, and dry-runs every GPU experiment with it:  bash tools/gpu_venv_check.sh [VENV]
+# GPU path imports (tools/gpu_modules.txt), and dry-runs every GPU experiment with it:
+#   bash tools/gpu_venv_check.sh [VENV]
 #   VENV (default /tmp/molt-gpu-venv) is created if missing and reused if present; delete it afterwards.
 # The set is `bash install.sh gpu --resolve` (the install script's own inputs and overrides), installed
 # without resolving again: CUDA wheels install anywhere, and the set holds no nvcc source build
@@ -19,28 +20,16 @@ if [ ! -x "$VENV/bin/python" ]; then
    "$UV" pip install -q --python "$VENV/bin/python" --no-deps -e .)
 fi
 echo "install: $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)"
+modules_file="$(pwd)/tools/gpu_modules.txt"
 cd /tmp   # import the checkout's molt through the editable install, not from the working directory
-"$VENV/bin/python" - <<'PY'
+MOLT_GPU_MODULES="$modules_file" "$VENV/bin/python" - <<'PY'
 import importlib, os, sys, traceback
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch
 assert torch.version.cuda, f"torch {torch.__version__} has no CUDA"
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), GPUs visible: {torch.cuda.device_count()}")
-modules = [
-    # vLLM's GPU build: the engine Molt starts, its weight reload and pause/resume, route capture hooks
-    "vllm", "vllm.v1.engine.async_llm", "vllm.distributed.weight_transfer.nccl_engine",
-    "vllm.model_executor.layers.fused_moe.layer", "vllm.model_executor.layers.fused_moe.router.base_router",
-    "vllm.forward_context", "vllm.model_executor.models.qwen3", "vllm.model_executor.models.qwen3_moe",
-    "vllm.model_executor.models.deepseek_v2", "vllm.model_executor.models.qwen2_5_vl",
-    # AutoModel's loader, parallelizer and the model classes it picks on GPU
-    "nemo_automodel", "nemo_automodel.components.distributed.model_parallelizer",
-    "nemo_automodel.components.distributed.config", "nemo_automodel.components.distributed.mesh",
-    "nemo_automodel.components.models.qwen3_moe.model", "nemo_automodel.components.models.deepseek_v3.model",
-    "nemo_automodel.components.moe.experts",
-    # Molt's GPU-side modules
-    "molt.refit", "molt.trainer.model", "molt.trainer.weights", "molt.trainer.worker", "molt.rollout.worker",
-    "molt.rollout.engine", "molt.rollout.routes", "molt.loop", "molt.launch",
-]
+modules = [line.split("#")[0].strip() for line in open(os.environ["MOLT_GPU_MODULES"])]
+modules = [name for name in modules if name]   # tools/gpu_modules.txt
 failed = []
 for name in modules:
     try:
@@ -67,7 +56,7 @@ PY
 cd - >/dev/null
 rc=0
 gpu_experiments=$("$VENV/bin/python" -c "
-from pathlib import Path; from molt.config import compose
+from pathlib import Path; from molt.driver.compose import compose
 print(' '.join(p.stem for p in sorted(Path('experiments').glob('*.yaml'))
                if compose([f'+experiment={p.stem}']).parallel.device == 'cuda'))")
 for name in $gpu_experiments; do
@@ -79,6 +68,8 @@ for name in $gpu_experiments; do
     echo "dry run $name: refused, needs DeepEP (docs/install.md#gpu)"
   elif echo "$out" | grep -q "could not be loaded with datasets.load_dataset"; then
     echo "dry run $name: its hub dataset is neither cached nor reachable here (HF_HUB_OFFLINE=0 to fetch)"
+  elif echo "$out" | grep -q "dataset file not found: 'runs/data/"; then   # written by a command first
+    echo "dry run $name: its data files are not written here (the experiment's header names the command)"
   else
     rc=1; echo "dry run $name: FAILED"; echo "$out" | tail -5 | sed 's/^/    /'
   fi

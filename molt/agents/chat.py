@@ -10,6 +10,7 @@ the reward.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from molt.agents.env import Result
 from molt.agents.runner import Runner, agent_code
 from molt.agents.server import LoopbackServer
 from molt.agents.tools import offered_tools
-from molt.agents.trace import Trace
+from molt.agents.trace import Trace, as_finite
 from molt.trajectory import AgentError, Rollout, Sampler
 
 
@@ -44,6 +45,19 @@ class ChatContext:
     # For the SDKs' `http_client=`: an httpx2 client (what the OpenAI and Anthropic SDKs build on) for this
     # rollout, closed when it ends. An SDK client built without it sets up TLS for itself (≈30–60 ms of CPU).
     http_client: httpx2.AsyncClient | None = None
+    # what `reward_turn` recorded, by turn (a turn is one model reply of this rollout, counted from 0)
+    turn_rewards: dict[int, float] = field(default_factory=dict)
+    _replies: Callable[[], int] = field(default=lambda: 0, repr=False)   # the session's replies so far
+
+    def reward_turn(self, value: float) -> None:
+        """Add `value` to the reward of the model's latest reply (this rollout's last chat request), for
+        per-turn credit (algo.turn_credit=turn): call it once that reply has arrived, e.g. when its tool
+        call has run. The rollout's reward is the sum of these and `Result.reward`, which is the last
+        reply's; a reply not rewarded here gets 0."""
+        turns = self._replies()
+        if turns == 0:
+            raise AgentError("reward_turn before the model's first reply: there is no turn to reward yet")
+        self.turn_rewards[turns - 1] = self.turn_rewards.get(turns - 1, 0.0) + as_finite(value, "turn reward")
 
 
 class ChatAgent:
@@ -90,7 +104,7 @@ class ChatAgentRunner(Runner):
                 prompt=None if prompt is None else str(prompt), label=self.label_of(item),
                 sampling_params=dict(defaults), options=dict(agent.options),
                 tools=offered_tools(agent.tools, item), max_turns=agent.max_turns,
-                item=item, judge=self.judge, http_client=http_client)
+                item=item, judge=self.judge, http_client=http_client, _replies=lambda: session.turns)
             with agent_code():
                 result = await self.agent_cls(agent.options).run(ctx)
         finally:   # a row without messages (AgentError) closes both too
@@ -99,9 +113,11 @@ class ChatAgentRunner(Runner):
         if not isinstance(result, Result):
             raise AgentError(f"{self.agent_cls.__name__}.run returned {type(result).__name__}, not Result")
         session.finish()
-        rollout = trace.rollout(result.reward, result.score, result.info, self.label_of(item))
-        rollout.turns, rollout.answered = session.turns, session.answered
+        turn_rewards = _turn_rewards(ctx.turn_rewards, as_finite(result.reward, "reward"), session.turns)
+        rollout = trace.rollout(sum(turn_rewards), result.score, result.info, self.label_of(item))
+        rollout.turns, rollout.turn_rewards, rollout.answered = session.turns, turn_rewards, session.answered
         rollout.tool_calls, rollout.tool_errors = session.tool_calls, session.tool_errors
+        rollout.tool_parse_errors = session.tool_parse_errors
         return rollout
 
     def close(self) -> None:
@@ -109,6 +125,14 @@ class ChatAgentRunner(Runner):
             self.server.stop()
             self.server = None
         super().close()
+
+
+def _turn_rewards(rewarded: dict[int, float], final: float, turns: int) -> list[float]:
+    """One reward per model reply, in order: what `reward_turn` gave it, plus `final` (Result.reward) on the
+    last, as an Env's last step carries its outcome."""
+    out = [rewarded.get(turn, 0.0) for turn in range(turns)] or [0.0]
+    out[-1] += final
+    return out
 
 
 def _openai_images(messages: list[dict]) -> list[dict]:

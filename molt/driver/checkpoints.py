@@ -15,7 +15,11 @@ SIGINT / SIGTERM end either loop the same way: the current step finishes, a chec
 
 A run directory is `runs/<run.name>/<start time>/` (a sweep job: `runs/sweeps/<name>_<time>/<job>/`).
 `run.resume=auto` continues the newest run of the same experiment that has a checkpoint; with none the run
-starts fresh, so one command both starts a run and continues it after the driver died.
+starts fresh, so one command both starts a run and continues it after the driver died. Two specs are the same
+experiment when no key differs but NOT_IDENTITY's: a key one spec lacks counts at its default (a spec dumped
+before an upgrade added a key, or after one removed it), a key this version no longer has is not compared.
+Every run of the same name it passes over is printed with the first key that differs, and a fresh start says
+why it is one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from pydantic import BaseModel
 
 from molt.spec import RunSpec
 from molt.spec.config import spec_yaml
@@ -62,33 +67,71 @@ def _identity(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def same_experiment_runs(spec: RunSpec) -> list[Path]:
+def first_difference(saved: dict[str, Any], mine: dict[str, Any], schema: type[BaseModel] = RunSpec,
+                     defaults: dict[str, Any] | None = None, where: str = "") -> tuple[str, Any, Any] | None:
+    """The first key (dotted, in the schema's order) whose value differs between two dumped specs, with
+    both values; None when they are the same experiment. A key one of them lacks is taken at its default
+    (one dumped before an upgrade added the key), and a key the schema no longer has is skipped: nothing in
+    this version reads it, so it cannot make the runs differ."""
+    if defaults is None:
+        defaults = RunSpec().model_dump(mode="json")
+    for key in [*mine, *(k for k in saved if k not in mine)]:
+        field = schema.model_fields.get(key)
+        if field is None:
+            continue
+        section = field.annotation if isinstance(field.annotation, type) and \
+            issubclass(field.annotation, BaseModel) else None
+        if section is not None:   # a section: compared key by key, so its new keys take their defaults
+            found = first_difference(saved.get(key) or {}, mine.get(key) or {}, section, defaults[key],
+                                     f"{where}{key}.")
+            if found:
+                return found
+        elif saved.get(key, defaults[key]) != mine.get(key, defaults[key]):
+            return f"{where}{key}", saved.get(key, defaults[key]), mine.get(key, defaults[key])
+    return None
+
+
+def same_experiment_runs(spec: RunSpec) -> tuple[list[Path], int]:
     """Run directories of this experiment that have a checkpoint, the newest checkpoint last: this run's
     directory, the ones beside it and (a sweep job) the same job of earlier sweeps, whose spec.yaml equals
-    this spec but for NOT_IDENTITY."""
+    this spec but for NOT_IDENTITY (`first_difference`); and how many others with a checkpoint were passed
+    over, each printed with the first key that differs."""
     run_dir = Path(spec.run.dir)
     me = _identity(spec.model_dump(mode="json"))
-    found = []
-    for candidate in {run_dir, *run_dir.parent.glob("*"), *run_dir.parent.parent.glob(f"*/{run_dir.name}")}:
+    found, skipped = [], 0
+    nearby = {run_dir, *run_dir.parent.glob("*"), *run_dir.parent.parent.glob(f"*/{run_dir.name}")}
+    for candidate in sorted(nearby):
         latest = candidate / "checkpoints" / "latest"
         if not latest.is_file():
             continue
         if candidate != run_dir:
             saved = candidate / "spec.yaml"
-            if not saved.is_file() or _identity(OmegaConf.to_container(OmegaConf.load(saved))) != me:
+            differs = first_difference(_identity(OmegaConf.to_container(OmegaConf.load(saved))), me) \
+                if saved.is_file() else ("spec.yaml", "missing", "")
+            if differs:
+                key, there, here = differs
+                skipped += 1
+                print(f"molt: run.resume=auto: not continuing {candidate}: {key} differs ({there!r} there, "
+                      f"{here!r} here)", flush=True)
                 continue
         found.append((latest.stat().st_mtime_ns, str(candidate), candidate))
-    return [c for *_, c in sorted(found)]
+    return [c for *_, c in sorted(found)], skipped
 
 
 def find_checkpoint(spec: RunSpec) -> Path | None:
     """run.resume: a checkpoint folder, a run folder (its latest checkpoint), or "auto": the newest
-    checkpoint of this experiment (`same_experiment_runs`), None when there is none (a fresh start)."""
+    checkpoint of this experiment (`same_experiment_runs`), None when there is none (a fresh start, printed
+    with its reason)."""
     if not spec.run.resume:
         return None
     if spec.run.resume == "auto":
-        runs = same_experiment_runs(spec)
-        return _same_objective(spec, latest_of(runs[-1])) if runs else None
+        runs, skipped = same_experiment_runs(spec)
+        if runs:
+            return _same_objective(spec, latest_of(runs[-1]))
+        why = f"the {skipped} run(s) beside it with a checkpoint differ (above)" if skipped else \
+            "no run beside it has a checkpoint"
+        print(f"molt: run.resume=auto: starting {spec.run.dir} fresh: {why}", flush=True)
+        return None
     target = Path(spec.run.resume)
     if latest_of(target):
         return _same_objective(spec, latest_of(target))

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from molt.algo import ESTIMATOR_NEEDS, POLICY_LOSSES, load_plugins
 from molt.plan import memory
+from molt.plan.arch import arch_of
 from molt.plan.placement import plan
 from molt.spec import RunSpec, SpecError
 from molt.spec.config import compose_config, validate_config
@@ -44,6 +45,7 @@ def to_spec(cfg: DictConfig) -> RunSpec:
     spec = validate_config(cfg)
     try:
         check_algorithm(spec)
+        check_context_parallel(spec)
         if spec.parallel.device == "cuda":
             plan(spec)
             if not spec.run.dry_run:
@@ -51,6 +53,22 @@ def to_spec(cfg: DictConfig) -> RunSpec:
     except ValueError as err:
         raise SpecError(f"invalid run spec: {err}") from None
     return spec
+
+
+def check_context_parallel(spec: RunSpec) -> None:
+    """Context parallel splits the attention heads of each tensor-parallel rank over the cp ranks
+    (molt/trainer/context_parallel.py): refused when cp_size does not divide them, for every trainer role
+    whose architecture the plan knows (a hub id without model.arch is checked when the trainer loads it)."""
+    par = spec.parallel
+    if par.cp_size == 1:
+        return
+    roles = ["policy"] + (["reference"] if spec.model.reference else [])
+    for role in roles:
+        a = arch_of(spec, role)
+        if a is not None and (a.num_heads % par.tp_size or a.num_heads // par.tp_size % par.cp_size):
+            raise ValueError(f"parallel.cp_size={par.cp_size} must divide the {role}'s attention heads per "
+                             f"tensor-parallel rank ({a.num_heads} / tp_size={par.tp_size}): context "
+                             "parallel splits them over the cp ranks")
 
 
 def compose(overrides: Sequence[str] = ()) -> RunSpec:
@@ -158,8 +176,6 @@ def _prepare_rl(spec: RunSpec, inputs: Inputs, attempt: Callable[..., Any], trai
     from molt.inputs.data import PromptDataset, load_eval_sets
 
     inputs.runner = attempt(load_agent_runner, spec.agent)
-    if inputs.runner is not None:
-        attempt(check_turn_credit, spec, inputs.runner)
     inputs.train = attempt(PromptDataset, spec.data.train_path, spec.data) if train else None
     inputs.eval_sets = attempt(load_eval_sets, spec.data) or {}
     sets = {"data.train_path": inputs.train} if inputs.train is not None else {}
@@ -215,10 +231,13 @@ def check_environment(spec: RunSpec) -> None:
         from molt.rollout.engine_args import check_lora
 
         check_lora(model_path(spec), spec.model)
-    if (spec.model.critic or spec.train.micro_batch_tokens is not None) and is_vlm(spec):
+    cp = spec.parallel.cp_size > 1
+    if (spec.model.critic or spec.train.micro_batch_tokens is not None or cp) and is_vlm(spec):
         # The trainer loads a VLM's policy with its image inputs unpacked and has no value model for one.
         raise ValueError("model.critic=true with a vision-language model: a value model of a VLM is not "
                          "supported; use an estimator without a critic (e.g. algo=grpo)" if spec.model.critic
+                         else "parallel.cp_size > 1 with a vision-language model: context parallel does not "
+                         "split image inputs over the cp ranks; use cp_size=1" if cp
                          else "train.micro_batch_tokens (sequence packing) with a vision-language model: "
                          "packing does not pack image inputs; use train.micro_batch_size")
     if spec.run.dry_run and spec.parallel.device == "cuda":
@@ -240,16 +259,6 @@ def check_expert_dispatch(spec: RunSpec) -> None:
             "AutoModel's MoE dispatcher all-gathers every token onto every expert-parallel rank. Build it "
             "against the installed torch (`pip install --no-build-isolation deep-ep`, needs nvcc and "
             f"NVSHMEM; docs/install.md#gpu), or use parallel.ep_size<={EP_WITHOUT_DEEPEP}")
-
-
-def check_turn_credit(spec: RunSpec, runner: Any) -> None:
-    """algo.turn_credit=turn needs per-turn rewards, which only an Env returns (the agent's kind is its
-    runner's)."""
-    if spec.algo.turn_credit == "turn" and runner.kind != "env":
-        raise ValueError(f"algo.turn_credit=turn, but agent.module={spec.agent.module} is a "
-                         f"{type(runner).__name__} (kind {runner.kind}): a ChatAgent returns one reward per "
-                         "rollout, so there are no per-turn rewards to credit; use an Env, or "
-                         "algo.turn_credit=rollout")
 
 
 def check_row_tools(rows: Any, where: str) -> None:

@@ -6,7 +6,9 @@ each turn's max_tokens as in training). Per set NAME (a file's stem):
 `eval/NAME/mean@n` is the mean reward over all samples, and `eval/NAME/pass@k` (k = 1, 2, 4, ... and n)
 the unbiased estimate of the chance that k samples hold a correct one (a reward of at least
 rollout.eval.pass_reward, 1 by default), from the c correct of n: 1 - C(n-c, k) / C(n, k) (Chen et al.,
-2021). A failed rollout scores 0. With agent.workers > 0 the
+2021). A failed rollout scores 0. What the agent did, as training logs it (molt.driver.select.agent_metrics):
+`eval/NAME/agent/*` and `eval/NAME/info/KEY` over the set's rollouts that did not fail, and
+`eval/NAME/failed`, how many failed. With agent.workers > 0 the
 rollouts run on the agent workers (a prompt's n samples as one group), here as in a run.
 
     python -m molt.eval [+experiment=NAME] [key=value ...] model.path=PATH
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from molt.driver.select import agent_metrics
 from molt.spec import RunSpec, pass_ks
 
 
@@ -58,10 +61,14 @@ async def evaluate(spec: RunSpec, groups: Any, eval_sets: dict[str, Any], step: 
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
     done = await asyncio.gather(*[groups.run_group(item, f"eval{step}-{name}-{i}", e.n, sampling)
                                   for name, i, item in jobs])
-    rewards = torch.tensor([r.reward if r.ok else 0.0 for group in done for r in group]).view(len(jobs), e.n)
+    results = [r for group in done for r in group]
+    rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
     metrics, start = {}, 0
     for name, items in eval_sets.items():
         metrics.update(set_metrics(name, rewards[start:start + len(items)], e.pass_reward))
+        ran = results[start * e.n:(start + len(items)) * e.n]
+        metrics[f"eval/{name}/failed"] = float(sum(not r.ok for r in ran))
+        metrics |= {f"eval/{name}/{k}": v for k, v in agent_metrics([r for r in ran if r.ok]).items()}
         start += len(items)
     return metrics
 

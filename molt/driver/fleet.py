@@ -44,6 +44,7 @@ class Fleet:
         self.restarting: dict[int, asyncio.Task] = {}
         self.deaths = 0
         self.refit_bytes = 0             # what the last refit sent (the LoRA adapter alone with model.lora)
+        self.colocated_s = {"sleep": 0.0, "wake": 0.0}   # parallel.colocate: seconds since the last metrics
 
     async def connect(self, policy: Any) -> None:
         """Open the refit group between `policy` (a TrainerRanks; also a rebuilt one) and the live engines."""
@@ -179,9 +180,29 @@ class Fleet:
         self.dispatcher.set_live(i, engine)
         return True
 
+    async def sleep_if_colocated(self) -> None:
+        """parallel.colocate: every live engine frees the GPU for the trainer's step (vLLM's sleep at
+        parallel.engine_sleep_level); `wake_if_colocated` takes it back before the refit. Otherwise the
+        engines have GPUs of their own: nothing to do."""
+        if self.spec.parallel.colocate:
+            level, engines = self.spec.parallel.engine_sleep_level, self.dispatcher.engines
+            start = time.perf_counter()
+            await asyncio.gather(*[engines[i].sleep.remote(level) for i in self.dispatcher.live])
+            self.colocated_s["sleep"] += time.perf_counter() - start
+
+    async def wake_if_colocated(self) -> None:
+        if self.spec.parallel.colocate:
+            start = time.perf_counter()
+            await asyncio.gather(*[self.dispatcher.engines[i].wake_up.remote() for i in self.dispatcher.live])
+            self.colocated_s["wake"] += time.perf_counter() - start
+
     def metrics(self) -> dict[str, float]:
+        """The step's engine metrics (read once per step: the colocated sleep and wake times restart at 0)."""
+        colocated = {f"time/engine_{k}": seconds for k, seconds in self.colocated_s.items()} \
+            if self.spec.parallel.colocate else {}
+        self.colocated_s = {"sleep": 0.0, "wake": 0.0}
         return {"engine/deaths": float(self.deaths), "engine/restarts": float(sum(self.restarts)),
-                "engine/live": float(len(self.dispatcher.live))}
+                "engine/live": float(len(self.dispatcher.live)), **colocated}
 
     async def close(self) -> None:
         """Stop restarts in progress and every engine (dead ones are only killed)."""

@@ -28,8 +28,8 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None, agent_kind: st
         f"ray: {where}",
         f"engines: {e.num_engines} x vLLM (tp={e.tp_size}, expert_parallel={e.enable_expert_parallel}) = "
         f"{e.num_engines * e.tp_size} {unit}(s)",
-        f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} tp={p.tp_size} ep={p.ep_size}] {sharding} "
-        f"on {p.device}, offload={p.offload}",
+        f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} cp={p.cp_size} tp={p.tp_size} "
+        f"ep={p.ep_size}] {sharding} on {p.device}, offload={p.offload}",
     ]
     if spec.model.critic:
         lines.append(f"critic: {p.world_size} rank(s), same layout")

@@ -37,6 +37,7 @@ from molt.driver.select import (
     take_batch,
     turn_credit,
 )
+from molt.driver.throughput import throughput
 from molt.inputs.vision import processor
 from molt.plan.models import model_path
 from molt.spec import AlgoSpec, RunSpec
@@ -76,8 +77,7 @@ async def rl_step(run: Run) -> dict[str, float]:
     groups, batch_metrics = await take_batch(run.pool, spec, need_current=run.probe is None)
     probe = await run.probe if run.probe else None
     fleet.dispatcher.check()   # no engine left (restarts used up): stop with a clear error
-    t_batch = time.perf_counter()
-    rollouts = [r for g in groups for r in g]
+    rollouts, t_batch = [r for g in groups for r in g], time.perf_counter()
     live = [fleet.dispatcher.engines[i] for i in sorted(fleet.dispatcher.live)]
     warmup = run.step < spec.train.critic_warmup_steps   # the critic alone: the policy stays as it is
     record = None   # the trainer's side of the dump: why each rollout is trained or not, what the loss saw
@@ -85,12 +85,14 @@ async def rl_step(run: Run) -> dict[str, float]:
         record = {rollout_id: {"decision": why, "version": run.version}
                   for rollout_id, why in filter_decisions(spec, rollouts).items()}
     try:
+        await fleet.sleep_if_colocated()   # the engine sleeps while the trainer steps on its GPU
         async with fleet.trainer:
             metrics = await learn(spec, rollouts, run.trainers, run.version,
                                   algo=with_kl_coef(spec.algo, run.kl_coef), engines=live,
                                   train_policy=not warmup, probe=probe, record=record)
     finally:   # after learn, so the dump carries the routes it captured; also when it fails
         run.logger.dump_rollouts(run.step + 1, rollouts, record)
+        await fleet.wake_if_colocated()
     metrics.update(batch_metrics)
     if metrics["rollout/context_truncated"] and not run.context_warned:   # said once; the metric counts
         run.context_warned = True
@@ -108,7 +110,6 @@ async def rl_step(run: Run) -> dict[str, float]:
         run.probe = asyncio.create_task(sample_probe(spec, fleet.dispatcher, prompt, run.version)) \
             if prompt else None
     run.step += 1
-
     pool_stats = await run.pool.stats()
     step_time = time.perf_counter() - t_step
     metrics.update({
@@ -124,8 +125,9 @@ async def rl_step(run: Run) -> dict[str, float]:
         "policy/version": run.version,
         **fleet.metrics(),
         **run.groups.metrics(),
+        "tokens/per_s": metrics["tokens/sampled"] / step_time,
     })
-    metrics["tokens/per_s"] = metrics["tokens/sampled"] / metrics["time/step"]
+    metrics.update(throughput(spec, metrics))   # per device and stage, as NeMo-RL reports it
     return metrics
 
 
@@ -203,6 +205,7 @@ def token_batch(spec: RunSpec, segments: list[Segment], pad_id: int, version: in
     current = sampled & (batch["versions"] == version)
     batch["current_mask"] = current.float()
     metrics["mismatch/stale_frac"] = 1 - float(current.sum()) / max(float(sampled.sum()), 1.0)
+    metrics["tokens/total"] = float(batch["attention_mask"].sum())   # (molt/driver/throughput.py)
     lag = (version - batch["versions"])[sampled]   # policy versions between sampling and this update
     metrics["policy/lag_mean"], metrics["policy/lag_max"] = float(lag.mean()), float(lag.max())
     return batch

@@ -24,6 +24,9 @@ TRAINER_KEY = "trainer"   # a dumped rollout's trainer side (`learn`'s record), 
 # Shown on the progress bar, in this order: (metric name, short label, format).
 BAR_FIELDS = (("reward/mean", "reward", ".3f"), ("train/nll", "nll", ".3f"), ("time/step", "step_s", ".3g"),
               ("tokens/per_s", "tok/s", ".0f"))
+# A step this many times the median of the earlier ones, while the host's load exceeds its cores, is named
+# once in the log with parallel.cpu_threads: other work on the host slows threads that wait on each other.
+SLOW_STEP = 4.0
 
 
 def wandb_mode(configured: str) -> str:
@@ -87,6 +90,8 @@ class RunLogger:
         self._metrics = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._wandb = self._init_wandb()
         self._dumping: int | None = None   # the step whose rollout file this process has started last
+        self._step_times: list[float] = []   # time/step of the steps so far (`_note_busy_host`)
+        self._busy_said = False
         self._bar = None
         if spec.logging.progress:
             from tqdm import tqdm
@@ -120,6 +125,26 @@ class RunLogger:
             self._bar.update(step - self._bar.n)  # `step` counts finished steps; a resumed run starts mid-bar
             shown = {label: format(values[k], fmt) for k, label, fmt in BAR_FIELDS if k in values}
             self._bar.set_postfix(shown)
+        if "time/step" in values:
+            self._note_busy_host(step, values["time/step"])
+
+    def _note_busy_host(self, step: int, seconds: float) -> None:
+        """Say once when a step takes SLOW_STEP times the earlier steps' median (the first one, which
+        warms up, left out) while the host's 1-minute load exceeds the cores this process may use."""
+        earlier, self._step_times = self._step_times[1:], self._step_times + [seconds]
+        if self._busy_said or len(earlier) < 3 or seconds < SLOW_STEP * float(np.median(earlier)):
+            return
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+        if load <= cores:
+            return
+        self._busy_said = True
+        threads = self.spec.parallel.cpu_threads
+        hint = {None: "parallel.cpu_threads=null already computes on the cores other work leaves idle",
+                1: "parallel.cpu_threads=1 already keeps each process to one thread"}.get(
+            threads, f"parallel.cpu_threads={threads}: null computes on the cores other work leaves idle")
+        print(f"molt: step {step} took {seconds:.1f} s, {seconds / np.median(earlier):.0f}x the earlier "
+              f"steps, while the host's load ({load:.1f}) exceeds its {cores} cores: other work is taking "
+              f"them ({hint})", flush=True)
 
     def dump_rollouts(self, step: int, rollouts: list[Rollout],
                       trainer: dict[str, dict] | None = None) -> Path | None:

@@ -124,9 +124,12 @@ class Run:
                 inputs.runner.judge = judge
             else:
                 inputs.runner.setup(inputs.tokenizer, spec, judge)   # its close() stops the judge's engines
+            ready = [e.ready.remote() for e in engines]
+            if spec.parallel.colocate:   # vLLM sizes its KV cache from the GPU memory free when it starts
+                ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
             trainers = Trainers.start(spec, inputs.tokenizer.pad_token_id)
             logger = RunLogger(spec)
-            ray.get([e.ready.remote() for e in engines], timeout=spec.rollout.engine.start_timeout_s)
+            ray.get(ready, timeout=spec.rollout.engine.start_timeout_s)
             run = cls(spec, inputs, Fleet(spec, inputs.policy_path, engines), trainers, logger)
             workers = await start_agent_workers(spec, inputs.policy_path, run.fleet.dispatcher,
                                                 judge_engines(inputs.runner.judge))

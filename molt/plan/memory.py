@@ -89,12 +89,19 @@ def chunk_tokens(spec: RunSpec, vocab: int) -> int:
 
 def scored_tokens(spec: RunSpec, role: str, tokens: int, vocab: int) -> int:
     """Positions whose logits are alive at once: one chunk (`chunk_tokens`) for the policy and reference,
-    which score in chunks (molt/trainer/model.py `chunkable`: not under tensor or context parallel); the
+    which score in chunks (molt/trainer/model.py `chunkable`: not under tensor parallel); the
     whole micro-batch for the critic's value head and those layouts."""
     par = spec.parallel
     if role == "critic" or par.tp_size > 1:
         return tokens
     return min(tokens, chunk_tokens(spec, vocab))
+
+
+def rank_tokens(spec: RunSpec) -> int:
+    """Tokens of the largest micro-batch one rank computes: context parallel splits each micro-batch's
+    positions over its cp ranks (padded to a multiple of 2 x cp_size: molt/trainer/context_parallel.py)."""
+    cp = spec.parallel.cp_size
+    return -(-micro_batch_tokens(spec) // (2 * cp)) * 2 if cp > 1 else micro_batch_tokens(spec)
 
 
 def micro_batch_tokens(spec: RunSpec) -> int:
@@ -152,7 +159,7 @@ def trainer_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
         parts["gathered"] = unit * (2 * c + (4 if trained else 0))
     elif c < 4:   # autocast over fp32 weights caches a compute-dtype copy of each (molt/trainer/model.py)
         parts["gathered"] = params * c
-    tokens = micro_batch_tokens(spec)
+    tokens = rank_tokens(spec)
     checkpointing = par.activation_checkpointing and trained
     # without gradients (the reference) one layer's activations live at a time
     parts["activations"] = activation_bytes(a, tokens, c, checkpointing) if trained else \
@@ -166,9 +173,10 @@ def trainer_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
     # both settings' activations, so the dry run shows what checkpointing would change
     plain, ckpt = (activation_bytes(a, tokens, c, flag) / GIB for flag in (False, True))
     both = f"; activations {plain:.1f} GiB without checkpointing, {ckpt:.1f} with" if trained else ""
+    per = f"{micro_batch_tokens(spec)} tokens per micro-batch" + (
+        f", {tokens} on each of its cp={par.cp_size} ranks" if par.cp_size > 1 else "")
     note = (f"{_count(params)} params / {shard} ranks, fp32 weights/grads/AdamW, {spec.model.dtype} compute, "
-            f"{tokens} tokens per micro-batch{', checkpointed' if checkpointing else ''}, offload="
-            f"{par.offload}{both}")
+            f"{per}{', checkpointed' if checkpointing else ''}, offload={par.offload}{both}")
     return Estimate(f"{role} rank", parts, note)
 
 
@@ -177,9 +185,7 @@ def engine_estimate(spec: RunSpec, role: str, a: Arch) -> tuple[Estimate, float]
     gpu_memory_utilization leaves; also the bytes one max_model_len sequence needs in that cache."""
     engine = spec.agent.judge.engine if role == "judge" else spec.rollout.engine
     c = DTYPE_BYTES[spec.model.dtype]
-    spec_cfg = engine.speculative_config or {}
-    mtp = role == "engine" and str(spec_cfg.get("method", "")).endswith("mtp")
-    params, _ = param_count(a, mtp=mtp)
+    params, _ = param_count(a)
     weights = params * (a.weight_bits / 8 if a.weight_bits else c) / engine.tp_size
     if a.kv_lora_rank:   # MLA caches the compressed key/value, the same on every TP rank
         kv_token = a.num_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * c
@@ -244,10 +250,13 @@ def _trainer_fixes(spec: RunSpec, role: str, a: Arch, limit: float) -> list[str]
         tries.append((f"train.micro_batch_size={size}", {"train": {"micro_batch_size": size}}))
     samples = train.prompts_per_step * (spec.rollout.samples_per_prompt if train.objective == "rl" else 1)
     for factor in (2, 4):
-        dp = par.dp_size * factor
-        if samples % dp:   # the spec needs whole rows per data-parallel rank
-            continue
-        tries.append((f"{dp * par.tp_size} ranks (parallel.dp_size={dp})", {"parallel": {"dp_size": dp}}))
+        dp, cp = par.dp_size * factor, par.cp_size * factor
+        if not samples % dp:   # the spec needs whole rows per data-parallel rank
+            tries.append((f"{par.world_size * factor} ranks (parallel.dp_size={dp})",
+                          {"parallel": {"dp_size": dp}}))
+        if not a.num_heads // par.tp_size % cp:   # long rows: more ranks split each micro-batch (its heads)
+            tries.append((f"{par.world_size * factor} ranks (parallel.cp_size={cp})",
+                          {"parallel": {"cp_size": cp}}))
     fixes = []
     for words, change in tries:
         other = spec.model_copy(update={k: getattr(spec, k).model_copy(update=v) for k, v in change.items()})
@@ -265,11 +274,13 @@ def check(spec: RunSpec) -> None:
     if spec.parallel.device != "cuda":
         return
     limit = spec.parallel.gpu_memory_gib * GIB
-    problems = []
+    problems = _colocated_problems(spec, limit) if spec.parallel.colocate else []
     for est in estimates(spec)[0]:
         role = {"engine": "engine", "judge": "judge"}.get(est.role.split()[0], est.role.split()[0])
         if role in ("engine", "judge"):
             problems += _engine_problems(spec, role, limit)
+        elif spec.parallel.colocate:
+            continue   # its rank shares the GPU: checked with the engine, phase by phase, above
         elif est.total > limit:
             a = arch_of(spec, "policy" if role == "critic" else role)
             fixes = "; ".join(_trainer_fixes(spec, role, a, limit) if a else []) or (
@@ -299,12 +310,74 @@ def _engine_problems(spec: RunSpec, role: str, limit: float) -> list[str]:
 
 
 def describe(spec: RunSpec) -> list[str]:
-    """The dry run's memory lines: one per role (every rank or engine GPU of a role holds the same)."""
+    """The dry run's memory lines: one per role (every rank or engine GPU of a role holds the same); with
+    parallel.colocate on cuda, then the shared GPU in each phase."""
     ests, unknown = estimates(spec)
     cuda = spec.parallel.device == "cuda"
     head = (f"per GPU, of parallel.gpu_memory_gib={spec.parallel.gpu_memory_gib:g}" if cuda else
             "per process, host memory (CPU: not checked; processes share the host's RAM)")
     lines = [f"estimate {head}"] + [e.line() for e in ests]
+    if cuda and spec.parallel.colocate and not unknown:
+        lines += [e.line() for e in colocated_phases(spec)]
     lines += [f"{role}: no estimate (no config.json of its model on this machine, and no model.arch)"
               for role in unknown]
     return lines
+
+
+# -- colocation (parallel.colocate: the trainer's ranks and the engine on one GPU) ----------------------
+# What a sleeping engine still holds on the GPU: its CUDA context and the allocations vLLM's sleep mode does
+# not release (level 1 moves the weights to host memory, level 2 drops them; both free the KV cache). An
+# assumption, as CUDA_RESERVE_GIB, until the GPU check measures it.
+ENGINE_ASLEEP_GIB = 1.0
+RESIDENT = ("params", "optimizer")   # what a trainer rank keeps on the GPU between its steps
+
+
+def colocated_phases(spec: RunSpec) -> list[Estimate]:
+    """The shared GPU while the engine generates (its gpu_memory_utilization share beside every trainer
+    role's resident state and CUDA context) and while the trainer steps (the engine asleep beside the
+    same, plus the largest role's step: grads, gathered units, activations, logits; roles step in turn)."""
+    trainers = [e for e in estimates(spec)[0] if not e.role.startswith(("engine", "judge"))]
+    engine = spec.rollout.engine.gpu_memory_utilization * spec.parallel.gpu_memory_gib * GIB
+    kept = {f"{e.role.removesuffix(' rank')} kept": sum(v for k, v in e.parts.items() if k in RESIDENT)
+            for e in trainers}
+    steps = {f"{e.role.removesuffix(' rank')} step": sum(
+        v for k, v in e.parts.items() if k not in (*RESIDENT, "cuda")) for e in trainers}
+    busiest = max(steps, key=steps.get)
+    cuda = sum(e.parts.get("cuda", 0.0) for e in trainers)
+    note = f"parallel.colocate: {len(trainers)} trainer role(s) and the engine on one GPU"
+    return [Estimate("colocated GPU, generating", {"engine": engine, **kept, "cuda": cuda}, note),
+            Estimate("colocated GPU, training", {"engine asleep": ENGINE_ASLEEP_GIB * GIB, **kept,
+                                                 busiest: steps[busiest], "cuda": cuda},
+                     f"{note}; the engine asleep")]
+
+
+def _colocated_problems(spec: RunSpec, limit: float) -> list[str]:
+    """Each phase of the shared GPU that exceeds it, with the single settings under which both fit (the
+    largest engine share first)."""
+    if estimates(spec)[1]:
+        return []   # no architecture numbers: the dry run says so
+    over = [e for e in colocated_phases(spec) if e.total > limit]
+    if not over:
+        return []
+    par, share = spec.parallel, spec.rollout.engine.gpu_memory_utilization
+    shares = [(f"rollout.engine.gpu_memory_utilization={u:.1f}",
+               {"rollout": {"engine": {"gpu_memory_utilization": u}}}) for u in (0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
+              if u < share]
+    knobs = [(f"parallel.{k}={v}".replace("True", "true"), {"parallel": {k: v}}) for k, v in
+             (("offload", "optimizer"), ("activation_checkpointing", True)) if getattr(par, k) != v]
+    fits = [words for words, change in shares + knobs
+            if all(e.total <= limit for e in colocated_phases(_updated(spec, change)))]
+    fits = [w for w in fits if not w.startswith("rollout.engine")] + [w for w in fits if w.startswith(
+        "rollout.engine")][:1]
+    alone = "; ".join(fits) or ("none of a smaller engine share, optimizer offload or activation "
+                                "checkpointing alone: combine them, or use a larger GPU")
+    return [f"{e.line()} exceeds parallel.gpu_memory_gib={par.gpu_memory_gib:g}" for e in over] + [
+        f"both colocated phases would fit with: {alone}"]
+
+
+def _updated(spec: RunSpec, change: dict) -> RunSpec:
+    """`spec` with nested section values replaced (no validation: the plan's own arithmetic)."""
+    def apply(obj, values: dict):
+        return obj.model_copy(update={k: apply(getattr(obj, k), v) if isinstance(v, dict) else v
+                                      for k, v in values.items()})
+    return apply(spec, change)

@@ -45,6 +45,18 @@ def trainer_roles(spec: RunSpec) -> list[str]:
     return ["policy"] + ["reference"] * bool(spec.model.reference) + ["critic"] * spec.model.critic
 
 
+def colocated(spec: RunSpec, role: str) -> bool:
+    """Whether `role`'s actors share the trainer's GPU (parallel.colocate: the policy's engine and every
+    trainer role); a judge's engines keep GPUs of their own."""
+    return spec.parallel.colocate and role != "judge"
+
+
+def gpu_share(spec: RunSpec) -> float:
+    """The fraction of a GPU each actor that holds one asks Ray for: 1, or with parallel.colocate an
+    equal share for each trainer role and the engine (on a one-GPU node Ray puts them all on it)."""
+    return 1 / (len(trainer_roles(spec)) + 1) if spec.parallel.colocate else 1.0
+
+
 def engine_groups(spec: RunSpec) -> list[tuple[str, int, int]]:
     """(role, engines, devices per engine) of the policy's engines and a judge's (SFT samples nothing; a
     judge at agent.judge.url runs elsewhere)."""
@@ -64,13 +76,16 @@ def plan(spec: RunSpec) -> list[Slot]:
     roles = trainer_roles(spec)
     words = " + ".join(f"{role} {par.world_size}" for role in roles)   # e.g. "policy 8 + reference 8"
     if cuda:
-        _check_totals(spec, words, len(roles) * par.world_size)
+        _check_totals(spec, words, len(roles) * par.world_size if not par.colocate else par.world_size)
     free = {n: par.gpus_per_node if cuda else float("inf") for n in range(par.nodes)}
     k = par.trainer_nodes
     train_nodes, engine_nodes = (range(par.nodes),) * 2 if k is None else (range(k), range(k, par.nodes))
     slots = []
     for role in roles:
         for rank in range(par.world_size):
+            if par.colocate and role != "policy":   # on the policy rank's GPU
+                slots.append(Slot(role, rank, 0, 0))
+                continue
             node = next((n for n in train_nodes if free[n] >= 1), None)
             if node is None:
                 raise ValueError(f"the trainer ({words}) does not fit on nodes {train_nodes[0]}.."
@@ -80,6 +95,9 @@ def plan(spec: RunSpec) -> list[Slot]:
     after_trainer = dict(free)
     for role, count, per_engine in engine_groups(spec):
         for index in range(count):
+            if colocated(spec, role):   # the policy rank's GPU (one engine of one GPU: the spec's rule)
+                slots.append(Slot(role, index, 0, 0))
+                continue
             node = next((n for n in engine_nodes if free[n] >= per_engine), None)
             if node is None:
                 left = ", ".join(f"node {n}: {after_trainer[n]:g}" for n in engine_nodes)
@@ -101,9 +119,9 @@ def cpu_threads(spec: RunSpec, role: str, index: int, engines_idle: bool = False
     `parallel.cpu_threads` when set; null: the cores this process may run on, split between the processes
     of its node that compute at the same time. In sync mode generation and training take turns, so the
     stage that runs takes every core (a 30M-parameter step: 15.9 -> 10.6 s on 2 idle cores, bench/RESULTS.md
-    `peer`); in async mode the node's engines and one role's ranks run together and split them. Where other
-    jobs hold the cores, set 1: every parallel region would wait for a descheduled thread (a tiny model's
-    step went from 0.26 to 2.0 s at load 10 on 2 cores). `engines_idle`: a trainer rank's threads while
+    `peer`); in async mode the node's engines and one role's ranks run together and split them. This is the
+    plan; at run time null also leaves the cores other work keeps busy (molt/plan/cores.py: every parallel
+    region would wait for a descheduled thread). `engines_idle`: a trainer rank's threads while
     no rollout generates in async mode (every slot of the pool holds a finished group): the engines' cores
     are lent to the trainer until generation resumes (molt.trainer.worker `set_engines_idle`).
     """
@@ -126,7 +144,8 @@ def _engines(role: str) -> str:
 
 
 def _check_totals(spec: RunSpec, words: str, trainer: int) -> None:
-    par, groups = spec.parallel, engine_groups(spec)
+    par = spec.parallel
+    groups = [(role, count, per) for role, count, per in engine_groups(spec) if not colocated(spec, role)]
     for role, _, per_engine in groups:
         if per_engine > par.gpus_per_node:
             which = "a judge engine" if role == "judge" else "an engine"
@@ -169,8 +188,10 @@ def describe(spec: RunSpec, node_names: list[str] | None = None) -> list[str]:
         lines.append(f"{nodes}{name}: {', '.join(parts) or 'idle'}{used}")
     if cuda:
         total = sum(s.gpus for s in slots)
+        shared = " (parallel.colocate: the engine and every trainer role share the policy rank's GPU)" \
+            if par.colocate else ""
         lines.append(f"total: {total} of {par.nodes} x {par.gpus_per_node} = {par.nodes * par.gpus_per_node} "
-                     "GPUs")
+                     f"GPUs{shared}")
     else:
         engines = sum(s.role in ("engine", "judge") for s in slots)
         ranks = sum(s.role in ("policy", "reference", "critic") for s in slots)
@@ -196,6 +217,12 @@ def cluster_nodes(spec: RunSpec) -> list[dict]:
                            f"node(s){' with GPUs' if cuda else ''}")
     return nodes[:spec.parallel.nodes]
 
+
+# Set in every process that joins an NCCL group (engine actors, trainer ranks): a collective whose peer died
+# ends when its group's timeout passes (the watchdog aborts the communicator and ends the process, which the
+# run recovers from as a dead actor) instead of hanging; torch's own default, made explicit because
+# cluster images and older recipes set 0 (no handling).
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 # Ray CPUs one engine actor reserves (rollout/engine_args.py actor_options asks for them): on CPU a
 # tiny fraction, so engines and trainer ranks share cores (threads are cpu_threads' business); on CUDA

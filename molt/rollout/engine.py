@@ -24,6 +24,7 @@ import numpy as np
 import ray
 
 from molt.inputs.vision import collapse, decode
+from molt.plan.cores import FreeCores
 from molt.rollout.engine_args import actor_options, check_lora, engine_kwargs, on_cpu
 from molt.rollout.routes import from_wire
 from molt.rollout.sampling import sampling_params
@@ -54,15 +55,15 @@ class EngineActor:
     """
 
     def __init__(self, model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int = 0,
-                 index: int = 0) -> None:
+                 index: int = 0, sleeps: bool = False, threads: int | None = None) -> None:
         from vllm import EngineArgs
 
-        self.index = index
+        self.index, self.free = index, FreeCores(threads)   # threads: None but with cpu_threads null on CPU
         self.partial_rollout = rollout.partial_rollout
         self.prompt_too_long = rollout.prompt_too_long
         self.max_model_len = model.max_model_len
         self.router_replay = model.router_replay
-        self.engine_args = EngineArgs(**engine_kwargs(model_path, rollout, model, seed + index))
+        self.engine_args = EngineArgs(**engine_kwargs(model_path, rollout, model, seed + index, sleeps))
         self.llm: Any = None                       # vLLM's LLMEngine, built by the engine thread
         self.built: concurrent.futures.Future = concurrent.futures.Future()
         self.calls: queue.SimpleQueue = queue.SimpleQueue()   # (function, future, drain) for the thread
@@ -135,6 +136,7 @@ class EngineActor:
                     except Exception as err:   # noqa: BLE001 - the caller's failure, raised in the caller
                         self.loop.call_soon_threadsafe(_settle, future, None, err)
                 if self.llm.has_unfinished_requests():
+                    self.free.set_threads()   # the planned threads, less the cores other work keeps busy
                     finals = [out for out in self.llm.step() if out.finished]
                     if finals:
                         self.loop.call_soon_threadsafe(self._finished, finals)
@@ -333,6 +335,17 @@ class EngineActor:
             shutil.rmtree(old.lora_path, ignore_errors=True)
         return time.perf_counter() - start
 
+    async def sleep(self, level: int) -> None:
+        """Free the GPU for a colocated trainer (parallel.colocate) once no request is in flight: vLLM's
+        sleep, level 1 (weights to host memory) or 2 (weights dropped; the next refit restores them); the
+        KV cache goes either way. On CPU vLLM's sleep frees nothing: the same calls, cores shared."""
+        await self._on_engine(lambda: self.llm.sleep(level), drain=True)
+
+    async def wake_up(self) -> None:
+        """Take the GPU back for generation (after a level-2 sleep its weights are garbage until the refit
+        that follows); the prefix cache was emptied by the sleep."""
+        await self._on_engine(self.llm.wake_up)
+
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         return await self._on_engine(lambda: self.llm.collective_rpc(method, args=args, kwargs=kwargs))
 
@@ -367,15 +380,18 @@ def start_engine(spec: Any, model_path: str, index: int, slot: Any = None, rollo
     or on `slot`'s; it serves `model` with `rollout`'s engine and sampling settings (the run's policy
     engine's when None: a judge's engine passes its own) on `threads` threads (None: the plan's). Call
     `ready` on it before use."""
-    from molt.plan.placement import cluster_nodes, cpu_threads, node_selector, plan
+    from molt.plan.placement import cluster_nodes, colocated, cpu_threads, gpu_share, node_selector, plan
 
     rollout, model = rollout or spec.rollout, model or spec.model
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
     slot = slot or next(s for s in plan(spec) if s.role == "engine" and s.index == index)
     threads = threads or cpu_threads(spec, "engine", index)
-    options = dict(actor_options(rollout.engine, spec.parallel.device, threads),
+    share = gpu_share(spec) if colocated(spec, slot.role) else 1.0
+    options = dict(actor_options(rollout.engine, spec.parallel.device, threads, share),
                    label_selector=node_selector(ids[slot.node]))
-    return EngineActor.options(**options).remote(model_path, rollout, model, spec.run.seed, index)
+    follow = threads if spec.parallel.device == "cpu" and spec.parallel.cpu_threads is None else None
+    return EngineActor.options(**options).remote(model_path, rollout, model, spec.run.seed, index,
+                                                 colocated(spec, slot.role), follow)
 
 
 def start_engines(spec: Any, model_path: str, slots: list | None = None, rollout: RolloutSpec | None = None,

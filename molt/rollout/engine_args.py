@@ -12,7 +12,7 @@ import os
 from typing import Any, get_args
 
 from molt.inputs.vision import is_vision_model
-from molt.plan.placement import ENGINE_CPUS
+from molt.plan.placement import ENGINE_CPUS, NCCL_ENV
 from molt.spec import LOGPROBS_MODE, EngineSpec, ModelSpec, RolloutSpec
 
 WORKER_EXTENSION = "molt.rollout.worker_extension.MoltWorkerExtension"
@@ -25,8 +25,10 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int) -> dict[str, Any]:
-    """`EngineArgs(**kwargs)` for one engine."""
+def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed: int,
+                  sleeps: bool = False) -> dict[str, Any]:
+    """`EngineArgs(**kwargs)` for one engine; `sleeps`: it sleeps while a colocated trainer steps
+    (parallel.colocate; vLLM's sleep mode exists on GPU only, CPU engines sleep without it)."""
     eng = rollout.engine
     kwargs: dict[str, Any] = dict(
         model=model_path,
@@ -74,6 +76,7 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
             kwargs["distributed_executor_backend"] = "uni"
     else:
         kwargs["gpu_memory_utilization"] = eng.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = sleeps or None
         if model.router_replay:
             # The engine's own route capture (needs Model Runner V2, GPU only); on CPU molt.rollout.routes
             # captures them instead.
@@ -82,20 +85,20 @@ def engine_kwargs(model_path: str, rollout: RolloutSpec, model: ModelSpec, seed:
     return {**kwargs, **eng.extra_args}
 
 
-def actor_options(engine: EngineSpec, device: str, threads: int = 1) -> dict[str, Any]:
+def actor_options(engine: EngineSpec, device: str, threads: int = 1, share: float = 1.0) -> dict[str, Any]:
     """Ray resources of one engine on `device` (`parallel.device`: the spec says where engines run, not
     the driver's host, which may have no GPU). On CPU a tiny fraction, so engines and trainer ranks share
     cores.
 
     On CPU the engine runs its worker inside the actor's process (≈2× faster on few cores than a
     separate worker process) with `threads` OpenMP threads (`molt.plan.placement.cpu_threads`), not pinned,
-    so several engines can share cores.
+    so several engines can share cores. `share`: the fraction of each GPU it takes (`placement.gpu_share`).
     """
     # An async actor serves at most `max_concurrency` calls at once: every in-flight rollout is one.
     # vLLM's engine core in the actor's process, which drives it (molt/rollout/engine.py).
-    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **NCCL_ENV}
     if device == "cuda":
-        return {"num_cpus": ENGINE_CPUS[device], "num_gpus": engine.tp_size,
+        return {"num_cpus": ENGINE_CPUS[device], "num_gpus": engine.tp_size * share,
                 "max_concurrency": 10_000, "runtime_env": {"env_vars": in_process}}
     env = {**in_process, "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}

@@ -32,7 +32,8 @@ class MoltWorkerExtension(RouteCapture):
         refit.close_group(getattr(self, "_molt_refit", None))   # the group of the previous engine set
         self._molt_refit = refit.open_group(host, port, rank, world_size, self.device)
         config = self.model_config
-        self._molt_expected = checkpoint_names(config.model, config.hf_config.get_text_config())
+        self._molt_expected = checkpoint_names(config.model, config.hf_config.get_text_config(),
+                                               config.revision)
         return rank
 
     def molt_refit_receive_adapter(self, folder: str, lora: dict) -> None:
@@ -77,21 +78,43 @@ def _named(stream: Named, names: list[str]) -> Named:
         yield name, tensor
 
 
-def checkpoint_names(folder: str, text_config) -> set[str]:
-    """Tensor names of the safetensors checkpoint the engine started from (headers only; empty when
-    `folder` is not a local folder), less a tied output head, which the trainer does not send."""
+def checkpoint_names(model: str, text_config, revision: str | None = None) -> set[str]:
+    """Tensor names the engine's model loads from the checkpoint it started from (safetensors headers, or
+    the index): `model` is a local folder or a hub id, read from the Hugging Face cache where vLLM
+    downloaded it (never fetched). Left out: a tied output head, which the trainer does not send, and
+    multi-token-prediction layers, which vLLM's main model skips as it loads (DeepSeek-V3's layer
+    `num_hidden_layers`, Qwen3-Next's `mtp.*`; the trainer's model has none of them)."""
     from safetensors import safe_open
+    from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
 
-    index, names = Path(folder, "model.safetensors.index.json"), set()
+    folder = local_checkpoint(model, revision)
+    index, names = folder / "model.safetensors.index.json", set()
     if index.is_file():
         names = set(json.loads(index.read_text())["weight_map"])
-    elif Path(folder).is_dir():
-        for file in Path(folder).glob("*.safetensors"):
+    else:
+        for file in folder.glob("*.safetensors"):
             with safe_open(str(file), "pt") as f:
                 names.update(f.keys())
     if getattr(text_config, "tie_word_embeddings", False):
         names.discard("lm_head.weight")
-    return names
+    return {n for n in names if not n.startswith("mtp.")
+            and get_spec_layer_idx_from_weight_name(text_config, n) is None}
+
+
+def local_checkpoint(model: str, revision: str | None = None) -> Path:
+    """The folder of `model`: itself, or a hub id's snapshot in the Hugging Face cache (local files only).
+    Raises when neither exists: without the names, a refit that misses a tensor would go unnoticed."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as err:
+        raise RuntimeError(f"refit: {model} is neither a folder nor a hub id in the Hugging Face cache "
+                           f"({type(err).__name__}), so the engine cannot check that a refit sends every "
+                           "tensor of its checkpoint") from err
 
 
 def check_complete(received: list[str], expected: set[str]) -> None:

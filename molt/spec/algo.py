@@ -132,8 +132,9 @@ class AlgoSpec(Strict):
     lam: float = Field(1.0, description="GAE lambda")
     turn_credit: Literal["rollout", "turn"] = Field(
         "rollout", description="rollout: every sampled token gets its rollout's summed reward; turn: each "
-        "turn's tokens get the return from that turn on (an Env's per-step rewards, discounted by "
-        "turn_discount), against the group's baseline of whole-rollout returns (grpo, dr_grpo, rloo)")
+        "turn's tokens get the return from that turn on (the per-turn rewards of an Env's steps or a "
+        "ChatAgent's ctx.reward_turn, discounted by turn_discount), against the group's baseline of "
+        "whole-rollout returns (grpo, dr_grpo, rloo)")
     turn_discount: float = Field(1.0, ge=0, le=1, description="turn credit: weight of a reward k turns "
                                  "later is turn_discount**k")
     distill_coef: float = Field(1.0, description="on_policy_distill: weight of the teacher log-ratio")

@@ -26,7 +26,8 @@ class EngineSpec(Strict):
     max_num_batched_tokens: int | None = Field(None, description="vLLM token budget per scheduler step")
     max_num_seqs: int | None = Field(None, description="vLLM's most concurrent sequences per engine")
     speculative_config: dict[str, Any] | None = Field(
-        None, description="vLLM speculative decoding, e.g. {method: mtp, num_speculative_tokens: 1}")
+        None, description="vLLM speculative decoding with a model-free drafter (the refit never updates one "
+        "with weights), e.g. {method: ngram, num_speculative_tokens: 2, prompt_lookup_max: 4}")
     extra_args: dict[str, Any] = Field(default_factory=dict, description="any other vLLM engine arguments")
     max_restarts: int = Field(
         3, ge=0, description="restarts of each engine after it dies (then the run goes on without it)")

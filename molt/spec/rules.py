@@ -28,6 +28,7 @@ def check(spec: RunSpec) -> None:
     _updates(spec)
     _packing(spec)
     _rollout_settings(spec)
+    _colocation(spec)
 
 
 def _batch_and_context(spec: RunSpec) -> None:
@@ -60,10 +61,12 @@ def _check_eval_keys(spec: RunSpec) -> None:
     if spec.train.objective == "sft" and (spec.model.critic or spec.model.reference):
         raise ValueError("train.objective=sft trains the policy alone: set model.critic=false and "
                          "model.reference=null")
-    metric = spec.train.best_metric
+    metric, names = spec.train.best_metric, eval_names(spec.data.eval)
     if metric is None:
         return
-    parts, names = metric.split("/"), eval_names(spec.data.eval)
+    if "/" not in metric and names:   # a metric alone (pass@1) is the first eval set's, named here once
+        spec.train.best_metric = metric = f"eval/{names[0]}/{metric}"
+    parts = metric.split("/")
     if len(parts) != 3 or parts[0] != "eval" or parts[1] not in names:
         raise ValueError(f"train.best_metric={metric!r} must be eval/NAME/METRIC with NAME the stem of a "
                          f"data.eval file ({', '.join(names) or 'none configured'}), e.g. eval/NAME/pass@1")
@@ -115,6 +118,9 @@ def _route_capture(spec: RunSpec) -> None:
                          "rollout.partial_rollout=false (a refit then waits for the requests in flight)")
 
 
+MODEL_FREE_DRAFTS = ("ngram", "suffix")   # vLLM's speculative methods that hold no weights
+
+
 def _speculative_decoding(spec: RunSpec) -> None:
     engine = spec.rollout.engine
     if engine.speculative_config is None:
@@ -127,6 +133,13 @@ def _speculative_decoding(spec: RunSpec) -> None:
         raise ValueError("rollout.engine.speculative_config with enable_prefix_caching=true: peers measured "
                          "a ~10x larger trainer/engine logprob mismatch with both on; set "
                          "rollout.engine.enable_prefix_caching=false")
+    method = engine.speculative_config.get("method")
+    if method not in MODEL_FREE_DRAFTS:
+        # vLLM refits the target model only; AutoModel's DeepSeek-V3 has no MTP layer to train or send
+        raise ValueError(f"rollout.engine.speculative_config method={method}: a drafter with weights of its "
+                         "own (an MTP layer, EAGLE, a draft model) is never refit, so it keeps proposing the "
+                         "checkpoint's tokens while the policy moves (sampling stays exact, acceptance and "
+                         f"speed decay); use a model-free drafter ({' or '.join(MODEL_FREE_DRAFTS)}) or none")
 
 
 def _updates(spec: RunSpec) -> None:
@@ -174,6 +187,23 @@ def _rollout_settings(spec: RunSpec) -> None:
         raise ValueError("rollout.engine.extra_args.enable_chunked_prefill=true on parallel.device=cpu: a "
                          "seeded request whose prefill is split makes vLLM rewind a CPU generator, which "
                          "kills the engine core")
+
+
+def _colocation(spec: RunSpec) -> None:
+    # parallel.colocate: the engine sleeps while the trainer steps, so generation and training take turns
+    par, engine = spec.parallel, spec.rollout.engine
+    if not par.colocate or spec.train.objective != "rl":
+        return
+    if spec.rollout.mode == "async":
+        raise ValueError("parallel.colocate=true with rollout.mode=async: the colocated engine sleeps while "
+                         "the trainer steps, so nothing would generate meanwhile; use rollout.mode=sync")
+    if engine.num_engines > 1 or engine.tp_size > 1:
+        raise ValueError(f"parallel.colocate=true with {engine.num_engines} engine(s) of tp_size "
+                         f"{engine.tp_size}: colocation shares one GPU with one engine "
+                         "(rollout.engine.num_engines=1, tp_size=1)")
+    if par.engine_sleep_level == 2 and spec.model.lora.rank:
+        raise ValueError("parallel.engine_sleep_level=2 with model.lora: level 2 drops the engine's base "
+                         "weights, and a LoRA refit sends the adapter alone; use engine_sleep_level=1")
 
 
 def spec_warnings(spec: RunSpec) -> list[str]:

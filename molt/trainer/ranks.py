@@ -3,7 +3,7 @@
 The group places one `TrainerWorker` per rank (one GPU each on CUDA) on the node the placement plan gives
 it (molt/plan/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
 the same collective call on every rank: rows of a batch are padded to a multiple of dp_size and split
-into equal contiguous shards (the tp ranks of one data shard get the same rows), and rank 0's answer is
+into equal contiguous shards (the cp and tp ranks of one data shard get the same rows), and rank 0's answer is
 returned.
 """
 
@@ -19,8 +19,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.plan.models import model_path
-from molt.plan.placement import cluster_nodes, node_selector, plan
-from molt.spec import AlgoSpec, RunSpec
+from molt.plan.placement import NCCL_ENV, cluster_nodes, gpu_share, node_selector, plan
+from molt.spec import AlgoSpec, ParallelSpec, RunSpec
 from molt.trainer.batch import pad_rows
 
 ROLES = ("policy", "reference", "critic")
@@ -45,6 +45,16 @@ def gather(refs: list[ray.ObjectRef]) -> list[Any]:
         raise
 
 
+def row_shards(batch: dict[str, torch.Tensor], par: ParallelSpec) -> list[dict[str, torch.Tensor]]:
+    """Each rank's rows of `batch`: padded to a multiple of dp_size (inert rows) and split into equal
+    contiguous shards, one per data-parallel replica; the cp and tp ranks of a replica get the same rows."""
+    padded = pad_rows(batch, par.dp_size)
+    per = padded["input_ids"].shape[0] // par.dp_size
+    replicas = par.replica_ranks
+    return [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
+            for r in range(par.world_size)]
+
+
 class TrainerRanks:
     def __init__(self, spec: RunSpec, role: str = "policy") -> None:
         if role not in ROLES:
@@ -53,7 +63,7 @@ class TrainerRanks:
         self._rows = 0   # the rows of the last update's batch (its shards are padded)
         path = model_path(spec, role)   # resolved here, once: ranks only read the folder
         par = spec.parallel
-        bundle = {"CPU": 1, "GPU": 1} if par.device == "cuda" else {"CPU": 1}
+        bundle = {"CPU": 1, "GPU": gpu_share(spec)} if par.device == "cuda" else {"CPU": 1}
         # Each rank's bundle is pinned to its plan node; a role the spec does not configure (a direct
         # TrainerRanks call) goes where the policy goes.
         slots = plan(spec)
@@ -78,7 +88,7 @@ class TrainerRanks:
         # "control": `set_engines_idle` is delivered while a step runs in the default group
         actor = ray.remote(concurrency_groups={"control": 1})(TrainerWorker)
         self.workers = [
-            actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0),
+            actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0), runtime_env={"env_vars": NCCL_ENV},
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               self._pg, placement_group_bundle_index=r))
             .remote(spec, role, r, path)
@@ -88,20 +98,12 @@ class TrainerRanks:
         gather([w.setup.remote(host, port) for w in self.workers])
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
-        par = self.spec.parallel
-        rows = batch["input_ids"].shape[0]
-        padded = pad_rows(batch, par.dp_size)
-        per = padded["input_ids"].shape[0] // par.dp_size
-        replicas = par.tp_size  # mesh order (dp, tp): the tp ranks of one replica are consecutive
-        shards = [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
-                  for r in range(par.world_size)]
-        return shards, rows
+        return row_shards(batch, self.spec.parallel), batch["input_ids"].shape[0]
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards, rows = self._shards(batch)
         outs = gather([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
-        replicas = self.spec.parallel.tp_size
-        return torch.cat(outs[::replicas])[:rows]
+        return torch.cat(outs[::self.spec.parallel.replica_ranks])[:rows]
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] log π(token t | tokens < t) under the distribution token t was sampled from (the batch's
@@ -132,7 +134,7 @@ class TrainerRanks:
     def token_record(self) -> dict[str, torch.Tensor]:
         """The last `update(record=True)`'s per-token record, [B, T] per field in the batch's rows
         (molt.trainer.token_record: ids, loss mask, logprobs, advantages, weights, decisions, entropy)."""
-        outs = gather([w.token_record.remote() for w in self.workers])[::self.spec.parallel.tp_size]
+        outs = gather([w.token_record.remote() for w in self.workers])[::self.spec.parallel.replica_ranks]
         keys = set(outs[0]).intersection(*outs)
         return {k: torch.cat([o[k] for o in outs])[:self._rows] for k in sorted(keys)}
 

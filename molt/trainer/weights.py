@@ -232,9 +232,7 @@ def export_hf(model: nn.Module, source: str, path: str, dtype: torch.dtype, devi
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             index.update({n: file for n in chunk})
     if rank0:
-        config = getattr(model, "config", None)
-        config.dtype = dtype
-        config.save_pretrained(tmp)
+        export_config(model.config, dtype).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code).save_pretrained(tmp)
         if os.path.exists(os.path.join(source, "generation_config.json")):
             shutil.copy(os.path.join(source, "generation_config.json"), tmp)
@@ -242,3 +240,16 @@ def export_hf(model: nn.Module, source: str, path: str, dtype: torch.dtype, devi
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     dist.barrier()
+
+
+def export_config(config, dtype: torch.dtype):
+    """The model's config as the exported tensors need it: in `dtype`, without a quantization config. The
+    exporter writes `dtype` tensors under plain names; a block-FP8 checkpoint's `quantization_config`
+    (which AutoModel's GPU loader keeps on the model it dequantized) would make vLLM and transformers
+    read them as FP8 layers that lack their scales."""
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        if hasattr(part, "quantization_config"):
+            del part.quantization_config
+    return config

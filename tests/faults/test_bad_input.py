@@ -164,12 +164,12 @@ BAD_INPUTS = {
                              r"unknown estimator 'grpoo' \(did you mean 'grpo'"),
     "a key the spec no longer has": ({}, ["parallel.world_size=2"],
                                      r"unknown key 'parallel.world_size' \(did you mean"),
-    "per-turn credit with a ChatAgent": ({}, ["agent=chat_minimal", "algo.turn_credit=turn"],
-                                         r"ChatAgentRunner \(kind chat\): a ChatAgent returns one reward"),
     "a best metric of no eval set": ({}, ["train.best_metric=eval/nope/pass@1"],
                                      r"train.best_metric='eval/nope/pass@1' must be eval/NAME/METRIC"),
     "a critic for a vision-language model": ({}, ["model=tiny_vl", "algo=gae", "model.critic=true"],
                                              r"a value model of a VLM is not supported"),
+    "context parallel for a vision-language model": ({}, ["model=tiny_vl", "parallel.cp_size=2"],
+                                                      r"cp_size > 1 with a vision-language model"),
 }
 
 
