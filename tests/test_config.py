@@ -391,12 +391,18 @@ def decision_data(name: str, folder: Path) -> list[str]:
         return []
     from test_tool_use import load
 
-    load("decision_env").main([str(folder), "--train", "8", "--eval", "4", "--sft", "4", "--sft-eval", "2"])
+    # the writer puts examples/agents/ first on sys.path, where math_verify.py would shadow the library
+    path, sizes = list(sys.path), ["--train", "8", "--eval", "4", "--sft", "4", "--sft-eval", "2"]
+    try:
+        load("decision_env").main([str(folder), *sizes])
+    finally:
+        sys.path[:] = path
     if name == "decision_sft":
         return [f"data.train_path={folder}/decision_sft.jsonl",
                 f"data.eval=[{folder}/decision_sft_eval.jsonl]"]
     task = name.removeprefix("decision_")
-    return [f"data.train_path={folder}/decision_{task}_train.jsonl",
+    # the SFT export their header names (the placeholder is refused): the tiny model stands in
+    return ["model.path=null", f"data.train_path={folder}/decision_{task}_train.jsonl",
             f"data.eval=[{folder}/decision_{task}_eval.jsonl,{folder}/decision_{task}_eval_off.jsonl]"]
 
 
