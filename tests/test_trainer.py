@@ -521,7 +521,8 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     spec.rollout.mode = "async"
     group = TrainerRanks(spec)
     [worker] = group.workers
-    ray.get(worker.__ray_call__.remote(ignore_other_work))
+    # ignore_other_work as a lambda, which Ray sends by value: the rank cannot import this test module
+    ray.get(worker.__ray_call__.remote(lambda rank: setattr(rank.threads, "free", None)))
     segs = [s for seed in range(8) for s in segments(seed)]             # 64 rows: 64 micro-batches
     batch = make_batch(segs, advantages=[[0.5] * len(s.token_ids) for s in segs])
     try:
