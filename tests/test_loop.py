@@ -214,7 +214,10 @@ def test_async_chat_agent_run(tmp_path, ray_session, monkeypatch):
     assert len(pools) == 1 and pools[0].oldest_first
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]   # step 0: the starting model's eval, alone
-    assert set(rows[0]) == {"step", "time", "eval/repeat_eval/mean@1", "eval/repeat_eval/pass@1"}
+    # step 0 holds the eval alone: its scores and what the agent did (molt.driver.eval, agent_metrics)
+    assert {"eval/repeat_eval/mean@1", "eval/repeat_eval/pass@1", "eval/repeat_eval/failed",
+            "eval/repeat_eval/agent/turns"} <= set(rows[0])
+    assert all(k in ("step", "time") or k.startswith("eval/repeat_eval/") for k in rows[0]), rows[0]
     rows = rows[1:]
     assert all(r["time/refit"] > 0 and "reward/mean" in r for r in rows)
     # throughput per device and stage (molt/driver/throughput.py): one engine, one rank; async generation
