@@ -33,7 +33,6 @@ import argparse
 import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +194,11 @@ def trace_turns(row: dict[str, Any], rng: random.Random) -> tuple[list[tuple[str
 
 def sft_trace(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     """`row` as an SFT conversation: one call a turn (examples/agents/tool_traces.py's writer)."""
-    from tool_traces import tool_conversation
+    spec = importlib.util.spec_from_file_location("molt_example_tool_traces",
+                                                  Path(__file__).with_name("tool_traces.py"))
+    tool_traces = importlib.util.module_from_spec(spec)   # by path, as tool_env above
+    spec.loader.exec_module(tool_traces)
+    tool_conversation = tool_traces.tool_conversation
 
     calls, answer = trace_turns(row, rng)
     return tool_conversation(row, [([(name, args)], [output]) for name, args, output in calls], answer)
@@ -242,7 +245,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-eval", type=int, default=20, help="SFT eval traces per task")
     parser.add_argument("--bare", type=float, default=2 / 3, help="share of SFT traces without the tools")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))   # tool_traces, beside this file
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = {"train": args.train, "eval": args.eval, "eval_off": args.eval_off, "sft": args.sft,
              "sft_eval": args.sft_eval}
