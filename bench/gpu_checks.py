@@ -27,6 +27,7 @@ from gpu_smoke_models import bias_name, fp8_copy, fp8_tensors, image_batch, load
 GREEDY = {"temperature": 0.0, "max_tokens": 32}
 PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8], list(range(3, 163))]   # the last spans several KV blocks
 REFIT_GAP = 1e-3       # a refit engine against one started on the same weights (bf16 kernels, same inputs)
+CP_GAP = 1e-4          # fp32 cp=2 against cp=1: the same attention kernel on half the heads (a first bound)
 
 
 def report(name: str, ok: bool, measured: str) -> list[str]:
@@ -270,6 +271,29 @@ def vlm_no_image_rank(spec: Any, timeout_s: float, name: str = "item5_vlm_rank_w
     return report(name, ok, f"{what}; {seconds:.1f} s (timeout {timeout_s:g} s)")
 
 
+def context_parallel_ranks(spec: Any) -> list[str]:
+    """Context parallel on cuda: cp_size=2 over the 2 GPUs (each rank half of every row's positions; the
+    attention's all-to-alls over NCCL, then sdpa's CUDA kernel on half the heads) against one GPU at cp=1, in
+    fp32 on ragged rows: the sampled tokens' logprobs, one update's loss and gradient norm within CP_GAP."""
+    from packing import ragged_batch
+
+    from molt.trainer.ranks import TrainerRanks
+
+    batch, out = ragged_batch(8, 17, 300), {}
+    with cluster(2):
+        for cp in (1, 2):
+            ranks = TrainerRanks(spec.model_copy(update={"parallel": spec.parallel.model_copy(
+                update={"cp_size": cp})}))
+            out[cp] = ranks.logprobs(batch), ranks.update(batch)
+            ranks.shutdown()
+    sampled = batch["loss_mask"] > 0
+    gap = float((out[1][0] - out[2][0])[sampled].abs().max())
+    loss, norm = (abs(out[1][1][k] - out[2][1][k]) for k in ("train/loss", "train/grad_norm"))
+    ok = max(gap, loss, norm / out[1][1]["train/grad_norm"]) <= CP_GAP
+    return report("cp_trainer", ok, f"logprob gap {gap:.2e}, loss gap {loss:.2e}, grad norm {norm:.2e} of "
+                  f"{out[1][1]['train/grad_norm']:.3g} (bound {CP_GAP:g})")
+
+
 def _engine_tensors(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
     """Runs inside the engine's vLLM worker (collective_rpc with a function): its tensors named `names`."""
     model = worker.model_runner.get_model()
@@ -380,6 +404,11 @@ def plan_checks(specs: dict[str, Any], paths: dict[str, Path]) -> list[str]:
         problems.append("item9: the FP8 folder's tensors are not fp8_tensors of its weights")
     if not (specs["item10"].model.router_replay and not specs["item10"].rollout.partial_rollout):
         problems.append("item10: the MoE check must run router replay without partial rollouts")
+    from molt.trainer.context_parallel import CP_ATTENTION
+
+    loader = automodel_kwargs(specs["cp"], "policy", str(paths["cp"]))
+    if specs["cp"].parallel.cp_size != 2 or loader.get("attn_implementation") != CP_ATTENTION:
+        problems.append("cp: the GPU loader must load the HF classes with the context-parallel attention")
     weights = load_weights(paths["item11"])
     bias = weights[bias_name(weights)]
     if bias.dtype != torch.float32 or torch.equal(bias, bias.bfloat16().float()):

@@ -34,6 +34,8 @@ WHAT IT CHECKS; each check prints one `CHECK name: PASS|FAIL  <what it measured>
 - item9_fp8_refit: a block-FP8 engine refit with bf16 weights quantized by molt/trainer/fp8.py equals a
   fresh FP8 engine on the same weights, and stays within --fp8-max-abs of a bf16 forward of them.
 - item11_fp32_buffer: DeepSeek-V3's fp32 e_score_correction_bias arrives in the engine bit-equal.
+- cp_trainer: context parallel (parallel.cp_size=2) over the 2 GPUs equals one GPU at cp=1 in fp32
+  (logprobs of ragged rows, an update's loss and gradient norm, within 1e-4): the all-to-alls over NCCL.
 (Item numbers: docs/parallelism.md's GPU-only column.) --plan runs the CPU part of every check (specs
 composed and accepted, models built and checked) without a GPU; tests/test_bench.py runs it.
 Exit code 0 when every check passes, 1 when one fails (the summary says which).
@@ -142,6 +144,9 @@ def item_overrides(models: dict[str, Path]) -> dict[str, list[str]]:
                           "train.micro_batch_size=2"],
         "item9": [f"model.path={models['item9']}", *CUDA, "parallel.gpus_per_node=2"],
         "item11": [f"model.path={models['item11']}", *CUDA, "parallel.gpus_per_node=2"],
+        # the 2 GPUs are the cp ranks of one data-parallel rank; fp32 so cp=2 and cp=1 compare closely
+        "cp": [*model_overrides("dense", 2), *CUDA, "model.dtype=float32", "parallel.cp_size=2",
+               "parallel.gpus_per_node=3"],
     }
 
 
@@ -253,7 +258,14 @@ def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list
 def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[str]:
     """The engine refits after each sync run's kind, then the item checks (gpu_checks.py). The colocated
     run has none: its refit is the shared transport's, which every one of its steps checks."""
-    from gpu_checks import engine_refit, fp8_refit, fp32_buffer, refit_ranges, vlm_no_image_rank
+    from gpu_checks import (
+        context_parallel_ranks,
+        engine_refit,
+        fp8_refit,
+        fp32_buffer,
+        refit_ranges,
+        vlm_no_image_rank,
+    )
     from gpu_smoke_models import perturbed_copy
 
     from molt.driver.compose import compose
@@ -274,6 +286,7 @@ def item_checks(args: argparse.Namespace, plan: dict[str, list[str]]) -> list[st
     failed += vlm_no_image_rank(specs["item5_trained"], args.hang_timeout, "item5_trained_tower_no_image")
     failed += fp8_refit(specs["item9"], models["dense"], args.out / "models", args.fp8_max_abs)
     failed += fp32_buffer(specs["item11"], models["item11"], args.out / "models")
+    failed += context_parallel_ranks(specs["cp"])
     return failed
 
 

@@ -80,7 +80,8 @@ def run_molt(args: list[str], run_dir: Path, timeout: float = 1800, module: str 
     timed = [r for r in rows if "time/step" in r]
     steps = step_records(timed)
     tail = (run_dir / "molt.log").read_text()[-3000:] if rc else ""
-    out = {"cmd": " ".join(cmd), "rc": rc, "rows": rows, "steps": steps, "wall_s": wall, "load": load,
+    out = {"cmd": " ".join(cmd), "dir": str(run_dir), "rc": rc, "rows": rows, "steps": steps, "wall_s": wall,
+           "load": load,
            "setup_s": wall - sum(s["time"] for s in steps), "log": tail}
     if timed:   # from the process start to the start of the first step; memory from step 2's end on
         out["startup_s"] = timed[0]["time"] - timed[0]["time/step"] - epoch
@@ -88,13 +89,14 @@ def run_molt(args: list[str], run_dir: Path, timeout: float = 1800, module: str 
     return out
 
 
-def run_cached(args: list[str], reuse: bool, timeout: float = 1800) -> dict[str, Any]:
+def run_cached(args: list[str], reuse: bool, timeout: float = 1800, module: str = "molt") -> dict[str, Any]:
     """`run_molt` in bench/out/runs/<hash of the overrides>; with `reuse`, a finished run there is read back.
 
     Lets the benchmarks that look at the same runs from different sides (scaling, refit, mismatch,
     breakdown) share them when asked to (`--reuse`), instead of paying Molt's start-up again.
     """
-    key = hashlib.sha1(json.dumps(sorted(args)).encode()).hexdigest()[:12]
+    key = hashlib.sha1(json.dumps(sorted(args) + ([module] if module != "molt" else [])).encode()
+                       ).hexdigest()[:12]
     run_dir = OUT / "runs" / key
     saved = run_dir / "result.json"
     if reuse and saved.exists():
@@ -103,7 +105,7 @@ def run_cached(args: list[str], reuse: bool, timeout: float = 1800) -> dict[str,
             return result
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    result = run_molt(args, run_dir, timeout)
+    result = run_molt(args, run_dir, timeout, module)
     saved.write_text(json.dumps(result))
     return result
 

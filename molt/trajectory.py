@@ -131,10 +131,12 @@ class Rollout:
     error: str | None = None        # set when the agent failed; such a rollout is never trained on
     # What the agent did (agent/* metrics): sampled turns (LLM calls), the tool calls agent.tool_parser
     # read in them, the tool messages that reported an error ("error: ..."), and whether it ended on an
-    # answer rather than on a budget (agent.max_turns, max_total_tokens, a turn cut at max_tokens).
+    # answer rather than on a budget (agent.max_turns, max_total_tokens, a turn cut at max_tokens);
+    # tool_parse_errors: sampled turns with a call the parser could not read (malformed markup or JSON).
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_parse_errors: int = 0
     answered: bool = False
     turn_rewards: list[float] = field(default_factory=list)   # each turn's (model reply's) reward, in order
 

@@ -204,7 +204,8 @@ def test_tool_env_scores_the_first_reply_without_a_call(tok):
     state = lambda text, item: State("q", text, [], "stop", entry["answer"], 1, [], {}, item)  # noqa: E731
     for text, reward in ((f"<answer>{entry['answer']}</answer>", 1.0), ("<answer>12</answer>", 0.0)):
         result = asyncio.run(env.step(state(text, {"entry": entry})))
-        assert (result.reward, result.terminated, result.info) == (reward, True, {"exact": reward})
+        assert (result.reward, result.terminated, result.info) == \
+            (reward, True, {"exact": reward, "unscorable": 0.0})
     assert asyncio.run(env.step(state(f"so {entry['answer']}", {}))).reward == 1.0   # a row without entry
 
 

@@ -83,6 +83,10 @@ def test_the_flagship_tool_recipe_runs_on_the_tiny_model(tmp_path, ray_session, 
     rows = [json.loads(line) for line in lines if line.strip()]
     steps = [r for r in rows if "agent/turns" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    # reasoning-gym's prime_factorization scorer raises on the random model's answers: they score 0 and
+    # are counted (info/unscorable), no rollout fails (a failure would drop its group from training)
+    assert [r["rollout/failed"] for r in steps] == [0, 0]
+    assert max(r.get("info/unscorable", 0) for r in steps) > 0
     tool_turn = tok.encode("<|im_start|>tool", add_special_tokens=False)
     parser = make_parser(tok, "hermes")
     for row in steps:

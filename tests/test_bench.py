@@ -145,7 +145,8 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, 
     check's spec is accepted on cuda, the models build offline (a block-FP8 copy, a DeepSeek-V3 with an
     fp32 bias, the tiny VLM), and each check's CPU part holds. Each part fails on a broken variant: a
     chunk no tensor exceeds (item 1), no freeze for the GPU loader (5), a quantizer with another FP8
-    range than the checkpoint's (9), replay with partial rollouts (10), a bias bf16 can hold (11)."""
+    range than the checkpoint's (9), replay with partial rollouts (10), a bias bf16 can hold (11), no
+    context parallel for the cp check's loader (cp)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -160,6 +161,7 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, 
     assert "every check's CPU part holds" in out
     for name in ("item1", "item5", "item9", "item10", "item11"):
         assert f"PLAN {name}: cuda, bfloat16" in out
+    assert "PLAN cp: cuda, float32" in out
     specs, paths = smoke.plan_specs(smoke.parse_args(argv))
     assert specs["item1"].parallel.world_size == specs["item5"].parallel.world_size == 2
     assert plan_checks(specs, paths) == []
@@ -173,6 +175,7 @@ def test_the_gpu_smoke_plan_holds_and_each_items_cpu_part_can_fail(smoke_cache, 
     assert [p[:6] for p in broken("item1", rollout__refit_chunk_mb=100.0)] == ["item1:"]
     assert [p[:6] for p in broken("item5", model__freeze_vision=False)] == ["item5:"]
     assert [p[:7] for p in broken("item10", rollout__partial_rollout=True)] == ["item10:"]
+    assert [p[:3] for p in broken("cp", parallel__cp_size=1)] == ["cp:"]
     with monkeypatch.context() as patched:
         patched.setattr(fp8, "FP8_MAX", 240.0)   # e4m3fnuz's range, not the checkpoint's e4m3fn
         assert [p[:6] for p in plan_checks(specs, paths)] == ["item9:"]
@@ -216,6 +219,7 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     gpu_checks.refit_ranges(on_cpu(items["item1"]))
     gpu_checks.vlm_no_image_rank(on_cpu(items["item5"]), 300)
     gpu_checks.vlm_no_image_rank(on_cpu(items["item5_trained"]), 300, "item5_trained_tower_no_image")
+    gpu_checks.context_parallel_ranks(on_cpu(items["cp"]))
     gpu_checks.engine_refit("dense", dense, path, new, smoke.CHUNK_MB)
     gpu_checks.fp32_buffer(item11, dsv3, tmp_path)
     send = refit.send
@@ -235,7 +239,7 @@ def test_the_gpu_item_checks_run_on_cpu_and_fail_when_broken(tmp_path, monkeypat
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CHECK ")]
     verdicts = [line.split("  ")[0] for line in lines]
     assert verdicts == ["CHECK item1_trainer_ranges: PASS", "CHECK item5_vlm_rank_without_image: PASS",
-                        "CHECK item5_trained_tower_no_image: PASS",
+                        "CHECK item5_trained_tower_no_image: PASS", "CHECK cp_trainer: PASS",
                         "CHECK item1_engine_refit_dense: PASS", "CHECK item13_reformed_group_dense: PASS",
                         "CHECK item11_fp32_buffer: PASS", "CHECK item1_engine_refit_dense: FAIL",
                         "CHECK item13_reformed_group_dense: PASS", "CHECK item11_fp32_buffer: FAIL",

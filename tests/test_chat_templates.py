@@ -225,7 +225,7 @@ def test_tool_parser_is_a_config_key(tok):
         "a": {"type": "integer"}}}}}]
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools)
     pythonic = tok.encode("[add(a=1)]", add_special_tokens=False)
-    _, calls = parse_reply(make_parser(tok, "pythonic"), tok, pythonic, request)
+    _, calls, _ = parse_reply(make_parser(tok, "pythonic"), tok, pythonic, request)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("add", {"a": 1})]
     assert parse_reply(make_parser(tok, "hermes"), tok, pythonic, request)[1] == []

@@ -92,13 +92,17 @@ def test_bad_type_is_reported_with_key_and_value():
          "applied nowhere; set algo.kl.in_reward=false"),
         (["algo.correction.low=1.5", "algo.correction.high=1.0"], "must be below"),
         # layouts the trainer cannot run, refused with the reason (docs/parallelism.md)
-        (["parallel=cpu2", "parallel.dp_size=1", "parallel.cp_size=2"], "cp_size > 1 is not supported"),
         (["parallel=cpu2", "parallel.ep_size=2"], "ep_size > 1 needs parallel.device=cuda"),
+        (["parallel.cp_size=3"], r"cp_size=3 must divide the policy's attention heads per tensor-parallel "
+                                 r"rank \(4 / tp_size=1\)"),
+        (["+experiment=qwen30b_tools", "model.router_replay=false", "parallel.ep_size=8",
+          "parallel.cp_size=2"], "cp_size > 1 with ep_size > 1"),
+        (["model=tiny_vl", "parallel.cp_size=2"], "cp_size > 1 with a vision-language model"),
         (["+experiment=qwen30b_tools", "parallel.ep_size=8"], "router_replay with parallel.ep_size=8"),
         # vLLM's GPU capture keeps a kept request's pre-refit routes (docs/generator.md)
         (["+experiment=qwen30b_tools", "rollout.partial_rollout=true"],
          "router_replay=true with rollout.partial_rollout=true on parallel.device=cuda"),
-        (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*tp_size > 1"),
+        (["parallel.offload=full"], r"offload=full needs world_size = dp_size\*cp_size\*tp_size > 1"),
         (["parallel.nodes=2", "parallel.trainer_nodes=2"], "trainer_nodes=2 must leave the engines"),
         # an engine actor holds one vLLM engine core, in its own process (molt/rollout/engine.py)
         (["+experiment=qwen30b_tools", "rollout.engine.dp_size=2"], "raise rollout.engine.num_engines"),
@@ -196,9 +200,18 @@ def test_the_working_neighbours_of_each_refusal_validate(overrides):
     compose(overrides)
 
 
+def test_a_best_metric_without_a_set_is_the_first_eval_sets():
+    spec = compose(["train.best_metric=pass@1", "data.eval=[examples/data/math_eval.jsonl,"
+                    "examples/data/repeat_eval.jsonl]"])
+    assert spec.train.best_metric == "eval/math_eval/pass@1"
+    assert compose(["+experiment=tool_rl"]).train.best_metric == "eval/tool_products_eval/pass@1"
+    with pytest.raises(SpecError, match="none configured"):
+        compose(["train.best_metric=pass@1", "data.eval=[]"])
+
+
 def test_missing_experiment_fails():
-    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: distill_tiny, dsv3_ep256, "
-                                        "qwen30b_tools"):
+    with pytest.raises(SpecError, match="unknown experiment 'nope'; available: decision_chain, "
+                                        "decision_choice, .*, qwen30b_tools"):
         compose(["+experiment=nope"])
 
 
@@ -306,6 +319,14 @@ PLANS = {
                       "total: 16 of 2 x 8 = 16 GPUs"],
     "tiny_vlm_geo": ["node 0: policy rank 0, engine 0",
                      "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_choice": ["node 0: policy rank 0, engine 0",
+                        "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_chain": ["node 0: policy rank 0, engine 0",
+                       "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_recovery": ["node 0: policy rank 0, engine 0",
+                          "total: 1 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
+    "decision_sft": ["node 0: policy rank 0",
+                     "total: 1 trainer rank(s) and 0 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "distill_tiny": ["node 0: policy rank 0, reference rank 0, engine 0",
                      "total: 2 trainer rank(s) and 1 engine(s) on 1 node(s) (CPU: cores are shared)"],
     "rg_rl": ["node 0: policy rank 0, engine 0",
@@ -341,13 +362,28 @@ GENERATED = {"qwen30b_tools": ["data.train_path=examples/data/tool_flagship_trai
                                "data.eval=[examples/data/bfcl_multi_turn_base_eval.jsonl]"]}
 
 
+def decision_data(name: str, folder: Path) -> list[str]:
+    """The decision recipes' rows, generated (not committed) as their header says, into `folder`."""
+    if not name.startswith("decision_"):
+        return []
+    from test_tool_use import load
+
+    load("decision_env").main([str(folder), "--train", "8", "--eval", "4", "--sft", "4", "--sft-eval", "2"])
+    if name == "decision_sft":
+        return [f"data.train_path={folder}/decision_sft.jsonl",
+                f"data.eval=[{folder}/decision_sft_eval.jsonl]"]
+    task = name.removeprefix("decision_")
+    return [f"data.train_path={folder}/decision_{task}_train.jsonl",
+            f"data.eval=[{folder}/decision_{task}_eval.jsonl,{folder}/decision_{task}_eval_off.jsonl]"]
+
+
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_shipped_experiments_plan_totals_and_inputs(name, tmp_path):
     from datalib import with_local_hub
 
     from molt.driver.launch import EP_WITHOUT_DEEPEP, check_inputs, describe_plan
 
-    spec = compose([f"+experiment={name}", *GENERATED.get(name, [])])
+    spec = compose([f"+experiment={name}", *GENERATED.get(name, []), *decision_data(name, tmp_path)])
     lines = [line.removeprefix("placement: ") for line in describe_plan(spec).splitlines()
              if line.startswith("placement: ")]
     assert lines == PLANS[name]
@@ -389,7 +425,7 @@ def test_the_plan_says_fsdp2_only_where_it_shards():
     from molt.driver.launch import describe_plan
 
     plan = describe_plan(compose([]))
-    assert "1 rank(s) [dp=1 tp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
+    assert "1 rank(s) [dp=1 cp=1 tp=1 ep=1] unsharded (one rank: no FSDP2) on cpu" in plan
     assert "] FSDP2 on cpu" in describe_plan(compose(["parallel=cpu2"]))
 
 
@@ -589,12 +625,10 @@ def test_the_driver_imports_the_loop_without_the_model_stacks():
 # is; the key at another value, the refusal. The message: "KEY is derived (WHAT); remove it from your config".
 REPLICA = "1: an engine actor runs one vLLM replica"
 DERIVED = {
-    "parallel.world_size": (["parallel=cpu2", "parallel.world_size=2"], "dp_size*tp_size = 2*1 = 2",
+    "parallel.world_size": (["parallel=cpu2", "parallel.world_size=2"], "dp_size*cp_size*tp_size = 2*1*1 = 2",
                             ["parallel=cpu2", "parallel.world_size=4"],
-                            r"world_size=4, but it is derived \(dp_size\*tp_size = 2\*1 = 2\); set "
-                            "parallel.dp_size"),
-    "parallel.cp_size": (["parallel.cp_size=1"], "1: the trainer does not shard sequences",
-                         ["parallel.cp_size=2"], "parallel.cp_size=2, but .*cp_size > 1 is not supported"),
+                            r"world_size=4, but it is derived \(dp_size\*cp_size\*tp_size = 2\*1\*1 = 2\); "
+                            "set parallel.dp_size"),
     "rollout.engine.dp_size": (["rollout.engine.dp_size=1"], REPLICA,
                                ["rollout.engine.dp_size=2"], "dp_size=2, but .*raise rollout.engine.num_"),
     "agent.judge.engine.dp_size": (["agent.judge.engine.dp_size=1"], REPLICA,
@@ -660,7 +694,8 @@ def test_derived_keys_on_the_command_line():
     ok = _molt("parallel.world_size=1", "rollout.engine.dp_size=1", "--cfg", "job")
     assert ok.returncode == 0 and "world_size" not in yaml.safe_load(ok.stdout)["parallel"], ok.stderr
     shown = ok.stderr.splitlines()
-    assert "parallel.world_size is derived (dp_size*tp_size = 1*1 = 1); remove it from your config" in shown
+    assert "parallel.world_size is derived (dp_size*cp_size*tp_size = 1*1*1 = 1); remove it from your " \
+        "config" in shown
     assert _said("rollout.engine.dp_size") in shown
     bad = _molt("parallel.world_size=2", "run.dry_run=true")
     assert bad.returncode != 0 and "parallel.world_size=2, but it is derived" in bad.stderr

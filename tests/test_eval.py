@@ -106,3 +106,28 @@ def test_eval_sampling_is_a_chat_agents_default_and_requests_still_override_it(t
     assert [c["sampling"] for c in sampler.calls] == [
         {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 12},
         {"temperature": 0.5, "top_p": 1.0, "top_k": -1, "max_tokens": 3}]
+
+
+def test_eval_logs_what_the_agent_did_per_set(tok, engine):
+    """eval/NAME/agent/* and eval/NAME/info/KEY, as training logs them, per set and over the set's rollouts
+    that did not fail (a set's info mean covers only its rollouts that report the key); failures counted."""
+    from molt.agents import Env, StepEnvRunner
+
+    class Reports(Env):
+        async def step(self, state):
+            if state.item["info"] is None:
+                raise RuntimeError("boom")
+            return Result(reward=1.0, info=state.item["info"])
+
+    spec = eval_spec(tok, "a", module="x.py")
+    spec.rollout.eval.n = 2
+    runner = StepEnvRunner(Reports)
+    runner.setup(tok, spec)
+    sets = {"a": [{"prompt": "a", "info": {"k": 1.0}}, {"prompt": "a", "info": {"k": 3.0}}],
+            "b": [{"prompt": "a", "info": None}, {"prompt": "a", "info": {"j": 5.0}}]}
+    metrics = asyncio.run(evaluate(spec, runner, Recorder(engine), sets, 0))
+    assert (metrics["eval/a/info/k"], metrics["eval/b/info/j"]) == (2.0, 5.0)
+    assert "eval/a/info/j" not in metrics and "eval/b/info/k" not in metrics
+    assert (metrics["eval/a/failed"], metrics["eval/b/failed"]) == (0.0, 2.0)
+    assert metrics["eval/a/agent/turns"] == metrics["eval/b/agent/turns"] == 1.0
+    assert metrics["eval/b/mean@2"] == 0.5   # the failed row scores 0

@@ -38,6 +38,21 @@ def test_rewards_are_the_task_scorer(task: str) -> None:
         reward({"label": "3", "messages": []}, "3")
 
 
+def test_an_answer_the_scorer_cannot_read_scores_zero_and_is_counted() -> None:
+    """prime_factorization's scorer raises on text it cannot parse as integers: the answer is wrong (0,
+    info/unscorable 1), not a failed rollout; a readable answer keeps the scorer's own score. The flagship's
+    Env (examples/agents/tool_env.py) scores it the same way."""
+    from test_tool_use import load
+
+    row = task_rows("prime_factorization", 1, 1, {})[0]
+    state = lambda action: State("", action, [], "stop", row["label"], 0, [], {}, row)  # noqa: E731
+    for action, expected, unscorable in (("<answer>not a number</answer>", 0.0, 1.0),
+                                         (f"<answer>{row['label']}</answer>", 1.0, 0.0)):
+        for env in (ReasoningGymEnv(), load("tool_env").ToolEnv()):
+            result = asyncio.run(env.step(state(action)))
+            assert (result.reward, result.info["unscorable"]) == (expected, unscorable), type(env).__name__
+
+
 def test_written_rows_load_as_prompts_and_conversations(tmp_path) -> None:
     held, sft = tmp_path / "held.jsonl", tmp_path / "sft.jsonl"
     main(["basic_arithmetic", str(held), "--size", "40", "--seed", "1", "--unique",

@@ -206,3 +206,24 @@ def test_trust_remote_code_reaches_the_sft_tokenizer(tmp_path: Path, tiny_model_
         train(spec(False))
     with pytest.raises(FileNotFoundError, match="run.resume=.*nowhere: no checkpoint there"):
         train(spec(True))
+
+
+def test_arith_sft_rows_are_the_tokens_the_cookbook_recipe_samples_from(tmp_path: Path) -> None:
+    """examples/data/make_arith_sft.py: its base folder's template renders the cookbook's qwen3_instruct
+    text (a newline after each <|im_end|> and role, which the tiny template omits; checked token for token
+    against the cookbook's renderer when the example was written), and SFT trains exactly the answers."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "data" / "make_arith_sft.py"
+    loaded = importlib.util.spec_from_file_location("make_arith_sft", path)
+    writer = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(writer)
+    writer.write_base(tmp_path / "base")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "base")
+    [example] = tokenize_conversation(tok, writer.conversation(47, 38)["messages"])
+    assert tok.decode(example.token_ids) == (
+        "<|im_start|>user\nWhat is 4 + 5?<|im_end|>\n<|im_start|>assistant\n9<|im_end|>\n"
+        "<|im_start|>user\nWhat is 47 + 38?<|im_end|>\n<|im_start|>assistant\n85<|im_end|>\n")
+    assert targets(tok, example) == ["9<|im_end|>", "85<|im_end|>"]

@@ -1,4 +1,5 @@
-"""Learning to use a tool (docs/tool_use.md): the data script's traces, read back as the run reads them."""
+"""Learning to use a tool (docs/tool_use.md): the data script's traces, read back as the run reads them, and
+a call the parser cannot read, on both agent paths."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import importlib.util
 import json
 from pathlib import Path
 
-from molt.agents import State
+import pytest
+from test_agents import Recorder, run_all, tool_spec
+
+from molt.agents import State, load_agent_runner
 from molt.agents.render import render
 from molt.agents.tools import make_parser
 
@@ -70,3 +74,38 @@ def test_tool_env_can_refuse_every_call() -> None:
     assert [m["content"] for m in off.observation] == ["error: tool unavailable"] and not off.terminated
     on = asyncio.run(env.ToolEnv({}).step(state))
     assert [m["content"] for m in on.observation] == ["42"]
+
+
+@pytest.mark.parametrize("module", ["tool_env.py", "tool_chat.py"])
+def test_a_call_the_parser_cannot_read_is_counted_and_logged_once(tok, engine, module, caplog):
+    """A forced call with malformed JSON (a brace short): vLLM's parser reads no call, so the turn is the
+    answer; the turn is counted in agent/tool_parse_errors on both paths, the parser's traceback is not
+    printed, and Molt's one line about it comes once, not per call."""
+    import logging
+
+    from molt.agents import tools
+    from molt.agents.tool_tasks import CALCULATOR
+    from molt.driver.select import rollout_metrics
+
+    spec = tool_spec(module=str(EXAMPLES / module), options={"tool_timeout_s": 30.0})
+    runner = load_agent_runner(spec.agent)
+    runner.setup(tok, spec)
+    row = {"messages": [{"role": "user", "content": "What is 12*3?"}], "label": "36", "tools": [CALCULATOR]}
+    malformed = '<tool_call>\\{"name": "calculator", "arguments": \\{"expression": "1"\\}</tool_call>'
+    parser_records = []
+    hermes = logging.getLogger("vllm.tool_parsers.hermes_tool_parser")
+    handler = logging.Handler()
+    handler.emit = parser_records.append
+    hermes.addHandler(handler)
+    tools._CountParseErrors.reported = False
+    try:
+        with caplog.at_level(logging.WARNING, logger="molt.agents.tools"):
+            rollouts = run_all(runner, [row] * 2, Recorder(engine, structured_outputs={"regex": malformed}))
+    finally:
+        hermes.removeHandler(handler)
+        runner.close()
+    assert [(r.turns, r.tool_calls, r.tool_parse_errors) for r in rollouts] == [(1, 0, 1)] * 2
+    assert rollout_metrics(spec, rollouts)["agent/tool_parse_errors"] == 1.0
+    assert parser_records == []
+    lines = [r for r in caplog.records if "could not read a call" in r.getMessage()]
+    assert len(lines) == 1 and "agent/tool_parse_errors" in lines[0].getMessage()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -44,3 +44,53 @@ def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
         trainer.export_hf(f"{tmp}/export")
         files = sorted(Path(tmp, "export").glob("*.safetensors"))
         return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def forked_ranks(spec: RunSpec, work: Callable[[Any], Any], role: str = "policy",
+                 timeout_s: float = 240.0) -> list[Any]:
+    """`work(worker)` on each of the `parallel.world_size` `TrainerWorker`s of `spec`, one per process forked
+    from this one; their results in rank order. A fork inherits the worker's modules already imported here,
+    so a rank starts at once (a spawned process or a Ray actor imports for ≈10 CPU-s); the ranks form a real
+    gloo group. Forked processes must not start OpenMP thread pools: `parallel.cpu_threads` must be 1."""
+    import multiprocessing
+    import pickle
+    import traceback
+
+    from molt.plan.models import model_path
+    from molt.trainer.worker import TrainerWorker
+
+    assert spec.parallel.cpu_threads == 1, "forked ranks need parallel.cpu_threads=1"
+    size, path = spec.parallel.world_size, model_path(spec, role)
+    context = multiprocessing.get_context("fork")
+    results, address = context.Queue(), context.Queue()
+
+    def rank_main(rank: int) -> None:
+        try:
+            worker = TrainerWorker(spec, role, rank, path)
+            if rank == 0:
+                host_port = worker.address()
+                for _ in range(size - 1):
+                    address.put(host_port)
+            worker.setup(*(host_port if rank == 0 else address.get(timeout=timeout_s)))
+            out = work(worker)
+            worker.shutdown()
+            results.put((rank, pickle.dumps(out), None))
+        except BaseException:   # the parent raises it
+            results.put((rank, None, traceback.format_exc()))
+
+    processes = [context.Process(target=rank_main, args=(r,), daemon=True) for r in range(size)]
+    for p in processes:
+        p.start()
+    got: list[tuple[int, bytes | None, str | None]] = []
+    try:
+        while len(got) < size and not any(error for *_, error in got):   # a failed rank stops the rest
+            got.append(results.get(timeout=timeout_s))
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {rank}:\n{error}" for rank, _, error in sorted(got) if error]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [pickle.loads(out) for _, out, _ in sorted(got)]

@@ -23,10 +23,14 @@ REVIEWED: dict[str, str] = {
     "molt/trainer/worker.py": "one rank's collective calls (forward, update, molt.tinker's accumulate and "
                               "apply_gradients, refit, checkpoints); its second idea, the metric sums, is "
                               "moving out (#52); the per-token record it keeps for the dump already lives "
-                              "in token_record.py",
+                              "in token_record.py, the layouts a forward uses in batch.py, packing.py and "
+                              "context_parallel.py",
     "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
                            "helpers already live beside it (select, probe, fleet, checkpoints, "
                            "agent_workers)",
+    "molt/trainer/model.py": "building a trainer rank's model and scoring tokens from its output (the "
+                             "token_logprobs family, chunked or not): the second idea, to move to a "
+                             "logprobs.py of its own",
     "molt/spec/run.py": "the run spec and its rules across sections, which issue 52 moves to a rules file "
                         "of their own",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "

@@ -44,8 +44,8 @@ class ToolChatAgent(ChatAgent):
                           turn=turn, messages=messages, sampling_params={}, item=ctx.item, tools=ctx.tools,
                           tool_calls=message["tool_calls"])
             messages += await env.call_tools(state)
-        reward = score(answer, ctx.item, ctx.label)
-        return Result(reward=reward, info={"exact": float(reward == 1.0)})
+        reward, info = score(answer, ctx.item, ctx.label)
+        return Result(reward=reward, info=info)
 
 
 AgentRunner = ChatAgentRunner(ToolChatAgent)

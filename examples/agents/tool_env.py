@@ -5,8 +5,8 @@ The tools the prompt shows come from the row's `tools` (rows of `python -m molt.
 wrote; a turn with calls gets one tool message per call back (`Env.call_tools`: an unknown tool or bad
 arguments is answered "error: ..."), and the first turn without a call is the answer, which ends the
 episode. Its reward: a reasoning-gym row (`entry`, from molt.agents.tool_tasks) is scored by the task's
-own scorer on the text inside <answer>...</answer> (else the whole reply); any other row by whether the
-answer's last number equals the label.
+own scorer on the text inside <answer>...</answer> (else the whole reply; an answer the scorer cannot read
+scores 0, counted in info/unscorable); any other row by whether the answer's last number equals the label.
 
 Both tools run in `molt.agents.sandbox` (no network, no view of the run or the home directory, limits,
 killed after a timeout: options.tool_timeout_s, default 2 s); the calculator evaluates only arithmetic (an
@@ -65,18 +65,19 @@ def answer_text(value: str) -> str:
     return f"<answer>{value}</answer>"
 
 
-def score(answer: str, item: dict, label: object) -> float:
-    """The reward of the final reply `answer` to the row `item` (also tool_chat.py's, the ChatAgent path)."""
+def score(answer: str, item: dict, label: object) -> tuple[float, dict[str, float]]:
+    """The reward of the final reply `answer` to the row `item` (also tool_chat.py's, the ChatAgent path)
+    and its info: `exact`, and for a reasoning-gym row `unscorable` (its scorer could not read the answer,
+    which then scores 0: molt.agents.reasoning_gym_env.score_answer)."""
     entry = item.get("entry")
     if isinstance(entry, dict) and "source_dataset" in entry.get("metadata", {}):
-        import reasoning_gym
+        from molt.agents.reasoning_gym_env import score_answer
 
-        from molt.agents.reasoning_gym_env import answer_of
-
-        scorer = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
-        return float(scorer(answer_of(answer), entry))
+        reward, unscorable = score_answer(answer, entry)
+        return reward, {"exact": float(reward == 1.0), "unscorable": float(unscorable)}
     numbers = NUMBER.findall(answer)
-    return float(bool(numbers) and float(numbers[-1]) == float(label))
+    reward = float(bool(numbers) and float(numbers[-1]) == float(label))
+    return reward, {"exact": reward}
 
 
 class ToolEnv(Env):
@@ -92,8 +93,8 @@ class ToolEnv(Env):
     async def step(self, state: State) -> Result:
         if state.tool_calls:
             return Result(reward=0.0, observation=await self.call_tools(state), terminated=False)
-        reward = score(state.action, state.item, state.label)
-        return Result(reward=reward, info={"exact": float(reward == 1.0)})
+        reward, info = score(state.action, state.item, state.label)
+        return Result(reward=reward, info=info)
 
 
 AgentRunner = StepEnvRunner(ToolEnv)

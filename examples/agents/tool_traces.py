@@ -1,4 +1,21 @@
-"""Data for learning to use a tool: reasoning-gym rows with the tools, and SFT traces of a correct call.
+"""Data for learning to use a tool: SFT traces of tool use for any task, and reasoning-gym's products.
+
+A trace of your own task: `tool_conversation(row, turns, answer)` appends to a row's question one assistant
+message per turn with its calls (OpenAI `tool_calls`, arguments as a dict), one tool message per call with
+the tool's real output, and the final answer; keep the row's `tools` (the schemas the template shows). For
+example, with a look-up tool `price` that returned "52":
+
+    {"messages": [{"role": "user", "content": "What does item 37 cost?"},
+                  {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                   "function": {"name": "price", "arguments": {"item": 37}}}]},
+                  {"role": "tool", "content": "52"},
+                  {"role": "assistant", "content": "<answer>52</answer>"}],
+     "tools": [{"type": "function", "function": {"name": "price", ...}}], ...the row's other columns}
+
+`python -m molt.sft` renders it through the model's chat template (the calls in the template's own markup)
+and trains every assistant turn; examples/agents/decision_env.py writes its traces this way.
+
+The products data of docs/tool_use.md:
 
     python examples/agents/tool_traces.py examples/data/tool_products [--task products]
         [--config JSON] [--eval N] [--sft N] [--bare N] [--sft-eval N] [--train N]
@@ -20,26 +37,42 @@ same with or without the tools block, so the copying carries over to the prompts
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tool_env import answer_text, calculator  # noqa: E402
+from molt.agents.reasoning_gym_env import task_rows
+from molt.agents.tool_tasks import CALCULATOR as CALCULATOR_TOOL
 
-from molt.agents.reasoning_gym_env import task_rows  # noqa: E402
-from molt.agents.tool_tasks import CALCULATOR as CALCULATOR_TOOL  # noqa: E402
+# The sibling tool_env.py, loaded by its path: putting examples/agents/ on sys.path would let its
+# math_verify.py hide the installed math_verify package from every later import in the process.
+_spec = importlib.util.spec_from_file_location("molt_example_tool_env",
+                                               Path(__file__).with_name("tool_env.py"))
+_tool_env = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tool_env)
+answer_text, calculator = _tool_env.answer_text, _tool_env.calculator
 
 CALCULATOR = [CALCULATOR_TOOL]
 PRODUCTS = {"min_digits": 3, "max_digits": 3, "min_terms": 2, "max_terms": 2}
 
 
-def call_message(expression: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function",
-                            "function": {"name": "calculator", "arguments": {"expression": expression}}}]}
+def tool_conversation(row: dict[str, Any], turns: list[tuple[list[tuple[str, dict]], list[str]]],
+                      answer: str) -> dict[str, Any]:
+    """`row` (its `messages` end with the question) with a conversation of tool use appended, as an SFT
+    trace: for each turn, one assistant message making its calls [(tool name, arguments)] (OpenAI
+    `tool_calls`; the chat template renders them in its own markup) and one tool message per call holding
+    that call's output (the tool's real output: run the tool to get it); then the final assistant message
+    `answer`. Rows of any task take this shape; `python -m molt.sft` trains on every assistant turn."""
+    messages = list(row["messages"])
+    for calls, outputs in turns:
+        if len(calls) != len(outputs):
+            raise ValueError(f"{len(calls)} calls but {len(outputs)} outputs in a turn")
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]})
+        messages += [{"role": "tool", "content": output} for output in outputs]
+    return {**row, "messages": messages + [{"role": "assistant", "content": answer}]}
 
 
 def trace(row: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
@@ -49,9 +82,8 @@ def trace(row: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
     if output != row["label"]:
         raise RuntimeError(f"the sandboxed calculator gave {output!r} for {expression!r}, the task says "
                            f"{row['label']!r}")
-    messages = row["messages"] + [call_message(expression), {"role": "tool", "content": output},
-                                  {"role": "assistant", "content": answer_text(output)}]
-    return {**row, "messages": messages}
+    return tool_conversation(row, [([("calculator", {"expression": expression})], [output])],
+                             answer_text(output))
 
 
 def write(path: Path, rows: list[dict[str, Any]]) -> None:

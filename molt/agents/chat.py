@@ -117,6 +117,7 @@ class ChatAgentRunner(Runner):
         rollout = trace.rollout(sum(turn_rewards), result.score, result.info, self.label_of(item))
         rollout.turns, rollout.turn_rewards, rollout.answered = session.turns, turn_rewards, session.answered
         rollout.tool_calls, rollout.tool_errors = session.tool_calls, session.tool_errors
+        rollout.tool_parse_errors = session.tool_parse_errors
         return rollout
 
     def close(self) -> None:

@@ -113,9 +113,9 @@ class StepEnvRunner(Runner):
         self.env_cls = env_cls
         self.parser: Any = None   # agent.tool_parser, made on the first rollout that offers tools
 
-    def _parse(self, ids: list[int], tools: list[dict], request: Any) -> tuple[str | None, list[dict]]:
+    def _parse(self, ids: list[int], tools: list[dict], request: Any) -> tuple[str | None, list[dict], bool]:
         if not tools:
-            return None, []
+            return None, [], False
         if self.parser is None:
             self.parser = make_parser(self.tokenizer, self.spec.agent.tool_parser)
         return parse_reply(self.parser, self.tokenizer, ids, request)
@@ -132,7 +132,7 @@ class StepEnvRunner(Runner):
             env = self.env_cls(self.spec.agent.options)
         env.tokenizer, env.judge = tok, self.judge
         sampling, observation = dict(defaults), text_of(messages[-1].get("content"))
-        score, info, rewards, answered, calls, errors = None, {}, [], False, 0, 0
+        score, info, rewards, answered, calls, errors, unreadable = None, {}, [], False, 0, 0, 0
         # A turn's override may ask for fewer tokens than the run's per-turn bound (rollout.max_tokens, or
         # rollout.eval.max_tokens in evaluation), never more, as on the chat server: the overlong penalty
         # and filters measure a response against that bound.
@@ -147,8 +147,8 @@ class StepEnvRunner(Runner):
             trace.add_sample(out)
             ids = list(out["token_ids"])
             action = tok.decode(ids, skip_special_tokens=True)
-            content, tool_calls = self._parse(ids, tools, request)
-            calls += len(tool_calls)
+            content, tool_calls, malformed = self._parse(ids, tools, request)
+            calls, unreadable = calls + len(tool_calls), unreadable + malformed
             messages.append({"role": "assistant", "content": action} if not tool_calls else
                             {"role": "assistant", "content": content or "", "tool_calls": tool_calls})
             with agent_code():
@@ -173,7 +173,7 @@ class StepEnvRunner(Runner):
             sampling = {**defaults, **(result.sampling_params or {})}
         rollout = trace.rollout(sum(rewards), score, info, self.label_of(item))
         rollout.turns, rollout.turn_rewards, rollout.answered = len(rewards), rewards, answered
-        rollout.tool_calls, rollout.tool_errors = calls, errors
+        rollout.tool_calls, rollout.tool_errors, rollout.tool_parse_errors = calls, errors, unreadable
         return rollout
 
     def _observe(self, trace: Trace, text: str, messages: list[dict], new: list[dict], tools: list[dict],

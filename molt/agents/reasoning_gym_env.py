@@ -11,7 +11,9 @@ answer as the assistant turn, a conversation for `python -m molt.sft`; `--unique
 question; `--exclude` drops the questions of other such files (a held-out eval set). With `agent.module:
 molt.agents.reasoning_gym_env` the reward is the task's own `score_answer` on the model's answer: the text
 inside <answer>...</answer> when the response has one (reasoning-gym's convention), else the whole
-response, stripped. `info/exact` is the fraction of answers scored exactly 1.
+response, stripped. `info/exact` is the fraction of answers scored exactly 1. A scorer that raises on an
+answer it cannot read (prime_factorization's `int()` on text) scores it 0, as the wrong answer it is, and
+`info/unscorable` counts such answers: a failed rollout is kept for the agent's own code breaking.
 """
 
 from __future__ import annotations
@@ -31,17 +33,27 @@ def answer_of(response: str) -> str:
     return (tagged if tagged is not None else response).strip()
 
 
+def score_answer(response: str, entry: dict[str, Any]) -> tuple[float, bool]:
+    """The task's own score of the model's `response` for `entry`, and whether the scorer could not read
+    it. Scorers parse the answer themselves and some raise on text they cannot parse (a ValueError from
+    `int()`, an IndexError, ...): such an answer is wrong, 0, and the rollout goes on to train on it."""
+    import reasoning_gym
+
+    scorer = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])
+    try:
+        return float(scorer(answer_of(response), entry)), False
+    except Exception:   # the task's code on the model's text: whatever it raises means unreadable
+        return 0.0, True
+
+
 class ReasoningGymEnv(Env):
     async def step(self, state: State) -> Result:
-        import reasoning_gym
-
         entry = state.item.get("entry")
         if not isinstance(entry, dict) or "source_dataset" not in entry.get("metadata", {}):
             raise ValueError("the row has no reasoning-gym 'entry' with metadata.source_dataset; write rows "
                              "with python -m molt.agents.reasoning_gym_env")
-        score = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(
-            answer_of(state.action), entry)
-        return Result(reward=float(score), info={"exact": float(score == 1.0)})
+        score, unscorable = score_answer(state.action, entry)
+        return Result(reward=score, info={"exact": float(score == 1.0), "unscorable": float(unscorable)})
 
 
 AgentRunner = StepEnvRunner(ReasoningGymEnv)

@@ -329,13 +329,13 @@ class LoopbackServer:
             except BaseException:
                 undo()
                 raise
-            replies = [parse_reply(self.parser, self.tokenizer, list(o["token_ids"]), chat) for o in outs]
-            for out, (content, calls) in zip(outs, replies, strict=True):
+            parsed = [parse_reply(self.parser, self.tokenizer, list(o["token_ids"]), chat) for o in outs]
+            for out, (content, calls, unreadable) in zip(outs, parsed, strict=True):
                 extra = {"tool_calls": calls} if calls else {}
                 # content as the agent's echo of it will arrive here (a call's null content as ""), so
                 # the echo is recognised by equality, without rendering it
-                session.offer(out, {"role": "assistant", "content": text_of(content), **extra})
-        return outs, replies, len(ids)
+                session.offer(out, {"role": "assistant", "content": text_of(content), **extra}, unreadable)
+        return outs, [(content, calls) for content, calls, _ in parsed], len(ids)
 
     @staticmethod
     def _normalize(chat: ChatCompletionRequest) -> list[dict]:

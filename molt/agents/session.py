@@ -31,6 +31,7 @@ class Candidate:
     """A reply returned to the agent whose tokens join the trajectory once the agent continues from it."""
     out: dict[str, Any]      # the sampler's result
     message: dict            # the assistant message as the agent will echo it back
+    unreadable: bool = False  # the tool parser could not read a call in it (agent/tool_parse_errors)
     # the template's text of prompt + this reply (no generation prompt), rendered only when an echoed
     # reply is not this message itself and must be recognised by its rendering
     rendered: str | None = None
@@ -55,16 +56,17 @@ class ChatSession:
         # agent/* metrics: tool calls in the replies that joined the trajectory, tool messages reporting
         # an error, and whether the reply the agent ended on was an answer (no call, not cut short)
         self.tool_calls, self.tool_errors, self.answered = 0, 0, False
+        self.tool_parse_errors = 0
 
     def checkpoint(self) -> Callable[[], None]:
         """A function that puts this session and its trace back as they are now."""
         trace = {k: list(v) if isinstance(v, list) else v for k, v in vars(self.trace).items()}
         saved = (self.turns, self.history, self.history_text, self.tools, list(self.candidates),
-                 self.tool_calls, self.tool_errors, trace)
+                 self.tool_calls, self.tool_errors, self.tool_parse_errors, trace)
 
         def undo() -> None:
             self.turns, self.history, self.history_text, self.tools, self.candidates, self.tool_calls, \
-                self.tool_errors, trace = saved
+                self.tool_errors, self.tool_parse_errors, trace = saved
             vars(self.trace).update(trace)
         return undo
 
@@ -110,8 +112,8 @@ class ChatSession:
                                   bool(ids) and ids[-1] == tok.eos_token_id, self.chat_template_kwargs)
         return None if tail is None else (chosen, tail, full)
 
-    def offer(self, out: dict[str, Any], message: dict) -> None:
-        self.candidates.append(Candidate(out, message))
+    def offer(self, out: dict[str, Any], message: dict, unreadable: bool = False) -> None:
+        self.candidates.append(Candidate(out, message, unreadable))
 
     def _rendered(self, candidate: Candidate) -> str:
         if candidate.rendered is None:
@@ -125,6 +127,7 @@ class ChatSession:
     def _keep(self, reply: Candidate) -> None:
         self.trace.add_sample(reply.out)
         self.tool_calls += len(reply.message.get("tool_calls") or [])
+        self.tool_parse_errors += reply.unreadable
 
     def finish(self) -> None:
         """The agent returned: the reply it got last is part of the trajectory."""

@@ -5,16 +5,23 @@ tokenizers) and handed to one of vLLM's stock tool parsers, `agent.tool_parser` 
 `<tool_call>{json}</tool_call>` format of the tiny model's template and of Qwen/Hermes models). A
 forced call (OpenAI `tool_choice` naming a function, Anthropic `tool_choice: {type: tool}`) is honoured
 the way vLLM honours it: by constraining decoding, here with a regex of exactly the Hermes markup.
+A call the parser cannot read (malformed JSON in the markup) leaves the turn without calls, as in vLLM's
+server; vLLM logs a traceback for each, which Molt counts instead (agent/tool_parse_errors) and reports
+in one log line, once per process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from typing import Any
 
 from molt.spec.agent import TOOLS_KEY, check_tools
 from molt.trajectory import AgentError
+
+log = logging.getLogger(__name__)
 
 FORCEABLE_PARSERS = ("hermes",)   # parsers that read the markup `forced_call_regex` writes
 ERROR_PREFIX = "error:"   # a tool message that starts with it reports a failed call (agent/tool_errors)
@@ -70,6 +77,28 @@ def tool_request(tools: list[dict[str, Any]]) -> Any:
     return ChatCompletionRequest(messages=[{"role": "user", "content": ""}], tools=tools)
 
 
+_parse_errors = threading.local()   # error records the parser logged during this thread's parse_reply
+
+
+class _CountParseErrors(logging.Filter):
+    """On a vLLM tool parser's logger: an error it logs (with a traceback, once per call it cannot read) is
+    counted for the turn being parsed and not printed; the first one is reported in one line."""
+
+    reported = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        _parse_errors.count = getattr(_parse_errors, "count", 0) + 1
+        if not _CountParseErrors.reported:
+            _CountParseErrors.reported = True
+            cause = f": {record.exc_info[1]!r:.200}" if record.exc_info else ""
+            log.warning("molt: the tool parser could not read a call the model wrote (%s%s); such turns "
+                        "have no calls, are counted in agent/tool_parse_errors and are not logged again",
+                        record.getMessage(), cause)
+        return False
+
+
 def make_parser(tokenizer: Any, name: str) -> Any:
     """vLLM's tool parser `name` (agent.tool_parser) for this tokenizer; a clear error for an unknown name."""
     from vllm.tool_parsers import ToolParserManager
@@ -79,25 +108,32 @@ def make_parser(tokenizer: Any, name: str) -> Any:
     except KeyError:
         known = ", ".join(sorted(ToolParserManager.list_registered()))
         raise ValueError(f"agent.tool_parser={name!r} is not a vLLM tool parser; known: {known}") from None
+    parser_log = logging.getLogger(parser_cls.__module__)   # vLLM's loggers are named by module
+    if not any(isinstance(f, _CountParseErrors) for f in parser_log.filters):
+        parser_log.addFilter(_CountParseErrors())
     try:
         return parser_cls(tokenizer)
     except Exception as err:   # e.g. the model's tokenizer lacks the parser's special tokens
         raise ValueError(f"agent.tool_parser={name!r} does not fit this tokenizer: {err}") from err
 
 
-def parse_reply(parser: Any, tokenizer: Any, ids: list[int], request: Any) -> tuple[str | None, list[dict]]:
-    """(content, tool calls in OpenAI shape) of one sampled turn."""
+def parse_reply(parser: Any, tokenizer: Any, ids: list[int],
+                request: Any) -> tuple[str | None, list[dict], bool]:
+    """(content, tool calls in OpenAI shape, whether the parser failed on a call it could not read) of one
+    sampled turn (a parser made by `make_parser`)."""
     if ids and ids[-1] == tokenizer.eos_token_id:
         ids = ids[:-1]
     text = tokenizer.decode(ids, skip_special_tokens=False)
     if not request.tools or request.tool_choice == "none":
-        return text, []
+        return text, [], False
+    _parse_errors.count = 0
     info = parser.extract_tool_calls(text, request)
+    unreadable = _parse_errors.count > 0
     if not info.tools_called:
-        return text, []
+        return text, [], unreadable
     calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                           "arguments": c.function.arguments}}
              for c in info.tool_calls]
     if request.parallel_tool_calls is False:   # at most one call, as the API promises; later ones dropped
         calls = calls[:1]
-    return info.content, calls
+    return info.content, calls, unreadable

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from molt.algo import load_plugins
 from molt.plan import memory
+from molt.plan.arch import arch_of
 from molt.plan.placement import plan
 from molt.spec import RunSpec, SpecError
 from molt.spec.config import compose_config, validate_config
@@ -27,6 +28,7 @@ def to_spec(cfg: DictConfig) -> RunSpec:
     try:
         load_plugins(spec)
         check_agent_kind(spec, OmegaConf.select(cfg, "agent.kind"))
+        check_context_parallel(spec)
         if spec.parallel.device == "cuda":
             plan(spec)
             memory.check(spec)
@@ -50,6 +52,22 @@ def check_agent_kind(spec: RunSpec, stated: str | None) -> None:
         raise ValueError(f"agent.kind={stated}, but agent.module={spec.agent.module} is a "
                          f"{type(runner).__name__} (kind {runner.kind}): the kind is derived from "
                          "agent.module; remove agent.kind from your config (or name a module of that kind)")
+
+
+def check_context_parallel(spec: RunSpec) -> None:
+    """Context parallel splits the attention heads of each tensor-parallel rank over the cp ranks
+    (molt/trainer/context_parallel.py): refused when cp_size does not divide them, for every trainer role
+    whose architecture the plan knows (a hub id without model.arch is checked when the trainer loads it)."""
+    par = spec.parallel
+    if par.cp_size == 1:
+        return
+    roles = ["policy"] + (["reference"] if spec.model.reference else [])
+    for role in roles:
+        a = arch_of(spec, role)
+        if a is not None and (a.num_heads % par.tp_size or a.num_heads // par.tp_size % par.cp_size):
+            raise ValueError(f"parallel.cp_size={par.cp_size} must divide the {role}'s attention heads per "
+                             f"tensor-parallel rank ({a.num_heads} / tp_size={par.tp_size}): context "
+                             "parallel splits them over the cp ranks")
 
 
 def compose(overrides: Sequence[str] = ()) -> RunSpec:

@@ -5,7 +5,9 @@ Each prompt gets `rollout.eval.n` samples through the run's agent, whose samplin
 each turn's max_tokens as in training). Per set NAME (a file's stem):
 `eval/NAME/mean@n` is the mean reward over all samples, and `eval/NAME/pass@k` (k = 1, 2, 4, ... and n)
 the unbiased estimate of the chance that k samples hold a correct one (reward >= 1), from the c correct
-of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0. With agent.workers > 0 the
+of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0. What the agent did, as
+training logs it (molt.driver.select.agent_metrics): `eval/NAME/agent/*` and `eval/NAME/info/KEY` over the
+set's rollouts that did not fail, and `eval/NAME/failed`, how many failed. With agent.workers > 0 the
 rollouts run on the agent workers (a prompt's n samples as one group), here as in a run.
 
     python -m molt.eval [+experiment=NAME] [key=value ...] model.path=PATH
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from molt.driver.select import agent_metrics
 from molt.spec import RunSpec, pass_ks
 
 
@@ -67,6 +70,9 @@ async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[
     metrics, start = {}, 0
     for name, items in eval_sets.items():
         metrics.update(set_metrics(name, rewards[start:start + len(items)], e.pass_reward))
+        done = results[start * e.n:(start + len(items)) * e.n]
+        metrics[f"eval/{name}/failed"] = float(sum(not r.ok for r in done))
+        metrics |= {f"eval/{name}/{k}": v for k, v in agent_metrics([r for r in done if r.ok]).items()}
         start += len(items)
     return metrics
 

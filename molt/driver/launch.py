@@ -6,6 +6,7 @@ import logging
 import os
 
 from molt.spec import RunSpec, spec_warnings
+from molt.spec.agent import TOOLS_KEY
 
 log = logging.getLogger("molt")
 
@@ -27,8 +28,8 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None, agent_kind: st
         f"ray: {where}",
         f"engines: {e.num_engines} x vLLM (tp={e.tp_size}, expert_parallel={e.enable_expert_parallel}) = "
         f"{e.num_engines * e.tp_size} {unit}(s)",
-        f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} tp={p.tp_size} ep={p.ep_size}] {sharding} "
-        f"on {p.device}, offload={p.offload}",
+        f"policy trainer: {p.world_size} rank(s) [dp={p.dp_size} cp={p.cp_size} tp={p.tp_size} "
+        f"ep={p.ep_size}] {sharding} on {p.device}, offload={p.offload}",
     ]
     if spec.model.critic:
         lines.append(f"critic: {p.world_size} rank(s), same layout")
@@ -98,22 +99,62 @@ def check_expert_dispatch(spec: RunSpec) -> None:
             f"NVSHMEM; docs/install.md#gpu), or use parallel.ep_size<={EP_WITHOUT_DEEPEP}")
 
 
+# Rows per set the dry run renders: a prompt set of any size is measured in seconds; the plan says when it
+# measured fewer rows than a set has.
+LONGEST_ROWS = 2000
+
+
+def longest_prompt(spec: RunSpec) -> str:
+    """The dry run's line on context: the longest first prompt of the train and eval rows, rendered through
+    the chat template with the tools a rollout offers (agent.tools + the row's), against model.max_model_len.
+    Tool schemas are rendered into the prompt, so two of them can take most of a small context; a prompt
+    that leaves no room for a reply fails its rollouts only once the run is under way."""
+    from transformers import AutoTokenizer
+
+    from molt.agents.render import encode, render
+    from molt.inputs.data import PromptDataset, load_eval_sets
+    from molt.plan.models import model_path
+
+    data, ctx, kwargs = spec.data, spec.model.max_model_len, spec.model.chat_template_kwargs
+    try:   # a dry run downloads nothing: a hub model not in the local cache is planned without this line
+        tokenizer = AutoTokenizer.from_pretrained(model_path(spec), local_files_only=True,
+                                                  trust_remote_code=spec.model.trust_remote_code)
+    except OSError:
+        return f"data: longest prompt not measured ({model_path(spec)}: its tokenizer is not on this machine)"
+    longest, where, partial = 0, "", False
+    for name, rows in {"train": PromptDataset(data.train_path, data), **load_eval_sets(data)}.items():
+        partial |= len(rows) > LONGEST_ROWS
+        for i, row in zip(range(LONGEST_ROWS), rows, strict=False):
+            messages = row.get(data.messages_key) or [{"role": "user", "content": str(row[data.prompt_key])}]
+            tools = list(spec.agent.tools) + list(row.get(TOOLS_KEY) or [])
+            n = len(encode(tokenizer, render(tokenizer, messages, tools, True, kwargs)))
+            if n > longest:
+                longest, where = n, f"{name} row {i}"
+    where += f"; the first {LONGEST_ROWS} rows of each set" if partial else ""
+    line = f"data: longest prompt {longest} tokens with its tools ({where}) of model.max_model_len={ctx}"
+    if longest >= ctx:
+        log.warning(f"{line}: no room for a reply; raise model.max_model_len or shorten the prompt or its "
+                    "tools")
+    return line
+
+
 def dry_run(spec: RunSpec) -> str:
     """`run.dry_run=true`: log the spec's warnings, check its inputs and return its plan; writes nothing
     (`python -m molt` answers a dry run without Hydra's app, which would create the run directory)."""
     for warning in spec_warnings(spec):
         log.warning(warning)
-    return describe_plan(spec, agent_kind=check_inputs(spec))
+    kind = check_inputs(spec)
+    return describe_plan(spec, agent_kind=kind) + (f"\n{longest_prompt(spec)}" if kind else "")
 
 
 def launch(spec: RunSpec) -> dict[str, float]:
     """Validate-time checks done; place everything and run the loop. Returns the last step's metrics."""
+    if spec.run.dry_run:
+        print(dry_run(spec))
+        return {}
     for warning in spec_warnings(spec):
         log.warning(warning)  # console and the run directory's log file
     agent_kind = check_inputs(spec)
-    if spec.run.dry_run:
-        print(describe_plan(spec, agent_kind=agent_kind))
-        return {}
     import ray
 
     from molt.driver.loop import train as train_rl

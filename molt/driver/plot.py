@@ -59,9 +59,11 @@ def _reward(rows: Rows, out: Path) -> Path | None:
     return _save(fig, out / "reward.png")
 
 
-def _lines(rows: Rows, prefix: str, title: str, path: Path, marker: str | None = None, log: bool = False
-           ) -> Path | None:
-    keys = sorted({k for r in rows.values() for k in r if k.startswith(prefix)})
+def _lines(rows: Rows, prefix: str, title: str, path: Path, marker: str | None = None, log: bool = False,
+           depth: int | None = None) -> Path | None:
+    """One line per metric under `prefix` (with `depth`: only names of that many parts, a/b/c = 3)."""
+    keys = sorted({k for r in rows.values() for k in r
+                   if k.startswith(prefix) and (depth is None or len(k.split("/")) == depth)})
     if not keys:
         return None
     fig = Figure(figsize=(7, 4))
@@ -124,7 +126,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     written = [_reward(rows, out),
-               _lines(rows, "eval/", "eval", out / "eval.png", marker="o"),
+               # the scores (eval/NAME/pass@k ...), not what the agent did (eval/NAME/agent/turns ...)
+               _lines(rows, "eval/", "eval", out / "eval.png", marker="o", depth=3),
                _lines(rows, "train/loss", "train loss", out / "loss.png"),
                _lines(rows, "mismatch/", "trainer vs engine logprob gap", out / "mismatch.png", log=True),
                _timings(rows, out)]

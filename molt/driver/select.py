@@ -30,9 +30,15 @@ def rollout_metrics(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, float]:
            "rollout/failed": float(failed), "rollout/count": float(len(rollouts)),
            "tokens/sampled": float(sum(r.num_sampled for r in rollouts)),
            "rollout/segments_per": sum(len(r.segments) for r in ok) / max(len(ok), 1)}
-    # what the agents did, per rollout that did not fail (docs/loop.md#metrics)
+    return out | agent_metrics(ok)
+
+
+def agent_metrics(ok: list[Rollout]) -> dict[str, float]:
+    """What the agents did, per rollout that did not fail (docs/loop.md#metrics): agent/* from the runner's
+    counts, info/KEY the mean of Result.info[KEY] over the rollouts whose info has KEY."""
+    out = {}
     for name, of in (("turns", "turns"), ("tool_calls", "tool_calls"), ("tool_errors", "tool_errors"),
-                     ("answer_rate", "answered")):
+                     ("tool_parse_errors", "tool_parse_errors"), ("answer_rate", "answered")):
         out[f"agent/{name}"] = sum(float(getattr(r, of)) for r in ok) / max(len(ok), 1)
     for key in sorted({k for r in ok for k in r.info}):
         values = [float(r.info[key]) for r in ok if key in r.info]

@@ -89,12 +89,19 @@ def chunk_tokens(spec: RunSpec, vocab: int) -> int:
 
 def scored_tokens(spec: RunSpec, role: str, tokens: int, vocab: int) -> int:
     """Positions whose logits are alive at once: one chunk (`chunk_tokens`) for the policy and reference,
-    which score in chunks (molt/trainer/model.py `chunkable`: not under tensor or context parallel); the
+    which score in chunks (molt/trainer/model.py `chunkable`: not under tensor parallel); the
     whole micro-batch for the critic's value head and those layouts."""
     par = spec.parallel
     if role == "critic" or par.tp_size > 1:
         return tokens
     return min(tokens, chunk_tokens(spec, vocab))
+
+
+def rank_tokens(spec: RunSpec) -> int:
+    """Tokens of the largest micro-batch one rank computes: context parallel splits each micro-batch's
+    positions over its cp ranks (padded to a multiple of 2 x cp_size: molt/trainer/context_parallel.py)."""
+    cp = spec.parallel.cp_size
+    return -(-micro_batch_tokens(spec) // (2 * cp)) * 2 if cp > 1 else micro_batch_tokens(spec)
 
 
 def micro_batch_tokens(spec: RunSpec) -> int:
@@ -152,7 +159,7 @@ def trainer_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
         parts["gathered"] = unit * (2 * c + (4 if trained else 0))
     elif c < 4:   # autocast over fp32 weights caches a compute-dtype copy of each (molt/trainer/model.py)
         parts["gathered"] = params * c
-    tokens = micro_batch_tokens(spec)
+    tokens = rank_tokens(spec)
     checkpointing = par.activation_checkpointing and trained
     # without gradients (the reference) one layer's activations live at a time
     parts["activations"] = activation_bytes(a, tokens, c, checkpointing) if trained else \
@@ -166,9 +173,10 @@ def trainer_estimate(spec: RunSpec, role: str, a: Arch) -> Estimate:
     # both settings' activations, so the dry run shows what checkpointing would change
     plain, ckpt = (activation_bytes(a, tokens, c, flag) / GIB for flag in (False, True))
     both = f"; activations {plain:.1f} GiB without checkpointing, {ckpt:.1f} with" if trained else ""
+    per = f"{micro_batch_tokens(spec)} tokens per micro-batch" + (
+        f", {tokens} on each of its cp={par.cp_size} ranks" if par.cp_size > 1 else "")
     note = (f"{_count(params)} params / {shard} ranks, fp32 weights/grads/AdamW, {spec.model.dtype} compute, "
-            f"{tokens} tokens per micro-batch{', checkpointed' if checkpointing else ''}, offload="
-            f"{par.offload}{both}")
+            f"{per}{', checkpointed' if checkpointing else ''}, offload={par.offload}{both}")
     return Estimate(f"{role} rank", parts, note)
 
 
@@ -242,10 +250,13 @@ def _trainer_fixes(spec: RunSpec, role: str, a: Arch, limit: float) -> list[str]
         tries.append((f"train.micro_batch_size={size}", {"train": {"micro_batch_size": size}}))
     samples = train.prompts_per_step * (spec.rollout.samples_per_prompt if train.objective == "rl" else 1)
     for factor in (2, 4):
-        dp = par.dp_size * factor
-        if samples % dp:   # the spec needs whole rows per data-parallel rank
-            continue
-        tries.append((f"{dp * par.tp_size} ranks (parallel.dp_size={dp})", {"parallel": {"dp_size": dp}}))
+        dp, cp = par.dp_size * factor, par.cp_size * factor
+        if not samples % dp:   # the spec needs whole rows per data-parallel rank
+            tries.append((f"{par.world_size * factor} ranks (parallel.dp_size={dp})",
+                          {"parallel": {"dp_size": dp}}))
+        if not a.num_heads // par.tp_size % cp:   # long rows: more ranks split each micro-batch (its heads)
+            tries.append((f"{par.world_size * factor} ranks (parallel.cp_size={cp})",
+                          {"parallel": {"cp_size": cp}}))
     fixes = []
     for words, change in tries:
         other = spec.model_copy(update={k: getattr(spec, k).model_copy(update=v) for k, v in change.items()})

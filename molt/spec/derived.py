@@ -17,17 +17,11 @@ log = logging.getLogger("molt")
 # Each removed key and what it is now (the messages name it).
 ONE_REPLICA = "1: an engine actor runs one vLLM replica"
 DERIVED_KEYS = {
-    "parallel.world_size": "dp_size*tp_size: the trainer's ranks per role",
-    "parallel.cp_size": "1: the trainer does not shard sequences",
+    "parallel.world_size": "dp_size*cp_size*tp_size: the trainer's ranks per role",
     "rollout.engine.dp_size": ONE_REPLICA,
     "agent.judge.engine.dp_size": ONE_REPLICA,
     "agent.kind": "the kind of agent.module's AgentRunner: env (StepEnvRunner) or chat (ChatAgentRunner)",
 }
-
-CP_REFUSAL = ("cp_size > 1 is not supported: the trainer does not shard sequences, and torch's context "
-              "parallel has no CPU path to test it on (aten._scaled_dot_product_flash_attention_for_cpu has "
-              "no sharding strategy)")
-
 
 def drop_derived_keys(data: Any) -> Any:
     """`data` (a RunSpec's raw input) without the keys of DERIVED_KEYS; a key set to its derived value is
@@ -38,11 +32,11 @@ def drop_derived_keys(data: Any) -> Any:
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     parallel = data.get("parallel")
     if isinstance(parallel, dict):
-        dp, tp = parallel.get("dp_size", 1), parallel.get("tp_size", 1)
-        derived = dp * tp if isinstance(dp, int) and isinstance(tp, int) else None
-        _check(parallel, "parallel", "world_size", derived, f"dp_size*tp_size = {dp}*{tp} = {derived}",
-               "set parallel.dp_size (and tp_size) to the ranks you want")
-        _check(parallel, "parallel", "cp_size", 1, DERIVED_KEYS["parallel.cp_size"], CP_REFUSAL)
+        sizes = [parallel.get(k, 1) for k in ("dp_size", "cp_size", "tp_size")]
+        derived = sizes[0] * sizes[1] * sizes[2] if all(isinstance(n, int) for n in sizes) else None
+        _check(parallel, "parallel", "world_size", derived,
+               f"dp_size*cp_size*tp_size = {'*'.join(map(str, sizes))} = {derived}",
+               "set parallel.dp_size (and cp_size, tp_size) to the ranks you want")
     for prefix in ("rollout.engine", "agent.judge.engine"):
         engine = _section(data, prefix)
         if engine is not None:

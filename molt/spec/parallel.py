@@ -24,6 +24,9 @@ class ParallelSpec(Strict):
         None, description="K: nodes 0..K-1 train, the others generate; null: all roles share every node")
     dp_size: int = Field(1, ge=1, description="data-parallel ranks (FSDP2 shards over them)")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (a power of two)")
+    cp_size: int = Field(
+        1, ge=1, description="context-parallel ranks: each micro-batch's sequence is split over them "
+        "(zig-zag halves; attention all-to-all over heads, so it divides the attention heads)")
     ep_size: int = Field(1, ge=1, description="MoE expert-parallel ranks; divides dp_size (power of 2)")
     offload: Literal["none", "optimizer", "full"] = Field(
         "none", description="host memory: optimizer (AdamW state) or full (parameters, gradients, state)")
@@ -49,8 +52,14 @@ class ParallelSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        """Trainer ranks per role: the data-parallel replicas times the tensor-parallel ranks of each."""
-        return self.dp_size * self.tp_size
+        """Trainer ranks per role: the data-parallel replicas times the ranks of each."""
+        return self.dp_size * self.replica_ranks
+
+    @property
+    def replica_ranks(self) -> int:
+        """The ranks of one data-parallel replica, its context- and tensor-parallel ranks: they get the same
+        rows (mesh order dp, cp, tp: consecutive ranks)."""
+        return self.cp_size * self.tp_size
 
     @property
     def collective_timeout(self) -> timedelta:
@@ -74,10 +83,14 @@ def _check_parallel(par: ParallelSpec) -> None:
                          "MoE model classes, which call torch.cuda.current_device() when built; the CPU "
                          "trainer loads the Hugging Face classes, on which AutoModel's expert parallel "
                          "raises")
+    if par.cp_size > 1 and par.ep_size > 1:
+        raise ValueError("cp_size > 1 with ep_size > 1: context parallel runs its attention in the Hugging "
+                         "Face model classes, and AutoModel's expert parallel shards only its own MoE "
+                         "classes; use ep_size=1 (FSDP2 still shards the experts) or cp_size=1")
     if par.offload == "full" and par.world_size == 1:
-        raise ValueError("offload=full needs world_size = dp_size*tp_size > 1: with one rank AutoModel does "
-                         "not wrap the model in FSDP2, whose CPUOffloadPolicy is what moves parameters to "
-                         "the host; use offload=optimizer")
+        raise ValueError("offload=full needs world_size = dp_size*cp_size*tp_size > 1: with one rank "
+                         "AutoModel does not wrap the model in FSDP2, whose CPUOffloadPolicy is what moves "
+                         "parameters to the host; use offload=optimizer")
     if par.nodes < 1 or par.gpus_per_node < 1:
         raise ValueError(f"nodes={par.nodes} and gpus_per_node={par.gpus_per_node} must be >= 1")
     if par.colocate and (par.world_size > 1 or par.nodes > 1):

@@ -113,10 +113,12 @@ def _check_eval_keys(spec: RunSpec) -> None:
     if spec.train.objective == "sft" and (spec.model.critic or spec.model.reference):
         raise ValueError("train.objective=sft trains the policy alone: set model.critic=false and "
                          "model.reference=null")
-    metric = spec.train.best_metric
+    metric, names = spec.train.best_metric, eval_names(spec.data.eval)
     if metric is None:
         return
-    parts, names = metric.split("/"), eval_names(spec.data.eval)
+    if "/" not in metric and names:   # a metric alone (pass@1) is the first eval set's, named here once
+        spec.train.best_metric = metric = f"eval/{names[0]}/{metric}"
+    parts = metric.split("/")
     if len(parts) != 3 or parts[0] != "eval" or parts[1] not in names:
         raise ValueError(f"train.best_metric={metric!r} must be eval/NAME/METRIC with NAME the stem of a "
                          f"data.eval file ({', '.join(names) or 'none configured'}), e.g. eval/NAME/pass@1")
@@ -230,11 +232,15 @@ def _packing(spec: RunSpec) -> None:
 def _vision(spec: RunSpec) -> None:
     # The trainer loads a VLM's policy with its image inputs unpacked and has no value model for one; caught
     # here, the run stops before Ray and the engines start instead of when the trainer loads.
-    if not (spec.model.critic or spec.train.micro_batch_tokens is not None) or not _vlm(spec.model):
+    if not (spec.model.critic or spec.train.micro_batch_tokens is not None or spec.parallel.cp_size > 1) \
+            or not _vlm(spec.model):
         return
     if spec.model.critic:
         raise ValueError("model.critic=true with a vision-language model: a value model of a VLM is not "
                          "supported; use an estimator without a critic (e.g. algo=grpo)")
+    if spec.parallel.cp_size > 1:
+        raise ValueError("parallel.cp_size > 1 with a vision-language model: context parallel does not split "
+                         "image inputs over the cp ranks; use cp_size=1")
     raise ValueError("train.micro_batch_tokens (sequence packing) with a vision-language model: packing does "
                      "not pack image inputs; use train.micro_batch_size")
 

@@ -41,7 +41,8 @@ class TrainSpec(Strict):
     export_hf: bool = Field(
         False, description="every checkpoint also writes a Hugging Face folder, <checkpoint>/hf")
     best_metric: str | None = Field(
-        None, description="eval metric that picks the best checkpoint (kept), e.g. eval/NAME/pass@1")
+        None, description="eval metric that picks the best checkpoint (kept), e.g. eval/NAME/pass@1; a "
+        "metric alone (pass@1) is the first data.eval set's")
     best_mode: Literal["max", "min"] = Field(
         "max", description="train.best_metric is better when larger (max) or smaller (min)")
     max_trainer_restarts: int = Field(

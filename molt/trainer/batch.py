@@ -120,6 +120,32 @@ def image_inputs(mb: dict[str, torch.Tensor], image_token: int) -> dict[str, tor
             "mm_token_type_ids": (mb["input_ids"] == image_token).int()}
 
 
+def model_inputs(row: dict[str, torch.Tensor], replay: bool,
+                 image_token: int | None) -> dict[str, torch.Tensor]:
+    """The model's inputs for a micro-batch `row`: a padded one's ids and attention mask, or a packed one's
+    ids, position ids that restart per sequence and the sequence bounds (the packing's attention takes them
+    instead of a mask); the engine's routes when they are replayed, and images."""
+    packed = "position_ids" in row
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q") if packed else ("input_ids", "attention_mask")
+    if replay:
+        keys += ("routed_experts",)
+    images = image_inputs(row, image_token) if "image_grid_thw" in row else {}
+    return {k: row[k] for k in keys if k in row} | images
+
+
+def next_token_fields(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What each position of a micro-batch `row` predicts, [B, T] aligned with it (the last position predicts
+    nothing): the next token (`targets`: the next input, unless the batch names others in `target_ids`, as
+    molt.tinker's do), whether that token is scored (`scored`: real, with a prefix in its sequence; the
+    first token of a packed sequence has none) and sampled (`select`), and the distribution the engine drew
+    it from (RECORDED_SAMPLING, when the segments record it)."""
+    scored = (row["position_ids"] > 0).long() if "position_ids" in row else row["attention_mask"]
+    fields = {"targets": row.get("target_ids", row["input_ids"]), "scored": scored,
+              "select": scored * (row["loss_mask"] > 0) if "loss_mask" in row else scored}
+    fields |= {k: row[k] for k in RECORDED_SAMPLING if k in row}
+    return {k: torch.nn.functional.pad(v[:, 1:], (0, 1)) for k, v in fields.items()}
+
+
 def inert_rows(batch: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
     """`count` rows shaped like `batch`'s that contribute nothing: one attended pad token, loss mask 0."""
     out = {}

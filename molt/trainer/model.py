@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from molt.inputs.vision import is_vision_model
 from molt.plan.memory import AUTO_CHUNK_BYTES, chunk_tokens  # noqa: F401 (the trainer's names)
 from molt.spec import RunSpec
+from molt.trainer.context_parallel import CP_ATTENTION
 from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.lora import apply_lora, check_adapted, peft_config
 from molt.trainer.packing import VARLEN
@@ -63,10 +64,20 @@ def distributed_setup(spec: RunSpec) -> Any:
         offload_policy=offload,
         activation_checkpointing=par.activation_checkpointing,
     )
-    # cp_size=1: the trainer does not shard sequences (molt/spec/derived.py says why)
-    sizes = ParallelismSizes(dp_size=par.dp_size, tp_size=par.tp_size, cp_size=1, ep_size=par.ep_size)
+    # the mesh's cp axis groups the ranks that split a micro-batch's positions (context_parallel.py); FSDP2
+    # shards over dp x cp, which also sums the cp ranks' gradients
+    sizes = ParallelismSizes(dp_size=par.dp_size, tp_size=par.tp_size, cp_size=par.cp_size,
+                             ep_size=par.ep_size)
     return DistributedSetup.build(strategy=strategy, parallelism_sizes=sizes, world_size=par.world_size,
                                   activation_checkpointing=par.activation_checkpointing)
+
+
+def attention_implementation(spec: RunSpec) -> str:
+    """The attention models are loaded with: context parallel's (split sequences need it; it runs the
+    packing's per-sequence attention too), the packing's (packed rows need theirs), else sdpa."""
+    if spec.parallel.cp_size > 1:
+        return CP_ATTENTION
+    return VARLEN if spec.train.micro_batch_tokens else "sdpa"
 
 
 def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
@@ -78,7 +89,7 @@ def build_model(spec: RunSpec, role: str, path: str, setup: Any) -> nn.Module:
     adapted = role == "policy" and spec.model.lora.rank > 0
     # fp32 master weights everywhere; model.dtype is FSDP2's cast or the worker's autocast (autocast_dtype)
     common = dict(dtype=torch.float32, trust_remote_code=spec.model.trust_remote_code)
-    attention = VARLEN if spec.train.micro_batch_tokens else "sdpa"   # packed rows need their attention
+    attention = attention_implementation(spec)
     if role == "critic":
         model = _critic(spec, path, attention, common)
     elif cuda:
@@ -148,9 +159,11 @@ def _critic(spec: RunSpec, path: str, attention: str, common: dict[str, Any]) ->
     if is_vision_model(path, spec.model.trust_remote_code):
         raise ValueError("model.critic: a value model of a vision-language model is not supported "
                          "(use an estimator without a critic, e.g. algo=grpo)")
-    # no dropout on the value head: the critic's forward must be deterministic like the policy's
-    config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0,
-                                        trust_remote_code=spec.model.trust_remote_code)
+    # no dropout on the value head: the critic's forward must be deterministic like the policy's. Set on the
+    # config object: transformers 5 drops `classifier_dropout` given to from_pretrained for a config class
+    # without that field (Qwen3's), and the head then defaults to dropout 0.1
+    config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=spec.model.trust_remote_code)
+    config.classifier_dropout = 0.0
     auto = AutoModelForTokenClassification
     if spec.parallel.world_size > 1 and dist.get_rank() > 0:
         with torch.device("meta"):
@@ -171,6 +184,9 @@ def automodel_kwargs(spec: RunSpec, role: str, path: str) -> dict[str, Any]:
         # (backward scale 1, summed over ranks) beside Molt's normalized RL loss: the RL loss alone trains.
         config={"router_aux_loss_coef": 0.0},
     )
+    if spec.parallel.cp_size > 1:
+        # split sequences need the Hugging Face classes, which call the attention registered for them
+        kwargs.update(force_hf=True, attn_implementation=CP_ATTENTION)
     if vision and (spec.model.freeze_vision or role == "reference"):
         # AutoModel makes a frozen tower one FSDP unit, gathered by every rank; frozen after sharding, it
         # is wrapped per block and a rank whose micro-batch holds no image would skip the gathers its
@@ -200,6 +216,10 @@ def _prepare(model: nn.Module, spec: RunSpec, role: str) -> None:
     if spec.parallel.activation_checkpointing and spec.parallel.world_size == 1:
         # AutoModel returns a single rank's model unwrapped, without its checkpointing wrappers
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    used = model.config.get_text_config()._attn_implementation
+    if spec.parallel.cp_size > 1 and used != CP_ATTENTION:   # another attention would see local tokens only
+        raise ValueError(f"parallel.cp_size > 1 needs the model to run attention {CP_ATTENTION!r}, but it "
+                         f"was loaded with {used!r}")
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -211,18 +231,41 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask
 
     That distribution is vLLM's "processed" one: logits / temperature, then top-k and top-p truncation,
     renormalized. `temperature`, `top_p`, `top_k` are one number for every token or [B, T] per token
-    (position t: what token t was sampled with; top_k <= 0 is off). logsumexp instead of a full
-    log_softmax keeps one [B, T, V] temporary fewer alive.
+    (position t: what token t was sampled with; top_k <= 0 is off). The position-aligned form, where
+    position t scores the token after it: `next_token_logprobs`.
     """
-    targets, mask = input_ids[:, 1:], attention_mask[:, 1:] > 0
+    logp, ent = next_token_logprobs(logits[:, :-1], input_ids[:, 1:], attention_mask[:, 1:],
+                                    *(_next(x) for x in (temperature, top_p, top_k)), entropy)
+    return to_tokens(logp), to_tokens(ent)
+
+
+def next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                        temperature: float | torch.Tensor, top_p: float | torch.Tensor,
+                        top_k: int | torch.Tensor,
+                        entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` with everything aligned at the position that predicts: logits [B, T, V] at t score
+    `targets[:, t]` (the token after t) where `mask` [B, T] is set, under the sampling parameters of that
+    token (numbers, or [B, T] aligned like `targets`); 0 elsewhere. logsumexp instead of a full log_softmax
+    keeps one [B, T, V] temporary fewer alive."""
+    mask = mask > 0
     # padding and the inert rows that even out shards may hold 0: give them a harmless temperature
     temp = torch.where(mask, _per_token(temperature, targets), 1.0)
-    scaled = _truncate(logits[:, :-1].float() / temp[..., None], targets, mask,
+    scaled = _truncate(logits.float() / temp[..., None], targets, mask,
                        _per_token(top_p, targets), _per_token(top_k, targets).long())
     logp, ent = _scored(scaled, targets, entropy)
     weight = mask.to(scaled.dtype)
-    pad = functools.partial(torch.nn.functional.pad, pad=(1, 0))
-    return pad(logp * weight), None if ent is None else pad(ent * weight)
+    return logp * weight, None if ent is None else ent * weight
+
+
+def to_tokens(scores: torch.Tensor | None) -> torch.Tensor | None:
+    """Scores aligned at the predicting position [B, T'] -> aligned at the token they score: one step to the
+    right, 0 at t = 0 (a first token has no prefix)."""
+    return None if scores is None else torch.nn.functional.pad(scores, (1, 0))
+
+
+def _next(value: float | torch.Tensor) -> float | torch.Tensor:
+    """A per-token [B, T] field seen from the position that predicts each token (its last column dropped)."""
+    return value[:, 1:] if isinstance(value, torch.Tensor) else value
 
 
 def _scored(scaled: torch.Tensor, targets: torch.Tensor,
@@ -268,11 +311,11 @@ def head_input(head: nn.Module | None) -> Iterator[list[torch.Tensor]]:
 
 
 def shared_chunk_count(select: torch.Tensor, chunk: int) -> int:
-    """The chunks of `chunk` positions that the busiest rank's `select` [B, T] needs (max over the default
-    process group). Each call of an FSDP-sharded head is a collective (weight gather; in the backward the
-    recomputation's gather and the gradient's reduce-scatter): ranks that called it a different number of
-    times would wait on each other forever."""
-    count = torch.tensor([-(-int((select[:, 1:] > 0).sum()) // chunk)], device=select.device)
+    """The chunks of `chunk` positions that the busiest rank's `select` [B, T] (positions that predict a
+    scored token) needs (max over the default process group). Each call of an FSDP-sharded head is a
+    collective (weight gather; in the backward the recomputation's gather and the gradient's
+    reduce-scatter): ranks that called it a different number of times would wait on each other forever."""
+    count = torch.tensor([-(-int((select > 0).sum()) // chunk)], device=select.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count)
@@ -282,19 +325,31 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: tor
                            select: torch.Tensor, temperature: float | torch.Tensor,
                            top_p: float | torch.Tensor, top_k: int | torch.Tensor, entropy: bool,
                            chunk: int, calls: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs(head(hidden).float(), ...)` at the positions `select` [B, T] marks (0 elsewhere),
-    without ever holding more than `chunk` positions' logits [chunk, V].
+    """`token_logprobs(head(hidden).float(), ...)` at the tokens `select` [B, T] marks (0 elsewhere),
+    without ever holding more than `chunk` positions' logits [chunk, V]. `hidden` [B, T, H] is the output
+    head's input; the position-aligned form: `chunked_next_token_logprobs`."""
+    logp, ent = chunked_next_token_logprobs(hidden[:, :-1], head, input_ids[:, 1:], select[:, 1:],
+                                            *(_next(x) for x in (temperature, top_p, top_k)), entropy,
+                                            chunk, calls)
+    return to_tokens(logp), to_tokens(ent)
 
-    `hidden` [B, T, H] is the output head's input. The head, temperature, truncation, logsumexp and
-    entropy run per chunk of selected positions; with grad each chunk is checkpointed, so the backward
-    recomputes its logits instead of keeping every chunk's alive (only hidden rows and [chunk] results
-    are saved). Call it under the forward's autocast: the head then computes in the same dtype. `calls`
-    (`shared_chunk_count`) pads the chunks with spare ones on one position, in the graph with weight 0,
-    so that every rank runs the head as often in the forward and in the backward.
+
+def chunked_next_token_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
+                                select: torch.Tensor, temperature: float | torch.Tensor,
+                                top_p: float | torch.Tensor, top_k: int | torch.Tensor, entropy: bool,
+                                chunk: int, calls: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`next_token_logprobs(head(hidden).float(), targets, select, ...)` in chunks of `chunk` selected
+    positions.
+
+    The head, temperature, truncation, logsumexp and entropy run per chunk of selected positions; with grad
+    each chunk is checkpointed, so the backward recomputes its logits instead of keeping every chunk's
+    alive (only hidden rows and [chunk] results are saved). Call it under the forward's autocast: the head
+    then computes in the same dtype. `calls` (`shared_chunk_count`) pads the chunks with spare ones on one
+    position, in the graph with weight 0, so that every rank runs the head as often in the forward and in
+    the backward.
     """
-    targets = input_ids[:, 1:]
-    where = (select[:, 1:] > 0).nonzero(as_tuple=True)
-    picked = [hidden[:, :-1][where], targets[where], _per_token(temperature, targets)[where],
+    where = (select > 0).nonzero(as_tuple=True)
+    picked = [hidden[where], targets[where], _per_token(temperature, targets)[where],
               _per_token(top_p, targets)[where], _per_token(top_k, targets).long()[where]]
     grad = torch.is_grad_enabled() and hidden.requires_grad
     one = torch.ones(1, device=targets.device)
@@ -313,8 +368,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: nn.Module, input_ids: tor
             ent = ent.index_put(where, torch.cat([p[1] for p in parts[:real]]))
     if grad and len(parts) > real:   # the spare chunks' backward must run too: a 0-weighted term
         logp = logp + 0.0 * torch.stack([p[0].sum() for p in parts[real:]]).sum()
-    pad = functools.partial(torch.nn.functional.pad, pad=(1, 0))
-    return pad(logp), None if ent is None else pad(ent)
+    return logp, ent
 
 
 def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temp: torch.Tensor,
@@ -331,7 +385,7 @@ def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
 
 def _per_token(value: float | torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return value[:, 1:].to(targets.device)   # [B, T] aligned with tokens -> aligned with targets
+        return value.to(targets.device)   # [B, T] aligned with targets
     return torch.full(targets.shape, float(value), device=targets.device)
 
 
@@ -371,12 +425,3 @@ def vllm_truncation(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     drop[:, -1] = False
     drop |= ascending == -torch.inf
     return torch.zeros_like(drop).scatter_(-1, order, drop)
-
-
-def prefix_values(head: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Critic values [B, T] aligned with tokens: at t, V(tokens < t) = the value head's output at t - 1.
-
-    The head's output at t has already read token t; GAE's baseline for the action at t must not, or
-    every action's advantage would partly cancel itself. 0 at t = 0 and on padding.
-    """
-    return torch.nn.functional.pad(head[:, :-1], (1, 0)) * attention_mask

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.plan.models import check_same_tokenizer, model_path
 from molt.plan.placement import NCCL_ENV, cluster_nodes, gpu_share, node_selector, plan
-from molt.spec import RunSpec
+from molt.spec import ParallelSpec, RunSpec
 from molt.trainer.batch import pad_rows
 
 ROLES = ("policy", "reference", "critic")
@@ -44,6 +44,16 @@ def gather(refs: list[ray.ObjectRef]) -> list[Any]:
             except RayTaskError:
                 pass
         raise
+
+
+def row_shards(batch: dict[str, torch.Tensor], par: ParallelSpec) -> list[dict[str, torch.Tensor]]:
+    """Each rank's rows of `batch`: padded to a multiple of dp_size (inert rows) and split into equal
+    contiguous shards, one per data-parallel replica; the cp and tp ranks of a replica get the same rows."""
+    padded = pad_rows(batch, par.dp_size)
+    per = padded["input_ids"].shape[0] // par.dp_size
+    replicas = par.replica_ranks
+    return [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
+            for r in range(par.world_size)]
 
 
 class TrainerRanks:
@@ -91,20 +101,12 @@ class TrainerRanks:
         gather([w.setup.remote(host, port) for w in self.workers])
 
     def _shards(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], int]:
-        par = self.spec.parallel
-        rows = batch["input_ids"].shape[0]
-        padded = pad_rows(batch, par.dp_size)
-        per = padded["input_ids"].shape[0] // par.dp_size
-        replicas = par.tp_size  # mesh order (dp, tp): the tp ranks of one replica are consecutive
-        shards = [{k: v[(r // replicas) * per:(r // replicas + 1) * per] for k, v in padded.items()}
-                  for r in range(par.world_size)]
-        return shards, rows
+        return row_shards(batch, self.spec.parallel), batch["input_ids"].shape[0]
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards, rows = self._shards(batch)
         outs = gather([w.forward.remote(s) for w, s in zip(self.workers, shards, strict=True)])
-        replicas = self.spec.parallel.tp_size
-        return torch.cat(outs[::replicas])[:rows]
+        return torch.cat(outs[::self.spec.parallel.replica_ranks])[:rows]
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] log π(token t | tokens < t) under the distribution token t was sampled from (the batch's
@@ -135,7 +137,7 @@ class TrainerRanks:
     def token_record(self) -> dict[str, torch.Tensor]:
         """The last `update(record=True)`'s per-token record, [B, T] per field in the batch's rows
         (molt.trainer.token_record: ids, loss mask, logprobs, advantages, weights, decisions, entropy)."""
-        outs = gather([w.token_record.remote() for w in self.workers])[::self.spec.parallel.tp_size]
+        outs = gather([w.token_record.remote() for w in self.workers])[::self.spec.parallel.replica_ranks]
         keys = set(outs[0]).intersection(*outs)
         return {k: torch.cat([o[k] for o in outs])[:self._rows] for k in sorted(keys)}
 

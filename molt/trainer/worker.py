@@ -32,7 +32,8 @@ from molt.algo import (
 )
 from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import rank_state, weights
-from molt.trainer.batch import image_inputs, inert_rows
+from molt.trainer.batch import RECORDED_SAMPLING, inert_rows, model_inputs, next_token_fields
+from molt.trainer.context_parallel import Shard, split
 from molt.trainer.fp8 import checkpoint_fp8
 from molt.trainer.model import (
     DTYPES,
@@ -40,12 +41,12 @@ from molt.trainer.model import (
     build_model,
     chunk_tokens,
     chunkable,
-    chunked_token_logprobs,
+    chunked_next_token_logprobs,
     distributed_setup,
     head_input,
-    prefix_values,
+    next_token_logprobs,
     shared_chunk_count,
-    token_logprobs,
+    to_tokens,
 )
 from molt.trainer.offload import HostStateAdamW
 from molt.trainer.packing import pack, token_budget_groups, unpack
@@ -79,6 +80,8 @@ class TrainerWorker:
         self.refit_store: dist.TCPStore | None = None        # rank 0: where the next group meets
         self.store: dist.TCPStore | None = None              # rank 0: where the ranks meet (`address`)
         self.record: TokenRecord | None = None   # the last update's per-token record (update(record=True))
+        self.cp_group: dist.ProcessGroup | None = None       # the ranks splitting each micro-batch (`setup`)
+        self.image_token: int | None = None                  # a VLM's image placeholder id (`setup`)
 
     @ray.method(concurrency_group="control")   # runs while `update` holds the default group
     def set_engines_idle(self, idle: bool) -> None:
@@ -117,6 +120,11 @@ class TrainerWorker:
         if self.image_token is not None and self.spec.train.micro_batch_tokens is not None:
             raise ValueError("train.micro_batch_tokens (sequence packing) does not pack image inputs yet: "
                              "use train.micro_batch_size with a vision-language model")
+        if self.image_token is not None and par.cp_size > 1:
+            raise ValueError("parallel.cp_size > 1 does not split image inputs over the cp ranks: use "
+                             "cp_size=1 with a vision-language model")
+        # context parallel: the ranks that split each micro-batch's positions (`_forward`)
+        self.cp_group = self.mesh["cp"].get_group() if par.cp_size > 1 else None
         # The loss is already a global SUM / global normalizer per rank, so FSDP must sum gradients
         # across data shards instead of averaging them. Gloo has no pre-multiplied sum: force plain sums.
         for module in self.model.modules():
@@ -168,52 +176,56 @@ class TrainerWorker:
         return out
 
     def _forward(self, mb: dict[str, torch.Tensor], entropy: bool = False):
-        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device;
-        with `train.micro_batch_tokens` computed on its packed row and returned in the padded layout."""
-        if self.spec.train.micro_batch_tokens is None:
-            return self._row_forward(mb, entropy)
-        packed, real = pack(mb)
-        scores, ent = self._row_forward(packed, entropy)
-        return unpack(scores, real), None if ent is None else unpack(ent, real)
+        """[b, t] logprobs (policy/reference) or values (critic) of one micro-batch already on the device, 0
+        at t = 0 and on padding: with `train.micro_batch_tokens` computed on its packed row, with
+        `parallel.cp_size` on this rank's share of the positions, and returned in the padded layout."""
+        packing = self.spec.train.micro_batch_tokens is not None
+        row, real = pack(mb) if packing else (mb, None)
+        replay = self.spec.model.router_replay and self.role == "policy"   # the policy engine's picks
+        inputs, scoring = model_inputs(row, replay, self.image_token), next_token_fields(row)
+        length = row["input_ids"].shape[1]
+        cp = None if self.cp_group is None else Shard.of(self.cp_group, length, self.device)
+        if cp is not None:
+            inputs, scoring = split(inputs, cp), {k: cp.take(v) for k, v in scoring.items()}
+        placeholder = "image_grid_thw" in row and "pixel_values" not in inputs and self.tower_collectives
+        scores = self._row_forward(inputs, scoring, entropy, cp, placeholder)
+        if cp is not None:
+            scores = tuple(cp.gather(s) for s in scores)
+        # the score computed at position t is that of token t + 1
+        scores = tuple(None if s is None else to_tokens(s[:, :length - 1]) for s in scores)
+        return tuple(unpack(s, real) if packing and s is not None else s for s in scores)
 
-    def _row_forward(self, mb: dict[str, torch.Tensor], entropy: bool):
+    def _row_forward(self, inputs: dict[str, torch.Tensor], scoring: dict[str, torch.Tensor], entropy: bool,
+                     cp: Shard | None, placeholder: bool):
+        """At each position of `inputs`, the score of the token it predicts (`next_token_fields`): its logprob
+        and entropy, or the critic's value. `placeholder`: run the vision tower without images."""
+        inputs = dict(inputs)
         # Set for this forward and kept until the next one: activation checkpointing recomputes the layers
         # in the backward, after this returns, and the recomputation must take the same experts.
-        replay = self.spec.model.router_replay and self.role == "policy"   # the policy engine's picks
-        set_routes(self.model, mb.get("routed_experts") if replay else None)
-        images = image_inputs(mb, self.image_token) if "image_grid_thw" in mb else {}
-        # A packed row has no attention mask: position ids restart per sequence and the packing's
-        # attention takes the sequence bounds; a token at position 0 has no prefix, hence no logprob.
-        positions = mb.get("position_ids")
-        packed = {} if positions is None else \
-            {"position_ids": positions, "cu_seq_lens_q": mb["cu_seq_lens_q"]}
-        attention = mb["attention_mask"] if positions is None else None
-        scored = mb["attention_mask"] if positions is None else (positions > 0).long()
+        set_routes(self.model, inputs.pop("routed_experts", None))
         autocast = torch.autocast("cuda" if self.cuda else "cpu", self.autocast or torch.float32,
                                   enabled=self.autocast is not None)
         chunked = self.role != "critic" and chunkable(self.model, self.spec.parallel)
         head = self.model.get_output_embeddings() if chunked else None
         # a VLM batch's micro-batch without an image still runs a sharded tower's collectives, as its peers do
-        placeholder = "image_grid_thw" in mb and not images and self.tower_collectives
         with head_input(head) as hidden, autocast, tower_in_every_forward(self.model, placeholder):
-            logits = self.model(input_ids=mb["input_ids"], attention_mask=attention, use_cache=False,
-                                **packed, **images).logits.float()
-        # the distribution each token was sampled from: recorded per token, else the run's settings
+            logits = self.model(**inputs, **({} if cp is None else {"cp_shard": cp}), use_cache=False).logits
+        logits = logits.float()
         r = self.spec.rollout
-        # the token scored at each position: the next input, unless the batch names others (molt.tinker)
-        targets = mb.get("target_ids", mb["input_ids"])
-        sampling = (mb.get("temperature", r.temperature), mb.get("top_p", r.top_p), mb.get("top_k", r.top_k))
+        sampling = tuple(scoring.get(k, getattr(r, k)) for k in RECORDED_SAMPLING)
         if hidden:   # only sampled tokens are scored (the loss and the mismatch need no other)
-            select = scored * (mb["loss_mask"] > 0) if "loss_mask" in mb else scored
             with autocast:
                 chunk = chunk_tokens(self.spec, head.weight.shape[0])
-                return chunked_token_logprobs(hidden[0], head, targets, select, *sampling, entropy,
-                                              chunk, shared_chunk_count(select, chunk))
+                return chunked_next_token_logprobs(hidden[0], head, scoring["targets"], scoring["select"],
+                                                   *sampling, entropy, chunk,
+                                                   shared_chunk_count(scoring["select"], chunk))
         if isinstance(logits, DTensor):  # tensor parallel: the output head is sharded over the vocabulary
             logits = logits.full_tensor()
         if self.role == "critic":
-            return prefix_values(logits[..., 0], scored), None
-        return token_logprobs(logits, targets, scored, *sampling, entropy)
+            # V(tokens < t+1), read before token t+1: the baseline of the action t+1 must not have seen it,
+            # or every action's advantage would partly cancel itself
+            return logits[..., 0] * scoring["scored"], None
+        return next_token_logprobs(logits, scoring["targets"], scoring["scored"], *sampling, entropy)
 
     @torch.no_grad()
     def forward(self, shard: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -231,14 +243,12 @@ class TrainerWorker:
         return out
 
     # -- training --------------------------------------------------------------------------------------
-    def _replicas(self) -> int:
-        # the tp ranks of one data shard see the same rows: all-reduced sums count them once each
-        return self.spec.parallel.tp_size
-
     def _all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return (t / self._replicas()).tolist()
+        # the cp and tp ranks of one data shard hold the same rows (cp: gathered in `_forward`), so they
+        # compute the same loss and metrics: count each replica once
+        return (t / self.spec.parallel.replica_ranks).tolist()
 
     def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None,
                record: bool = False) -> dict[str, float]:
