@@ -30,19 +30,16 @@ unavailable", as options.tool_unavailable does for all rows).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 from molt.agents import Env, Result, State, StepEnvRunner
+from molt.spec.plugins import import_user_module
 
 # The sibling tool_env.py, loaded by its path (see tool_chat.py): the answer format its score reads.
-_spec = importlib.util.spec_from_file_location("molt_example_tool_env",
-                                               Path(__file__).with_name("tool_env.py"))
-tool_env = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tool_env)
+tool_env = import_user_module(str(Path(__file__).with_name("tool_env.py")), "molt_example")
 answer_text, UNAVAILABLE = tool_env.answer_text, tool_env.UNAVAILABLE
 
 BUSY = "error: busy, try again"
@@ -194,10 +191,7 @@ def trace_turns(row: dict[str, Any], rng: random.Random) -> tuple[list[tuple[str
 
 def sft_trace(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     """`row` as an SFT conversation: one call a turn (examples/agents/tool_traces.py's writer)."""
-    spec = importlib.util.spec_from_file_location("molt_example_tool_traces",
-                                                  Path(__file__).with_name("tool_traces.py"))
-    tool_traces = importlib.util.module_from_spec(spec)   # by path, as tool_env above
-    spec.loader.exec_module(tool_traces)
+    tool_traces = import_user_module(str(Path(__file__).with_name("tool_traces.py")), "molt_example")
     tool_conversation = tool_traces.tool_conversation
 
     calls, answer = trace_turns(row, rng)

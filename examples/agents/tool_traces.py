@@ -37,7 +37,6 @@ same with or without the tools block, so the copying carries over to the prompts
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,13 +44,11 @@ from typing import Any
 
 from molt.agents.reasoning_gym_env import task_rows
 from molt.agents.tool_tasks import CALCULATOR as CALCULATOR_TOOL
+from molt.spec.plugins import import_user_module
 
 # The sibling tool_env.py, loaded by its path: putting examples/agents/ on sys.path would let its
 # math_verify.py hide the installed math_verify package from every later import in the process.
-_spec = importlib.util.spec_from_file_location("molt_example_tool_env",
-                                               Path(__file__).with_name("tool_env.py"))
-_tool_env = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_tool_env)
+_tool_env = import_user_module(str(Path(__file__).with_name("tool_env.py")), "molt_example")
 answer_text, calculator = _tool_env.answer_text, _tool_env.calculator
 
 CALCULATOR = [CALCULATOR_TOOL]
