@@ -59,23 +59,25 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--write", action="store_true", help="write the table into bench/RESULTS.md")
     args = parser.parse_args()
-    rows = []
-    for stage in args.stages.split(","):
-        for busy in (int(b) for b in args.busy.split(",")):
-            base = None
-            for threads in reversed(args.threads.split(",")):   # cpu_threads=1 first: the ratios' base
-                r = cell(stage, busy, threads, args.steps, args.warmup)
-                base = base or r["step_s"]
-                rows.append([stage, str(busy), threads, f"{r['step_s']:.3f}", f"{r['max_s']:.3f}",
-                             f"{r['step_s'] / base:.2f}", f"{r['load']:.1f}"])
-                print(" | ".join(rows[-1]), flush=True)
-    text = table(["stage", "busy processes beside it", "parallel.cpu_threads", "median step s",
-                  "slowest step s", "vs cpu_threads=1", "1-min load at start"], rows)
+    head = header()   # the machine and the load when the run starts, not when it ends
+    command = (f"python bench/busy_host.py --stages {args.stages} --busy {args.busy} --threads "
+               f"{args.threads} --steps {args.steps} --write")
+    cells = [(stage, int(busy), threads) for stage in args.stages.split(",") for busy in args.busy.split(",")
+             for threads in reversed(args.threads.split(","))]   # cpu_threads=1 first: the ratios' base
+    rows, base = [], {}
+    for n, (stage, busy, threads) in enumerate(cells, 1):
+        r = cell(stage, busy, threads, args.steps, args.warmup)
+        base.setdefault((stage, busy), r["step_s"])
+        rows.append([stage, str(busy), threads, f"{r['step_s']:.3f}", f"{r['max_s']:.3f}",
+                     f"{r['step_s'] / base[stage, busy]:.2f}", f"{r['load']:.1f}"])
+        print(" | ".join(rows[-1]), flush=True)
+        text = table(["stage", "busy processes beside it", "parallel.cpu_threads", "median step s",
+                      "slowest step s", "vs cpu_threads=1", "1-min load at start"], rows)
+        if args.write:   # after every cell: on a busy host the run is long, and a stopped one keeps its rows
+            done = "" if n == len(cells) else f" ({n} of {len(cells)} cells: the run stopped before the rest)"
+            write_section("busy_host", f"## Busy host: parallel.cpu_threads null vs 1\n\n`{command}` "
+                          f"({os.cpu_count()} cores){done}\n\n{head}\n\n{text}\n")
     print(text)
-    if args.write:
-        command = (f"python bench/busy_host.py --stages {args.stages} --busy {args.busy} --threads "
-                   f"{args.threads} --steps {args.steps} --write")
-        write_section("busy_host", f"`{command}` ({os.cpu_count()} cores)\n\n{header()}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from molt.driver.agent_workers import AgentWorkers
 from molt.driver.compose import Inputs
 from molt.driver.eval import ROLES, evaluate_on
 from molt.driver.judge_engines import judge_engines, start_judge
+from molt.driver.select import agent_metrics
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.sampling import TrainingSampler
 from molt.spec import RunSpec
@@ -148,7 +149,8 @@ def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_se
     assert ran[0] == [os.getpid()] * 6 and len(ran[1]) == 6 and len(set(ran[1])) == 1
     assert ran[1][0] != os.getpid()
     assert metrics[1] == metrics[0] and set(metrics[0]) == {
-        f"eval/{name}/{k}" for name in sets for k in ("mean@2", "pass@1", "pass@2")}
+        f"eval/{name}/{k}" for name in sets
+        for k in ("mean@2", "pass@1", "pass@2", "failed", *agent_metrics([]))}
 
 
 def test_molt_eval_refuses_workers_the_cluster_cannot_hold(ray_session, tiny_model_path):

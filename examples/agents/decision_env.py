@@ -30,20 +30,16 @@ unavailable", as options.tool_unavailable does for all rows).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 from molt.agents import Env, Result, State, StepEnvRunner
+from molt.spec.user_modules import import_user_module
 
 # The sibling tool_env.py, loaded by its path (see tool_chat.py): the answer format its score reads.
-_spec = importlib.util.spec_from_file_location("molt_example_tool_env",
-                                               Path(__file__).with_name("tool_env.py"))
-tool_env = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tool_env)
+tool_env = import_user_module(str(Path(__file__).with_name("tool_env.py")), "molt_example")
 answer_text, UNAVAILABLE = tool_env.answer_text, tool_env.UNAVAILABLE
 
 BUSY = "error: busy, try again"
@@ -195,7 +191,8 @@ def trace_turns(row: dict[str, Any], rng: random.Random) -> tuple[list[tuple[str
 
 def sft_trace(row: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     """`row` as an SFT conversation: one call a turn (examples/agents/tool_traces.py's writer)."""
-    from tool_traces import tool_conversation
+    tool_traces = import_user_module(str(Path(__file__).with_name("tool_traces.py")), "molt_example")
+    tool_conversation = tool_traces.tool_conversation
 
     calls, answer = trace_turns(row, rng)
     return tool_conversation(row, [([(name, args)], [output]) for name, args, output in calls], answer)
@@ -242,7 +239,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-eval", type=int, default=20, help="SFT eval traces per task")
     parser.add_argument("--bare", type=float, default=2 / 3, help="share of SFT traces without the tools")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))   # tool_traces, beside this file
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = {"train": args.train, "eval": args.eval, "eval_off": args.eval_off, "sft": args.sft,
              "sft_eval": args.sft_eval}

@@ -8,19 +8,16 @@ same chat template, a rollout here is token for token the rollout tool_env.py sa
 random draws: docs/tool_use.md compares their learning curves.
 """
 
-import importlib.util
 from pathlib import Path
 
 import openai
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, State
+from molt.spec.user_modules import import_user_module
 
 # The sibling tool_env.py, loaded by its path: putting examples/agents/ on sys.path would let its
 # math_verify.py hide the installed math_verify package from every later import in the process.
-_spec = importlib.util.spec_from_file_location("molt_example_tool_env",
-                                               Path(__file__).with_name("tool_env.py"))
-tool_env = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tool_env)
+tool_env = import_user_module(str(Path(__file__).with_name("tool_env.py")), "molt_example")
 ToolEnv, score = tool_env.ToolEnv, tool_env.score
 
 

@@ -38,16 +38,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tool_env import answer_text, calculator  # noqa: E402
+from molt.spec.user_modules import import_user_module
+from molt.tasks.reasoning_gym import task_rows
+from molt.tasks.tool_use import CALCULATOR as CALCULATOR_TOOL
 
-from molt.tasks.reasoning_gym import task_rows  # noqa: E402
-from molt.tasks.tool_use import CALCULATOR as CALCULATOR_TOOL  # noqa: E402
+# The sibling tool_env.py, loaded by its path: putting examples/agents/ on sys.path would let its
+# math_verify.py hide the installed math_verify package from every later import in the process.
+_tool_env = import_user_module(str(Path(__file__).with_name("tool_env.py")), "molt_example")
+answer_text, calculator = _tool_env.answer_text, _tool_env.calculator
 
 CALCULATOR = [CALCULATOR_TOOL]
 PRODUCTS = {"min_digits": 3, "max_digits": 3, "min_terms": 2, "max_terms": 2}
