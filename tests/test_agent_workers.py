@@ -194,6 +194,18 @@ def test_workers_are_planned_on_the_generating_nodes_and_shown():
     assert "agent worker" not in describe_plan(RunSpec())
 
 
+def test_ray_workers_run_at_the_drivers_priority(ray_session):
+    """Ray's default starts workers at nice 15: beside two busy processes an SFT step took 16 s instead of
+    0.5 s (bench/RESULTS.md `busy_host`). The local Ray of a run (and of these tests) runs them at nice 0."""
+    import os
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == os.nice(0) == 0
+
+
 def test_workers_that_do_not_fit_a_nodes_cores_are_refused(monkeypatch):
     import molt.plan.placement as placement
 
