@@ -1,14 +1,14 @@
 """Placement: which node runs every actor, planned before Ray starts and checked before any actor starts.
 
 The plan comes from the spec alone. Trainer roles (the policy, then the reference, then the critic;
-`parallel.world_size` = dp_size * tp_size ranks of one device each), engines (`rollout.engine.num_engines`,
-each `rollout.engine.tp_size` devices on one node) and an LLM judge's engines (`agent.judge.engine`, placed
-like engines; none for a judge at `agent.judge.url`) fill `parallel.nodes` nodes of `parallel.gpus_per_node`
-GPUs in order; agent workers (`agent.workers`, one CPU core each, no GPU) are spread evenly over the nodes
-that generate. With `parallel.trainer_nodes = K` nodes 0..K-1 train and the others generate (a judge's
-engines too); left null, all roles share every node (trainer ranks first). On CUDA a plan that does not fit
-is a spec error, so it fails before Ray starts. On CPU devices are time-shared cores, so the plan only maps
-roles to nodes.
+`parallel.world_size` = dp_size * cp_size * tp_size ranks of one device each), engines
+(`rollout.engine.num_engines`, each `rollout.engine.tp_size` devices on one node) and an LLM judge's
+engines (`agent.judge.engine`, placed like engines; none for a judge at `agent.judge.url`) fill
+`parallel.nodes` nodes of `parallel.gpus_per_node` GPUs in order; agent workers (`agent.workers`, one CPU
+core each, no GPU) are spread evenly over the nodes that generate. With `parallel.trainer_nodes = K` nodes
+0..K-1 train and the others generate (a judge's engines too); left null, all roles share every node (trainer
+ranks first). On CUDA a plan that does not fit is a spec error, so it fails before Ray starts. On CPU
+devices are time-shared cores, so the plan only maps roles to nodes.
 
 Binding, once Ray is up: plan node i is the i-th alive Ray node (with GPUs, on CUDA), the driver's node
 first, then the others by address and id. Each node's total resources must hold what the plan puts on it

@@ -81,8 +81,8 @@ class ModelSpec(Strict):
     reference_tiny: dict[str, int] = Field(
         default_factory=dict, description="tiny-model options of the reference when reference=tiny (e.g. a "
         "larger teacher to distill from)")
-    critic: bool = Field(False, description="train a value model beside the policy (gae needs one; "
-                         "only gae uses it)")
+    critic: bool = Field(False, description="train a value model beside the policy, for an estimator "
+                         "that reads its values (needs_critic: gae, or a plugin's; refused for the others)")
     router_replay: bool = Field(False, description="MoE: replay the engine's routed experts in training")
     freeze_router: bool = Field(False, description="MoE: do not train the router weights")
     freeze_vision: bool = Field(False, description="VLM: train the language model only, not the vision tower")
