@@ -19,7 +19,7 @@ from agentlib import COUNTING_AGENT, executions
 from faultlib import small_spec
 
 import molt.__main__ as cli
-from molt.driver.compose import compose
+from molt.driver.compose import compose, prepare
 from molt.driver.loop import train
 from molt.spec import SpecError
 
@@ -77,13 +77,14 @@ def test_a_failure_after_the_engines_were_asked_for_stops_them(ray_session, tmp_
     """The engines are asked for before the agent's set-up, so that they load while the rest starts
     (`molt.driver.run.Run.start`): a failure then must stop them, not leave them in the caller's cluster.
     With agent workers the set-up that fails is a worker's (the driver's runner is not set up). The agent
-    module executed once per process: checked by `prepare`, the runner it built is the one the run uses."""
+    module executed once per process: checked by `prepare`, the runner it built is the one the run uses
+    (handed to `train` as `python -m molt` hands it, so a loop that built its inputs again shows here)."""
     (tmp_path / "setup_fails.py").write_text(SETUP_FAILS)
     spec = small_spec({"module": str(tmp_path / "setup_fails.py"), "workers": workers},
                       run={"dir": str(tmp_path / "run")})
     before = live_actor_classes()
     with pytest.raises(Exception, match="agent set-up failed: no API key"):
-        train(spec)
+        train(spec, prepare(spec))
     assert live_actor_classes() == before
     pids = executions(tmp_path / "setup_fails.py")
     assert len(pids) == len(set(pids)) == 1 + workers and os.getpid() in pids, pids
