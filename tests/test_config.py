@@ -474,7 +474,7 @@ def test_the_dry_run_builds_the_inputs_and_reports_every_problem():
     assert "dataset file not found: 'nope_eval.jsonl'" in str(problems[2])
 
 
-GPU_RECIPES = ["dsv3_ep256", "qwen30b_tools", "qwen3_4b_math", "qwen_vl_geo3k"]
+GPU_RECIPES = ["dsv3_ep256", "qwen30b_tools", "qwen3_4b_bfcl", "qwen3_4b_math", "qwen_vl_geo3k"]
 
 
 def test_a_dry_run_of_every_gpu_recipe_prints_its_memory_plan_then_its_problems(monkeypatch, capsys):

@@ -128,7 +128,7 @@ def test_eval_logs_what_the_agent_did_per_set(tok, engine):
     runner.setup(tok, spec)
     sets = {"a": [{"prompt": "a", "info": {"k": 1.0}}, {"prompt": "a", "info": {"k": 3.0}}],
             "b": [{"prompt": "a", "info": None}, {"prompt": "a", "info": {"j": 5.0}}]}
-    metrics = asyncio.run(evaluate(spec, runner, Recorder(engine), sets, 0))
+    metrics = asyncio.run(evaluate(spec, LocalAgents(spec, runner, Recorder(engine)), sets, 0))
     assert (metrics["eval/a/info/k"], metrics["eval/b/info/j"]) == (2.0, 5.0)
     assert "eval/a/info/j" not in metrics and "eval/b/info/k" not in metrics
     assert (metrics["eval/a/failed"], metrics["eval/b/failed"]) == (0.0, 2.0)
