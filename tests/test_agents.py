@@ -353,6 +353,18 @@ def test_loader_finds_every_configured_agent():
         assert load_agent_runner(agent).kind in ("env", "chat"), path.name   # the agent's kind: its runner's
 
 
+def test_a_relative_agent_module_is_found_as_a_data_file_is(tmp_path, monkeypatch):
+    """A relative agent.module is looked for in the current directory, then the repository root, as data
+    files are: `python -m molt` run from a folder of the checkout (docs/) read the default data and then
+    refused the default agent, examples/agents/repeat.py. A file in the current directory comes first."""
+    monkeypatch.chdir(tmp_path)
+    assert load_agent_runner(AgentSpec()).kind == "env"   # the default module, from the repository root
+    (tmp_path / "examples" / "agents").mkdir(parents=True)
+    (tmp_path / "examples" / "agents" / "repeat.py").write_text("x = 1\n")
+    with pytest.raises(ImportError, match="does not export AgentRunner"):
+        load_agent_runner(AgentSpec())
+
+
 def test_loader_errors_are_clear(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="could not be loaded.*no such file"):
         load_agent_runner(AgentSpec(module=str(tmp_path / "missing.py")))

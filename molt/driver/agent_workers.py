@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -31,6 +30,7 @@ from ray.exceptions import RayActorError
 from molt.driver.judge_engines import start_judge
 from molt.rollout.dispatch import Dispatcher
 from molt.spec import RunSpec
+from molt.spec.user_modules import user_file
 from molt.trajectory import Rollout
 
 START_TIMEOUT_S = 600.0   # a worker's set-up: imports, the tokenizer, a chat server (seconds on a loaded CPU)
@@ -151,7 +151,7 @@ class AgentWorkers:
     def __init__(self, spec: RunSpec, policy_path: str, dispatcher: Dispatcher,
                  judge_engines: list | None = None) -> None:
         if spec.agent.module.endswith(".py"):   # a worker's current directory may not be the driver's
-            agent = spec.agent.model_copy(update={"module": str(Path(spec.agent.module).resolve())})
+            agent = spec.agent.model_copy(update={"module": str(user_file(spec.agent.module))})
             spec = spec.model_copy(update={"agent": agent})
         self.spec, self.policy_path, self.dispatcher = spec, policy_path, dispatcher
         self.judge_engines = list(judge_engines or [])

@@ -21,14 +21,12 @@ import numpy as np
 from molt.inputs.data_hub import describe, hub_rows, without_null_fields
 from molt.inputs.vision import normalize
 from molt.spec import DataSpec, HubDataset, eval_names
-
-REPO_ROOT = Path(__file__).resolve().parents[2]   # molt/inputs/data.py -> the repository
+from molt.spec.user_modules import candidate_paths
 
 
 def resolve_path(path: str | Path) -> Path:
     """An absolute path as is; a relative one against the current directory, then the repository root."""
-    p = Path(path).expanduser()
-    candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, REPO_ROOT / p]))
+    candidates = candidate_paths(path)
     for candidate in candidates:
         if candidate.is_file():
             return candidate
