@@ -225,7 +225,10 @@ class GpuMemory:
 def dry_run(overrides: list[str]) -> str:
     proc = subprocess.run([sys.executable, "-m", "molt", *overrides, "run.dry_run=true"], cwd=REPO,
                           capture_output=True, text=True)
-    return proc.stdout if proc.returncode == 0 else f"dry run failed:\n{proc.stderr[-2000:]}"
+    # the whole plan, then each problem the dry run found (exit code 2)
+    problems = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("molt: "))
+    found = f"dry run found problems:\n{problems or proc.stderr[-2000:]}" if proc.returncode else ""
+    return proc.stdout + found
 
 
 def train_run(name: str, overrides: list[str], args: argparse.Namespace) -> list[str]:

@@ -40,6 +40,7 @@ class Sample(TypedDict):
     prompt_logprobs: NotRequired[list[float | None]]   # when the request asked for them
     routed_experts: NotRequired[np.ndarray]            # MoE: [len, layers, top_k] expert ids
     engine: NotRequired[int]        # the dispatcher's index of the engine that sampled it
+    context_cut: NotRequired[bool]  # the agent layer: stopped by the context before its turn's max_tokens
 
 
 class Sampler(Protocol):
@@ -139,6 +140,9 @@ class Rollout:
     tool_parse_errors: int = 0
     answered: bool = False
     turn_rewards: list[float] = field(default_factory=list)   # each turn's (model reply's) reward, in order
+    # responses stopped by the context (model.max_model_len, agent.max_total_tokens) before their turn's
+    # max_tokens (rollout/context_truncated)
+    context_truncated: int = 0
 
     @property
     def ok(self) -> bool:

@@ -5,12 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 
 import torch
 from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
 from molt.driver.judge_engines import start_judge
+
+# An agent module that notes each execution of itself (its import), by process, in `<its path>.executions`:
+# a run executes it once per process (checked by tests/test_config.py and tests/faults/test_bad_input.py).
+COUNTING_AGENT = """
+import os
+with open(__file__ + ".executions", "a") as f:
+    f.write(f"{os.getpid()}\\n")
+from molt.agents import Env, Result, StepEnvRunner
+
+class Noop(Env):
+    async def step(self, state):
+        return Result(reward=0.0)
+
+AgentRunner = StepEnvRunner(Noop)
+"""
+
+
+def executions(module: Path) -> list[int]:
+    """The process ids that executed `module` (a COUNTING_AGENT), one per execution."""
+    return [int(pid) for pid in Path(f"{module}.executions").read_text().split()]
 
 
 class Runners:

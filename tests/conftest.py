@@ -8,7 +8,10 @@ from typing import Any
 
 # One thread per process: 2 cores are shared by Ray, vLLM and the trainer ranks (tests/README.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from molt.plan.placement import LOCAL_RAY_ENV  # noqa: E402
+
+for _key, _value in LOCAL_RAY_ENV.items():   # the local Ray a run starts: no auth, workers at nice 0
+    os.environ.setdefault(_key, _value)
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # hub datasets: a local copy or the cache, never fetched

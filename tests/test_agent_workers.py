@@ -14,6 +14,7 @@ from test_agents import EXAMPLES, make_spec
 
 from molt.agents import load_agent_runner
 from molt.driver.agent_workers import AgentWorkers
+from molt.driver.compose import Inputs
 from molt.driver.eval import ROLES, evaluate_on
 from molt.driver.judge_engines import judge_engines, start_judge
 from molt.driver.select import agent_metrics
@@ -127,7 +128,7 @@ AgentRunner = StepEnvRunner(PidEnv)
 
 
 def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_session, tiny_model_path,
-                                                                          engine, tmp_path):
+                                                                          tok, engine, tmp_path):
     """`python -m molt.eval` (`evaluate_on`, the run's `evaluate` on the agent workers it starts): with
     agent.workers the eval sets' rollouts run in the worker, the agent's code never in this process, and,
     greedy, score what the agent in this process does."""
@@ -140,7 +141,9 @@ def test_evaluation_runs_on_the_workers_and_scores_what_the_driver_scores(ray_se
     for workers in (0, 1):
         spec = make_spec({"module": str(tmp_path / "pid_env.py"), "options": {"pids": str(pids)},
                           "workers": workers}, eval={"n": 2, "temperature": 0.0})
-        metrics[workers] = evaluate_on(spec, tiny_model_path, [engine], sets, load_agent_runner(spec.agent))
+        inputs = Inputs(policy_path=tiny_model_path, tokenizer=tok, runner=load_agent_runner(spec.agent),
+                        eval_sets=sets)
+        metrics[workers] = evaluate_on(spec, inputs, [engine])
         ran[workers] = [int(line) for line in pids.read_text().split()]
         pids.unlink()
     assert ran[0] == [os.getpid()] * 6 and len(ran[1]) == 6 and len(set(ran[1])) == 1
@@ -189,6 +192,18 @@ def test_workers_are_planned_on_the_generating_nodes_and_shown():
     assert "placement: node 2: engines 8-15, agent worker 2 | 8/8 GPUs\n" in text
     assert "agent workers: 3 x 1 CPU core, no GPU" in text and "agent rank" not in text
     assert "agent worker" not in describe_plan(RunSpec())
+
+
+def test_ray_workers_run_at_the_drivers_priority(ray_session):
+    """Ray's default starts workers at nice 15: beside two busy processes an SFT step took 16 s instead of
+    0.5 s (bench/RESULTS.md `busy_host`). The local Ray of a run (and of these tests) runs them at nice 0."""
+    import os
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == os.nice(0) == 0
 
 
 def test_workers_that_do_not_fit_a_nodes_cores_are_refused(monkeypatch):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from poollib import FnGroups
 
 from molt.agents import Env, Result, State, StepEnvRunner, load_agent_runner
 from molt.rollout.pool import RolloutPool
@@ -157,8 +158,8 @@ def test_tool_env_renders_its_tools_and_answers_each_call(tok, engine, module, k
     `python`, but only the calculator is shown) is answered with an error. Out of turns, none answered.
     The same task through the ChatAgent path (tool_chat.py: the OpenAI SDK against the loopback server)
     gives the same prompts, glue and counts: the two paths are token for token the same rollout."""
-    from molt.agents.tool_tasks import CALCULATOR
     from molt.driver.select import rollout_metrics
+    from molt.tasks.tool_use import CALCULATOR
 
     spec = tool_spec(module=str(EXAMPLES / module), options={"tool_timeout_s": 30.0})
     runner = load_agent_runner(spec.agent)
@@ -210,7 +211,7 @@ def test_tool_env_scores_the_first_reply_without_a_call(tok):
 
 
 def test_tool_env_calls_the_sandboxed_calculator():
-    from molt.agents.tool_tasks import CALCULATOR, PYTHON
+    from molt.tasks.tool_use import CALCULATOR, PYTHON
 
     runner = load_agent_runner(AgentSpec(module=str(EXAMPLES / "tool_env.py")))
     module = sys.modules[runner.env_cls.__module__]
@@ -289,9 +290,8 @@ def test_a_bug_in_molt_stops_the_run_instead_of_failing_a_rollout(tok):
     assert not isinstance(raised.value, AgentError)
 
     async def one_batch() -> None:
-        pool = RolloutPool(iter([row]), lambda item, group, i: runner.run(item, f"{group}-{i}", group,
-                                                                          BrokenSampler()),
-                           2, 1, 0, refill_during_batch=False)
+        pool = RolloutPool(iter([row]), FnGroups(lambda item, group, i: runner.run(
+            item, f"{group}-{i}", group, BrokenSampler()), 2), 1, 0, refill_during_batch=False)
         await asyncio.wait_for(pool.next_batch(1), 60)
 
     with pytest.raises(ValueError, match="sampler returned 2 tokens"):
@@ -351,6 +351,18 @@ def test_loader_finds_every_configured_agent():
     for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "agent").glob("*.yaml")):
         agent = compose([f"agent={path.stem}"]).agent   # an option sets only what differs from the spec
         assert load_agent_runner(agent).kind in ("env", "chat"), path.name   # the agent's kind: its runner's
+
+
+def test_a_relative_agent_module_is_found_as_a_data_file_is(tmp_path, monkeypatch):
+    """A relative agent.module is looked for in the current directory, then the repository root, as data
+    files are: `python -m molt` run from a folder of the checkout (docs/) read the default data and then
+    refused the default agent, examples/agents/repeat.py. A file in the current directory comes first."""
+    monkeypatch.chdir(tmp_path)
+    assert load_agent_runner(AgentSpec()).kind == "env"   # the default module, from the repository root
+    (tmp_path / "examples" / "agents").mkdir(parents=True)
+    (tmp_path / "examples" / "agents" / "repeat.py").write_text("x = 1\n")
+    with pytest.raises(ImportError, match="does not export AgentRunner"):
+        load_agent_runner(AgentSpec())
 
 
 def test_loader_errors_are_clear(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 from test_agents import EXAMPLES, Recorder, assert_exact, chat_ids, encode, make_spec, run_all, turn_glue
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, load_agent_runner
-from molt.agents.server import MAX_BODY_BYTES
+from molt.agents.http import MAX_BODY_BYTES
 from molt.agents.tools import forced_call_regex
 from molt.agents.trace import Trace
 from molt.algo.estimators import compute_advantages

@@ -6,7 +6,8 @@ Qwen3's), over turns of unequal lengths, user turns, a tool chain of two calls a
 budget. The kept rendering itself is checked too, as the chat session's is (test_chat_templates.py): a
 stale one that is still a prefix of the new renderings gives the same glue on these templates, but not the
 same check for a rewritten prefix. ChatML never rewrites a prefix, Qwen3 does at most turns here, so both
-branches run.
+branches run. A turn's token budget is what the context leaves of rollout.max_tokens: a response cut by it
+is counted (rollout/context_truncated).
 """
 
 from __future__ import annotations
@@ -100,3 +101,43 @@ def test_the_env_path_prompt_after_every_step_is_three_fresh_renders(tok, qwen_t
     # ChatML never rewrites a prefix; Qwen3 re-renders a reply once anything follows it (it loses the empty
     # think block of the last turn), except one with reasoning of its own in a tool chain
     assert seals == ([False] * 4 if template == "chatml" else [True, False, True, True]), seals
+
+
+def test_a_response_cut_by_the_context_is_counted(tok, engine):
+    """A turn that stops on length before its own max_tokens (8) was cut by the context: by what is left of
+    agent.max_total_tokens (the agent layer shrinks the request) or of the engine's model.max_model_len
+    (1024; vLLM's request is shrunk). Each counts on its rollout and in rollout/context_truncated; a turn
+    that ran its whole max_tokens, or stopped on its own, does not."""
+    from test_agents import EXAMPLES, chat_ids, run_all
+
+    from molt.agents import load_agent_runner
+    from molt.driver.select import context_warning, rollout_metrics
+    from molt.spec import RunSpec
+
+    sampler = Recorder(engine)
+
+    module = str(EXAMPLES / "repeat.py")
+    short = len(chat_ids(tok, [{"role": "user", "content": "c"}]))
+    words = next(n for n in range(300, 1100) if len(chat_ids(tok, [{"role": "user", "content": "c " * n}]))
+                 >= 1024 - 3)   # leaves 3 tokens or fewer of the engine's context
+    cases = {"agent.max_total_tokens": ({"max_total_tokens": short + 3}, "c"),
+             "model.max_model_len": ({"max_total_tokens": 4096}, "c " * words),
+             "no cut": ({}, "c")}
+    counted = {}
+    for name, (agent, prompt) in cases.items():
+        spec = RunSpec.model_validate({"model": {"max_model_len": 4096}, "rollout": {"max_tokens": 8},
+                                       "agent": {"module": module, **agent}})
+        runner = load_agent_runner(spec.agent)
+        runner.setup(tok, spec)
+        sampler.calls.clear()
+        rollouts = run_all(runner, [{"prompt": prompt, "label": "c"}] * 6, sampler, group=name)
+        outs = {c["key"]: c["out"] for c in sampler.calls}
+        for r in rollouts:
+            out = outs[r.rollout_id]
+            assert r.context_truncated == (out["finish_reason"] == "length" and len(out["token_ids"]) < 8)
+        counted[name] = rollout_metrics(spec, rollouts)["rollout/context_truncated"]
+        assert counted[name] == sum(r.context_truncated for r in rollouts)
+        if counted[name]:
+            assert "responses are cut short by the context" in context_warning(spec, rollouts)
+    assert counted["agent.max_total_tokens"] >= 1 and counted["model.max_model_len"] >= 1, counted
+    assert counted["no cut"] == 0

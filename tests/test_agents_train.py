@@ -64,12 +64,12 @@ def test_the_flagship_tool_recipe_runs_on_the_tiny_model(tmp_path, ray_session, 
 
     from transformers import AutoTokenizer
 
-    from molt.agents.tool_tasks import CALCULATOR, PYTHON
     from molt.agents.tools import make_parser, parse_reply, tool_request
     from molt.driver.loop import train
     from molt.driver.metrics import load_rollouts
+    from molt.tasks.tool_use import CALCULATOR, PYTHON
 
-    r_tools = [CALCULATOR, PYTHON]   # the rows' tools (molt.agents.tool_tasks' flagship mix)
+    r_tools = [CALCULATOR, PYTHON]   # the rows' tools (molt.tasks.tool_use' flagship mix)
 
     spec = compose(["+experiment=tiny_tools", "train.steps=2", "train.prompts_per_step=2",
                     "rollout.samples_per_prompt=2", "train.eval_every=0", "train.best_metric=null",

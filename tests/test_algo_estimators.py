@@ -209,33 +209,6 @@ def test_rloo_is_leave_one_out(batch):
         assert adv[i].item() == pytest.approx(expected, abs=1e-9)
 
 
-def test_a_plugin_estimator_with_the_earlier_signature_still_runs():
-    """Estimators took eight tensors and the spec before `EstimatorInputs`; a plugin written that way is
-    adapted by register_estimator, gets every input (turn_returns only when given) and its metrics."""
-    from molt.algo import GROUP_BASELINE, register_estimator
-
-    seen = {}
-
-    @register_estimator("earlier_signature", group_baseline=True)
-    def earlier(rewards, group_ids, segment_rollout, loss_mask, algo, values=None, logp=None, ref_logp=None):
-        seen.update(values=values, logp=logp, ref_logp=ref_logp)
-        adv = ESTIMATORS["rloo"](EstimatorInputs(rewards, group_ids, segment_rollout, loss_mask, algo))
-        return adv._replace(metrics={"earlier": torch.tensor(1.0)})
-
-    try:
-        rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
-        seg, mask = torch.arange(4), torch.ones(4, 3)
-        logp = torch.full((4, 3), -1.0)
-        out = compute_advantages(rewards, groups, seg, mask, algo(estimator="earlier_signature"), logp=logp,
-                                 ref_logp=logp)
-        rloo = compute_advantages(rewards, groups, seg, mask, algo(estimator="rloo"))
-        assert torch.equal(out.advantages, rloo.advantages) and out.metrics["earlier"] == 1.0
-        assert seen["values"] is None and seen["logp"] is logp and seen["ref_logp"] is logp
-    finally:
-        ESTIMATORS.pop("earlier_signature")
-        GROUP_BASELINE.discard("earlier_signature")
-
-
 def test_filters_by_hand():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 2.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 3])

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from poollib import FnGroups
 
 from molt.algo import adaptive_kl_coef, shape_rewards, with_kl_coef
 from molt.driver.select import filter_rollouts, take_batch
@@ -106,7 +107,8 @@ def _take(refill: int) -> tuple[list[list[Rollout]], dict[str, float], RunSpec]:
     })
 
     async def run():
-        pool = RolloutPool(iter([{"kind": k} for k in KINDS]), _rollout, 2, 4, 1, refill_during_batch=False)
+        pool = RolloutPool(iter([{"kind": k} for k in KINDS]), FnGroups(_rollout, 2), 4, 1,
+                           refill_during_batch=False)
         try:
             return await take_batch(pool, spec)
         finally:

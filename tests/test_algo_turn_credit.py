@@ -117,15 +117,16 @@ def test_turn_credit_gives_a_group_of_equal_returns_no_advantage(dtype, d):
 
 
 def test_turn_credit_is_refused_where_it_cannot_act_and_taken_from_both_agent_paths():
-    from molt.algo import load_plugins
+    from molt.driver.compose import check_algorithm
 
     with pytest.raises(SpecError, match="turn_discount=0.9 discounts turns only with algo.turn_credit=turn"):
         compose(["algo.turn_discount=0.9"])
     with pytest.raises(SpecError, match="act on whole-rollout rewards"):
         compose(["algo.turn_credit=turn", "algo.reward.clip=1.0"])
     with pytest.raises(ValueError, match="estimator=reinforce_pp: per-turn returns feed only .*grpo, rloo"):
-        load_plugins(RunSpec.model_validate({"algo": {"estimator": "reinforce_pp", "turn_credit": "turn"}}))
-    load_plugins(RunSpec.model_validate({"algo": {"estimator": "rloo", "turn_credit": "turn"}}))
+        check_algorithm(RunSpec.model_validate({"algo": {"estimator": "reinforce_pp",
+                                                         "turn_credit": "turn"}}))
+    check_algorithm(RunSpec.model_validate({"algo": {"estimator": "rloo", "turn_credit": "turn"}}))
     # a ChatAgent reports its turns' rewards (ChatContext.reward_turn; tests/test_agents_chat.py)
     assert compose(["agent=chat_minimal", "algo.turn_credit=turn"]).algo.turn_credit == "turn"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.inputs.data import REPO_ROOT
+from molt.spec.user_modules import REPO_ROOT
 
 
 def test_the_agentic_bench_runs_every_path(tok) -> None:

@@ -197,8 +197,8 @@ def test_env_prompt_shows_every_tool_through_qwen3s_template(qwen_tok, engine):
     """The first prompt of the tool Env, with the flagship's tools (the row's) and one from agent.tools,
     decoded from the ids the engine read: Qwen3's tools block names each tool and each parameter."""
     from molt.agents import load_agent_runner
-    from molt.agents.tool_tasks import CALCULATOR, PYTHON
     from molt.spec import RunSpec
+    from molt.tasks.tool_use import CALCULATOR, PYTHON
 
     add = {"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {
         "type": "object", "properties": {"first": {"type": "integer"}, "second": {"type": "integer"}}}}}

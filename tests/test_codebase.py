@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 CHECK = [sys.executable, str(REPO / "tools" / "check_size.py")]
 
@@ -40,16 +38,14 @@ def test_the_wings_meet_only_through_the_contract():
 
 def test_no_two_folders_import_each_other():
     """Imports point down the layers: the spec imports no wing, nor plan/ nor inputs/ (they read it), and
-    inputs/ sits below agents/. The only upward imports the graph leaves out are the reviewed deprecated
-    aliases (a module-level __getattr__), each listed in DEPRECATED_ALIASES."""
+    inputs/ sits below agents/."""
     graph = import_graph()
     edges = graph.graph()
     assert graph.circles(edges) == []
     spec_reads = {graph.folder(dst) for src, dsts in edges.items() if graph.folder(src) == "spec"
                   for dst in dsts}
     assert spec_reads <= {"spec", "contract"}, spec_reads
-    assert all(graph.has_alias(module) for module in graph.DEPRECATED_ALIASES), "stale alias entry"
-    assert "molt.agents.chat" in edges["molt.agents"]   # a lazy import in __getattr__ elsewhere counts
+    assert "molt.agents.chat" in edges["molt.agents"]   # a lazy import in __getattr__ counts
 
 
 def test_the_import_graph_sees_an_import_inside_a_function(tmp_path):
@@ -79,17 +75,3 @@ def test_a_reviewed_entry_that_is_no_longer_oversized_is_reported():
     check_size.REVIEWED["molt/quiet.py"] = "a test entry"
     new, stale = check_size.unreviewed([REPO / "molt"])
     assert stale == ["molt/quiet.py"] and new == []
-
-
-def test_a_name_that_moved_up_keeps_its_old_import_with_a_warning():
-    import molt.spec.config as config
-    import molt.spec.plugins as plugins
-    from molt.algo import load_plugins
-    from molt.driver.compose import compose, to_spec
-
-    for module, name, moved in ((config, "to_spec", to_spec), (config, "compose", compose),
-                                (plugins, "load_plugins", load_plugins)):
-        with pytest.warns(DeprecationWarning, match=f"{name} moved"):
-            assert getattr(module, name) is moved
-    with pytest.raises(AttributeError):
-        config.validate_spec_of_nothing   # noqa: B018

@@ -9,8 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from molt.inputs.data import REPO_ROOT, PromptDataset, PromptIterator, load_eval_sets, resolve_path
+from molt.inputs.data import PromptDataset, PromptIterator, load_eval_sets, resolve_path
 from molt.spec import DataSpec
+from molt.spec.user_modules import REPO_ROOT
 
 DATA = DataSpec()
 ROWS = [

@@ -15,7 +15,7 @@ from datalib import RECIPE_DATASETS, png, with_local_hub, write_hub_layout
 from molt.driver.compose import compose
 from molt.inputs.data import PromptDataset, load_eval_sets
 from molt.spec import DataSpec, HubDataset, SpecError
-from molt.spec.plugins import import_user_module
+from molt.spec.user_modules import import_user_module
 
 DATA = DataSpec()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -85,13 +85,13 @@ def test_a_messages_column_reads_like_a_parquet_file(tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen3_4b_math", "qwen_vl_geo3k"])
 def test_the_recipes_hub_datasets_load_with_their_columns(name, tmp_path):
-    from molt.driver.launch import check_inputs
+    from molt.driver.compose import prepare
 
-    spec = compose([f"+experiment={name}"])
+    spec = compose([f"+experiment={name}", "run.dry_run=true"])
     sources = [spec.data.train_path, *spec.data.eval]
     assert all(isinstance(s, HubDataset) and s.hub in RECIPE_DATASETS for s in sources)
     local = with_local_hub(spec, tmp_path)
-    check_inputs(local)   # loads every set through load_dataset, maps its fields, imports the agent
+    prepare(local).or_raise()   # loads every set through load_dataset, maps its fields, imports the agent
     rows = list(PromptDataset(local.data.train_path, local.data))
     assert all("label" in row and ("prompt" in row or "messages" in row) for row in rows)
 

@@ -171,24 +171,26 @@ def test_each_recipe_trains_two_steps_on_the_shared_engine(task, data, tok, engi
             runner.close()
 
 
-def test_the_dry_run_reports_the_longest_prompt_with_its_tools(data, tok, caplog):
-    """`run.dry_run=true` renders every prompt with the tools its rollouts offer and names the longest
-    against model.max_model_len, warning when it leaves no room for a reply (two tool schemas took a
-    user's trace past a 512-token context)."""
+def test_the_dry_run_reports_the_longest_prompt_with_its_tools(data, tok):
+    """`run.dry_run=true` renders every prompt with the tools its rollouts offer and names each set's longest
+    against the context; a context that leaves no room for a reply is a problem naming the row (two tool
+    schemas took a user's trace past a 512-token context)."""
     from molt.agents.render import encode
     from molt.driver.launch import dry_run
 
-    sets = {"train": read(data / "decision_chain_train.jsonl"), "decision_chain_eval":
-            read(data / "decision_chain_eval.jsonl")}
-    lengths = {(name, i): len(encode(tok, render(tok, row["messages"], row["tools"])))
-               for name, rows in sets.items() for i, row in enumerate(rows)}
-    (name, i), longest = max(lengths.items(), key=lambda kv: kv[1])
-    base = ["+experiment=decision_chain", "model.path=null",
+    sets = {"data.train_path": read(data / "decision_chain_train.jsonl"),
+            "data.eval (decision_chain_eval)": read(data / "decision_chain_eval.jsonl")}
+    longest = {where: max(len(encode(tok, render(tok, row["messages"], row["tools"]))) for row in rows)
+               for where, rows in sets.items()}
+    base = ["+experiment=decision_chain", "model.path=null", "run.dry_run=true",
             f"data.train_path={data}/decision_chain_train.jsonl",
             f"data.eval=[{data}/decision_chain_eval.jsonl]"]
-    for ctx, warned in ((longest + 1, False), (longest, True)):
-        caplog.clear()
-        plan = dry_run(compose([*base, f"model.max_model_len={ctx}"]))
-        assert (f"data: longest prompt {longest} tokens with its tools ({name} row {i}) of "
-                f"model.max_model_len={ctx}") in plan.splitlines()
-        assert ("no room for a reply" in caplog.text) is warned
+    plan, problems = dry_run(compose(base))
+    assert problems == []
+    for where, n in longest.items():
+        line = f"context: {where}: longest prompt {n} tokens ("
+        assert any(shown.startswith(line) for shown in plan.splitlines()), plan
+    spec = compose(base)
+    short = longest["data.train_path"] + spec.rollout.max_tokens - 1
+    _, problems = dry_run(compose([*base, f"model.max_model_len={short}", f"agent.max_total_tokens={short}"]))
+    assert any(f"renders to {longest['data.train_path']} tokens" in str(p) for p in problems), problems

@@ -290,3 +290,125 @@ def test_code_the_pages_name_exists():
         missing += [f"{page.relative_to(REPO)}: {name}" for name in sorted(set(DOTTED.findall(text)))
                     if not resolves(name)]
     assert missing == []
+
+
+# Code font that names code: a call (`name(...)`, `obj.method(`), a dotted name (`module.attr`,
+# `Trainers.save`) outside the `molt.` names above, or a snake_case name (`replay_routes`). Each must be a
+# name the code defines, uses or spells in a string (a config value, a metric), a module of the repository,
+# or a spec key (`rollout.eval.pass_reward`); an attribute of one of Molt's classes must be that class's.
+# These are not the code's:
+EXTERNAL = {"vllm", "torch", "aten", "httpx2", "anyio",   # other packages' names, as they spell them
+            "AsyncLLM", "EngineCoreClient", "WeightTransferEngineFactory", "CompletionOutput",   # vLLM's
+            "qwen3_coder", "llama4_pythonic", "deepseek_v32", "kimi_k2",   # vLLM's tool parsers
+            "top_logprobs", "best_of", "file_search", "code_interpreter",  # OpenAI request fields, tools
+            "ttl_seconds",                                                 # a Tinker SDK request field
+            "context_parallel"}                                            # torch's
+NOT_CODE = {"thinking.budget_tokens", "output_config.effort",   # Anthropic request fields
+            "response.created", "response.completed",           # Responses API stream events
+            "sigmoid", "whiten_batch", "mean_group", "mean_t",  # formula notation (algo.md, agents.md)
+            "a_k", "s_k"}
+FREE_FORM = {"options", "extra_args", "tiny", "reference_tiny", "chat_template_kwargs", "arch", "fields"}
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+CALL = re.compile(r"(?<![\w.])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\(")
+DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+SNAKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+")
+FILE_NAME = re.compile(r"\.(?:py|ya?ml|jsonl?|md|txt|log|png|sh|sbatch|jinja|parquet|pq|toml|whl|so|"
+                       r"safetensors)$")
+
+
+def code_names() -> tuple[set[str], dict[str, set[str]]]:
+    """Every name the code defines, uses (ast: names, attributes, definitions, arguments, imports) or spells
+    in a string, every module's file name; and the members of each of Molt's classes (methods, fields,
+    attributes set on self, those of its Molt bases), None for a class with another base (its members are
+    not all here)."""
+    import ast
+
+    names, members, bases = set(), {}, {}
+    names |= {p.stem for p in [*REPO.glob("conf/*/*.yaml"), *REPO.glob("experiments/*.yaml")]}   # options
+    names |= set(re.findall(r"<!-- bench:(\w+)", (REPO / "bench" / "RESULTS.md").read_text(encoding="utf-8")))
+    for source in [p for pattern in ("molt/**/*.py", "examples/**/*.py", "bench/*.py", "tests/**/*.py",
+                                     "tools/*.py") for p in REPO.glob(pattern) if p.name != "test_docs.py"]:
+        names.add(source.stem)
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names.add(getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "arg", None)
+                      or getattr(node, "name", None) or "")
+            if isinstance(node, ast.alias):
+                names.update(node.name.split("."))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.update(re.findall(r"\w+", node.value))
+            if isinstance(node, ast.ClassDef) and source.relative_to(REPO).parts[0] == "molt":
+                own = members.setdefault(node.name, set())
+                bases[node.name] = [ast.unparse(b) for b in node.bases]
+                for inner in ast.walk(node):
+                    own.add(getattr(inner, "name", None) or "")
+                    target = getattr(inner, "target", None) or getattr(inner, "attr", None)
+                    own.add(getattr(target, "id", None) or getattr(target, "attr", None) or
+                            (target if isinstance(target, str) else ""))
+                    for t in getattr(inner, "targets", []):
+                        own.add(getattr(t, "id", None) or getattr(t, "attr", None) or "")
+
+    def all_members(cls: str) -> set[str] | None:
+        own = set(members[cls])
+        for base in bases[cls]:
+            if base in members:
+                inherited = all_members(base)
+                if inherited is None:
+                    return None
+                own |= inherited
+            elif base not in ("Protocol", "object", "NamedTuple", "Exception", "ValueError", "RuntimeError"):
+                return None
+        return own
+    return names, {cls: all_members(cls) for cls in members}
+
+
+def spec_key(dotted: str) -> bool:
+    """Whether `dotted` is a run-spec key (anything below a free-form dict counts)."""
+    from molt.spec import RunSpec
+
+    model = RunSpec
+    for part in dotted.split("."):
+        fields = getattr(model, "model_fields", None)
+        if fields is None:
+            return True
+        if part not in fields:
+            return False
+        model = fields[part].annotation
+    return True
+
+
+def unknown_code_names(text: str, names: set[str], classes: dict[str, set[str] | None]) -> list[str]:
+    """The calls, dotted and snake_case names in `text`'s code font that name nothing in the code."""
+    unknown = []
+    for span in CODE_SPAN.findall(text):
+        whole = span.strip()
+        alone = DOTTED_NAME.fullmatch(whole) or SNAKE.fullmatch(whole)
+        named = CALL.findall(span) + ([whole] if alone else [])
+        for name in dict.fromkeys(named):
+            parts = name.split(".")
+            if name in NOT_CODE or parts[0] in EXTERNAL | FREE_FORM or name.startswith("molt.") or \
+                    FILE_NAME.search(name) or (len(parts) > 1 and spec_key(name)):
+                continue
+            known = classes.get(parts[0])
+            if any(part not in names for part in parts) or (known is not None and len(parts) > 1 and
+                                                            parts[1] not in known):
+                unknown.append(name)
+    return unknown
+
+
+def test_code_names_the_pages_use_exist():
+    """A function, method or attribute a page names in code font is one the code has: a renamed or removed
+    name leaves a false sentence otherwise (generator.md named `replay_routes`, which no code defined)."""
+    names, classes = code_names()
+    # bench/RESULTS.md records what ran at each measurement's commit, in the names of that day
+    unknown = [f"{page.relative_to(REPO)}: {name}" for page in PAGES if page.name != "RESULTS.md"
+               for name in unknown_code_names(page.read_text(encoding="utf-8"), names, classes)]
+    assert unknown == []
+
+
+def test_the_name_check_catches_a_false_name():
+    names, classes = code_names()
+    page = ("the trainer's `replay_routes` forces the routers; `set_routes(model, routes)` does; "
+            "`Trainers.roles()` and `Trainers.groups()`; `rollout.eval.pass_reward`, `spec.yaml`, "
+            "`runner.setup(tokenizer, spec, judge)`, `replay_routes(batch)`, `take_batch`")
+    assert unknown_code_names(page, names, classes) == ["replay_routes", "Trainers.groups", "replay_routes"]

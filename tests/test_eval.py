@@ -12,6 +12,7 @@ import torch
 from test_agents import EXAMPLES, Recorder, chat_ids
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, load_agent_runner
+from molt.driver.agent_workers import LocalAgents
 from molt.driver.eval import evaluate, pass_at_k, set_metrics
 from molt.spec import RunSpec
 
@@ -67,11 +68,12 @@ def test_eval_sampling_is_the_agents_default_capped_by_the_token_budget(tok, eng
     runner.setup(tok, spec)
     sampler = Recorder(engine)
     # The label is the token the greedy policy repeats most after this prompt, so the reward is high.
-    asyncio.run(evaluate(spec, runner, sampler, {"probe": [{"prompt": "a", "label": "a"}]}, 0))
+    groups = LocalAgents(spec, runner, sampler)
+    asyncio.run(evaluate(spec, groups, {"probe": [{"prompt": "a", "label": "a"}]}, 0))
     ids = sampler.calls[0]["out"]["token_ids"]
     label = tok.decode([max(set(ids), key=ids.count)])
     sampler.calls.clear()
-    metrics = asyncio.run(evaluate(spec, runner, sampler, {"set": [{"prompt": "a", "label": label}]}, 0))
+    metrics = asyncio.run(evaluate(spec, groups, {"set": [{"prompt": "a", "label": label}]}, 0))
     [call] = sampler.calls
     hits, mean = sum(tok.decode([t]) == label for t in call["out"]["token_ids"]), metrics["eval/set/mean@1"]
     assert 0 <= mean <= 1, (mean, hits, call["sampling"])
@@ -97,7 +99,8 @@ def test_eval_sampling_is_a_chat_agents_default_and_requests_still_override_it(t
     runner.setup(tok, spec)
     sampler = Recorder(engine)
     try:
-        asyncio.run(evaluate(spec, runner, sampler, {"set": [{"prompt": "b", "label": "b"}]}, 0))
+        groups = LocalAgents(spec, runner, sampler)
+        asyncio.run(evaluate(spec, groups, {"set": [{"prompt": "b", "label": "b"}]}, 0))
     finally:
         runner.close()
     assert seen == [{"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 16}]
@@ -125,7 +128,7 @@ def test_eval_logs_what_the_agent_did_per_set(tok, engine):
     runner.setup(tok, spec)
     sets = {"a": [{"prompt": "a", "info": {"k": 1.0}}, {"prompt": "a", "info": {"k": 3.0}}],
             "b": [{"prompt": "a", "info": None}, {"prompt": "a", "info": {"j": 5.0}}]}
-    metrics = asyncio.run(evaluate(spec, runner, Recorder(engine), sets, 0))
+    metrics = asyncio.run(evaluate(spec, LocalAgents(spec, runner, Recorder(engine)), sets, 0))
     assert (metrics["eval/a/info/k"], metrics["eval/b/info/j"]) == (2.0, 5.0)
     assert "eval/a/info/j" not in metrics and "eval/b/info/k" not in metrics
     assert (metrics["eval/a/failed"], metrics["eval/b/failed"]) == (0.0, 2.0)

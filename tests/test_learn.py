@@ -98,7 +98,7 @@ def test_learn_trains_exactly_the_estimators_advantages(trainer, make, dropped, 
     policy = Recording(trainer)
     batch_in = make()
     metrics = asyncio.run(learn(spec, batch_in, Trainers(policy), 0))
-    [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
+    [((batch, *_), _)] = policy.calls["update"]   # (batch, algo)
     kept = [r for r in batch_in if r.group_id != dropped]
     assert batch["input_ids"].shape[0] == sum(len(r.segments) for r in kept) == rows
     rows = rows_by_rollout(batch, kept)
@@ -119,9 +119,9 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainer,
     policy, critic = Recording(trainer), Recording(critic)
     batch_in = rollouts()
     asyncio.run(learn(spec, batch_in, Trainers(policy, critic=critic), 0))
-    [((batch, *_), _)] = policy.calls["update"]   # (batch, kl_coef)
+    [((batch, *_), _)] = policy.calls["update"]   # (batch, algo)
     [(_, values)] = critic.calls["values"]
-    [((critic_batch,), _)] = critic.calls["update"]
+    [((critic_batch, *_), _)] = critic.calls["update"]
     kept = [r for r in batch_in if r.group_id != "g1"]
     rows = rows_by_rollout(batch, kept)
     advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
@@ -139,6 +139,36 @@ def test_learn_gae_uses_the_critics_values_and_trains_it_on_the_returns(trainer,
     assert torch.allclose(batch["advantages"][sampled], (advantages[sampled] - mean) / std, atol=1e-4)
     assert torch.allclose(critic_batch["returns"][sampled], returns[sampled], atol=1e-5)
     assert torch.equal(critic_batch["old_values"], values)
+
+
+def test_a_plugin_estimator_with_a_critic_gets_its_values_and_trains_it_on_its_returns(trainer, critic):
+    """examples/algo/mc_value.py registers `needs_critic=True` and nothing else: no edit to molt/spec/. The
+    driver then requires model.critic (refused without), `learn` hands it the critic's values, the policy its
+    advantages G_t - V_t (not whitened) and the critic its returns G_t (gamma 0.9, by hand)."""
+    from molt.spec import SpecError
+
+    plugin = ["algo.plugins=[examples/algo/mc_value.py]", "algo.estimator=mc_value", "algo.gamma=0.9"]
+    with pytest.raises(SpecError, match="algo.estimator=mc_value needs a critic: set model.critic=true"):
+        compose([*SMALL, *plugin])
+    spec = compose([*SMALL, *plugin, "model.critic=true"])
+    policy, critic = Recording(trainer), Recording(critic)
+    batch_in = rollouts()
+    metrics = asyncio.run(learn(spec, batch_in, Trainers(policy, critic=critic), 0))
+    [((batch, *_), _)] = policy.calls["update"]
+    [(_, values)] = critic.calls["values"]
+    [((critic_batch, *_), _)] = critic.calls["update"]
+    kept = [r for r in batch_in if r.group_id != "g1"]
+    rows = rows_by_rollout(batch, kept)
+    returns = torch.zeros_like(values)
+    for r in kept:
+        cells = [(row, t) for row in rows[r.rollout_id] for t in range(batch["input_ids"].shape[1])
+                 if batch["loss_mask"][row, t] > 0]
+        for i, cell in enumerate(cells):
+            returns[cell] = r.reward * 0.9 ** (len(cells) - 1 - i)
+    sampled = batch["loss_mask"] > 0
+    assert torch.allclose(critic_batch["returns"][sampled], returns[sampled], atol=1e-5)
+    assert torch.allclose(batch["advantages"][sampled], (returns - values)[sampled], atol=1e-5)
+    assert "adv/mc_value_baseline" in metrics and "critic/value_loss" in metrics
 
 
 def test_learn_logs_the_trainers_metrics_under_the_names_they_produce(trainer, critic):

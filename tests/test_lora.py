@@ -98,11 +98,13 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
     is sent with adapter 3 and the trainer steps and refits adapter 4 while it runs: the request keeps
     adapter 3 (its tokens say version 3) and decodes what the merged export of version 3 computes."""
     from molt.agents import load_agent_runner
+    from molt.driver.compose import Inputs
     from molt.driver.fleet import Fleet
-    from molt.driver.loop import begin, rl_step
+    from molt.driver.loop import rl_step
     from molt.driver.metrics import RunLogger
+    from molt.driver.run import Run
+    from molt.inputs.data import PromptDataset
     from molt.rollout.engine import start_engines
-    from molt.rollout.sampling import TrainingSampler
     from molt.trainer.batch import make_batch
     from molt.trainer.ranks import TrainerRanks, Trainers
     from molt.trajectory import Segment
@@ -117,17 +119,12 @@ def test_loop_refits_the_adapter_and_the_engine_serves_the_merged_model(ray_sess
 
     async def scenario() -> tuple[list[dict], tuple, dict]:
         fleet = Fleet(spec, tiny_model_path, engines=engines)
-        sampler = TrainingSampler(fleet.dispatcher, 0, lambda: at.pool.version)
-
-        async def rollout_fn(item: dict, group_id: str, index: int):
-            return await runner.run(item, f"{group_id}-{index}", group_id, sampler)
-
-        trainers = Trainers(policy, pad_id=tok.pad_token_id)
-        at = await begin(spec, trainers, fleet, rollout_fn, None, refit_engines=False)
-        logger = RunLogger(spec)
-        steps = [await rl_step(spec, at, trainers, fleet, logger) for _ in range(3)]
-        await at.pool.close()
-        logger.close()
+        inputs = Inputs(runner=runner, train=PromptDataset(spec.data.train_path, spec.data))
+        run = Run(spec, inputs, fleet, Trainers(policy, pad_id=tok.pad_token_id), RunLogger(spec))
+        await run.begin(None, refit_engines=False)
+        steps = [await rl_step(run) for _ in range(3)]
+        await run.pool.close()
+        run.logger.close()
         held = await loaded(adapters)
         await asyncio.to_thread(policy.export_hf, str(tmp_path / "hf"))    # version 3, merged
         await asyncio.to_thread(policy.update, batch_of(7))            # the trainer moves on
@@ -260,5 +257,5 @@ def test_moe_and_vision_models_are_refused_before_an_engine_starts(vlm_path) -> 
         refused = f"model.lora with {kind} is not supported"
         with pytest.raises(ValueError, match=refused):
             start_engines(lora_spec(path), path)
-        with pytest.raises(ValueError, match=refused):
-            dry_run(lora_spec(path))
+        problems = dry_run(lora_spec(path, run={"dry_run": True}))[1]
+        assert [str(p) for p in problems if refused in str(p)], problems

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from poollib import FnGroups
 
 from molt.rollout.dispatch import Dispatcher
 from molt.rollout.pool import RolloutPool
@@ -48,7 +49,7 @@ def items(count: int):
 def test_pool_depth_batches_and_exhaustion(engine):
     async def main():
         live: dict = {}
-        pool = RolloutPool(items(7), make_rollout_fn(Dispatcher([engine]), live), samples_per_prompt=N,
+        pool = RolloutPool(items(7), FnGroups(make_rollout_fn(Dispatcher([engine]), live), N),
                            groups_in_flight=3, max_staleness=1, engines=[engine])
         first = await pool.next_batch(2)
         assert pool.in_flight == 3          # refilled at once: the engine does not run dry
@@ -76,7 +77,7 @@ def test_staleness_requeues_old_groups_and_idle_fraction(engine, tiny_model_path
     weights = load_file(f"{tiny_model_path}/model.safetensors")
 
     async def main():
-        pool = RolloutPool(items(100), make_rollout_fn(Dispatcher([engine]), {}), samples_per_prompt=N,
+        pool = RolloutPool(items(100), FnGroups(make_rollout_fn(Dispatcher([engine]), {}), N),
                            groups_in_flight=4, max_staleness=1, engines=[engine])
         await pool.stats()                  # start a fresh measurement window
         await pool.next_batch(1)
@@ -124,7 +125,7 @@ def test_async_hands_out_the_freshest_groups_and_one_of_the_current_policy(engin
         pool.set_version(version)
 
     async def main():
-        pool = RolloutPool(items(100), make_rollout_fn(Dispatcher([engine]), {}), samples_per_prompt=N,
+        pool = RolloutPool(items(100), FnGroups(make_rollout_fn(Dispatcher([engine]), {}), N),
                            groups_in_flight=4, max_staleness=1, engines=[engine],
                            on_generating=reports.append)
         try:
@@ -169,7 +170,7 @@ def test_sync_batches_hold_only_current_policy_tokens_across_a_refill(engine, ti
                                    "algo": {"filters": {"drop_equal_rewards": True, "refill_max_groups": 1}}})
 
     async def main():
-        pool = RolloutPool(items(100), make_rollout_fn(Dispatcher([engine]), {}), N,
+        pool = RolloutPool(items(100), FnGroups(make_rollout_fn(Dispatcher([engine]), {}), N),
                            spec.train.prompts_per_step, spec.rollout.max_staleness, [engine],
                            refill_during_batch=False)
         steps = []
@@ -213,7 +214,7 @@ def test_staleness_bound_is_exact(max_staleness):
 
     async def main() -> tuple[set[int], set[int]]:
         nonlocal pool
-        pool = RolloutPool(({"i": i} for i in range(10)), rollout_fn, samples_per_prompt=2,
+        pool = RolloutPool(({"i": i} for i in range(10)), FnGroups(rollout_fn, 2),
                            groups_in_flight=1, max_staleness=max_staleness)
         pool.set_version(0)
         await waiting()                                  # a group sampled at version 0 waits
@@ -249,7 +250,7 @@ def test_handout_order_freshest_or_oldest(oldest_first):
     async def main() -> list[set[int]]:
         nonlocal pool
         rows = [{"v": 1}, {"v": 0}, {"v": 2}, {"v": 0}] + [{"v": 2}] * 8
-        pool = RolloutPool(iter(rows), rollout_fn, samples_per_prompt=2, groups_in_flight=4, max_staleness=2,
+        pool = RolloutPool(iter(rows), FnGroups(rollout_fn, 2), groups_in_flight=4, max_staleness=2,
                            oldest_first=oldest_first)
         pool.set_version(2)
         while len(pool.done) < 4:

@@ -10,10 +10,10 @@ import pytest
 import reasoning_gym
 
 from molt.agents.env import State
-from molt.agents.reasoning_gym_env import ReasoningGymEnv, main, task_rows
 from molt.driver.sft_data import load_conversations
 from molt.inputs.data import PromptDataset
 from molt.spec import DataSpec
+from molt.tasks.reasoning_gym import ReasoningGymEnv, main, task_rows
 
 CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
           "allow_parentheses": False, "allow_negation": False}

@@ -151,21 +151,23 @@ def test_sft_step_equals_single_process_nll(ray_session, tiny_model_path, tok) -
 
 
 def test_sft_spec_plan_inputs_and_refusals() -> None:
-    from molt.driver.compose import compose
-    from molt.driver.launch import check_inputs, describe_plan
+    from molt.driver.compose import compose, prepare
+    from molt.driver.launch import describe_plan
     from molt.spec import SpecError
 
     spec = compose(["+experiment=rg_sft"])
     plan = describe_plan(spec)
     assert "engines: none" in plan and "sft: 300 steps x 32 conversations" in plan and "engine 0" not in plan
-    check_inputs(spec)   # conversations, not prompts: no agent is imported
+    inputs = prepare(spec).or_raise()   # conversations, tokenized, not prompts: no agent is imported
+    assert inputs.runner is None and len(inputs.train) >= 100
+    assert sorted(inputs.eval_sets) == ["rg_arith_sft_eval"]
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        check_inputs(compose(["+experiment=rg_sft", "data.eval=[nope.jsonl]"]))
+        prepare(compose(["+experiment=rg_sft", "data.eval=[nope.jsonl]"])).or_raise()
     for bad, why in ((["model.critic=true"], "trains the policy alone"),
                      (["train.best_metric=eval/nope/loss"], "NAME the stem of a data.eval file"),
                      (["train.best_metric=eval/rg_arith_sft_eval/loss", "train.eval_every=0"],
                       "eval_every > 0"),
-                     (["data.eval_path=x.jsonl"], "renamed: use data.eval")):
+                     (["data.eval_path=x.jsonl"], "unknown key 'data.eval_path'")):
         with pytest.raises(SpecError, match=why):
             compose(["+experiment=rg_sft", *bad])
 
@@ -180,6 +182,7 @@ def test_trust_remote_code_reaches_the_sft_tokenizer(tmp_path: Path, tiny_model_
     and the SFT run goes on to its next check (run.resume), still before any trainer starts."""
     import shutil
 
+    from molt.driver.compose import prepare
     from molt.driver.sft_loop import train
 
     model = tmp_path / "remote"
@@ -202,10 +205,10 @@ def test_trust_remote_code_reaches_the_sft_tokenizer(tmp_path: Path, tiny_model_
             "train": {"objective": "sft", "eval_every": 0}, "data": {"train_path": str(rows), "eval": []},
             "run": {"dir": str(tmp_path / "run"), "resume": str(tmp_path / "nowhere")}})
 
-    with pytest.raises(ValueError, match="contains custom code"):
-        train(spec(False))
+    untrusted = [str(p) for p in prepare(spec(False)).problems]
+    assert len(untrusted) == 2 and "contains custom code" in untrusted[1]
     with pytest.raises(FileNotFoundError, match="run.resume=.*nowhere: no checkpoint there"):
-        train(spec(True))
+        train(spec(True))   # the only problem left
 
 
 def test_arith_sft_rows_are_the_tokens_the_cookbook_recipe_samples_from(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from molt.driver.compose import compose
-from molt.inputs.data import REPO_ROOT
+from molt.spec.user_modules import REPO_ROOT
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 QUIET = ["logging.progress=false", "logging.plots=false", "logging.wandb.mode=disabled"]

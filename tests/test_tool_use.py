@@ -84,8 +84,8 @@ def test_a_call_the_parser_cannot_read_is_counted_and_logged_once(tok, engine, m
     import logging
 
     from molt.agents import tools
-    from molt.agents.tool_tasks import CALCULATOR
     from molt.driver.select import rollout_metrics
+    from molt.tasks.tool_use import CALCULATOR
 
     spec = tool_spec(module=str(EXAMPLES / module), options={"tool_timeout_s": 30.0})
     runner = load_agent_runner(spec.agent)

@@ -197,6 +197,27 @@ def test_sharding_and_normalization_invariance(ray_session, tiny_model_path, tmp
     assert loss_normalizer(b["loss_mask"], make_spec(tiny_model_path).algo, 8) == m["train/tokens"]
 
 
+def test_a_collective_one_rank_never_joins_fails_after_the_timeout(ray_session, tiny_model_path) -> None:
+    """parallel.collective_timeout_s reaches the ranks' process group: rank 1 alone in an all-reduce (as a
+    rank making one more sharded-head call than its peer would be) fails with gloo's time-out after 20 s,
+    where torch's default group would wait 30 minutes and the test would run into pytest's timeout."""
+    spec = make_spec(tiny_model_path, 2)
+    spec.parallel.collective_timeout_s = 20   # the ranks' rendezvous waits as long: not much less
+    group = TrainerRanks(spec)
+
+    def alone(worker) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.ones(1))
+    try:
+        start = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="[Tt]imed out"):
+            ray.get(group.workers[1].__ray_call__.remote(alone))
+        assert time.monotonic() - start < 120
+    finally:
+        group.shutdown()
+
+
 def test_tensor_parallel_with_optimizer_offload_equals_one_process(ray_session, tiny_model_path) -> None:
     """tp=2 with offload=optimizer (AdamW state on the host, here TP's DTensors; through a checkpoint in
     test_resume_is_exact) trains like the single-process reference: logprobs, losses, gradient norm and

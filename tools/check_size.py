@@ -21,20 +21,19 @@ REPO = Path(__file__).resolve().parents[1]
 # path relative to the repository (a file) or "path::function": why it is one idea at its length.
 REVIEWED: dict[str, str] = {
     "molt/trainer/worker.py": "one rank's collective calls (forward, update, molt.tinker's accumulate and "
-                              "apply_gradients, refit, checkpoints); its second idea, the metric sums, is "
-                              "moving out (#52); the per-token record it keeps for the dump already lives "
-                              "in token_record.py, the layouts a forward uses in batch.py, packing.py and "
-                              "context_parallel.py",
-    "molt/driver/loop.py": "the RL loop read top to bottom in one file (start, step, refit, restart); its "
-                           "helpers already live beside it (select, probe, fleet, checkpoints, "
-                           "agent_workers)",
+                              "apply_gradients, refit, checkpoints); its second idea, the metric sums, "
+                              "lives in step_metrics.py, the per-token record in token_record.py, the "
+                              "layouts a forward uses in batch.py, packing.py and context_parallel.py",
+    "molt/rollout/engine.py": "one engine actor (vLLM's engine on its own thread: generation, refit, sleep "
+                              "and wake, adapters) and the two calls that place it; its sampling, routes and "
+                              "arguments already live beside it (sampling.py, routes.py, engine_args.py)",
     "molt/trainer/model.py": "building a trainer rank's model and scoring tokens from its output (the "
                              "token_logprobs family, chunked or not): the second idea, to move to a "
                              "logprobs.py of its own",
-    "molt/spec/run.py": "the run spec and its rules across sections, which issue 52 moves to a rules file "
-                        "of their own",
     "tests/test_config.py": "the spec from composition to refusal, one short test per setting; its CLI "
                             "tests (dry run, multirun, print) are a second idea left for a tests/test_cli.py",
+    "tests/test_docs.py": "every sentence kind the pages hold checked against the code, one checker each "
+                          "(links, cited files and tests, sizes, embedded files, pasted outputs, code names)",
     "tests/test_trainer.py": "the trainer rank's numbers; its critic tests share a module fixture that a "
                              "second file would build again",
     "tests/test_agents_chat.py": "one subject, the loopback chat server over the OpenAI SDK, on one "

@@ -4,11 +4,10 @@
     python tools/import_graph.py --modules  # every module-level edge as well
 
 A module's floor is 0 when it imports nothing of Molt and one more than the highest floor it imports
-otherwise (imports inside functions count: they still make one file depend on another; a deprecated
-alias in a module-level __getattr__ does not, see DEPRECATED_ALIASES). The wings (agents, rollout,
-trainer, algo) meet only through the contract and never import each other; the spec imports none of
-them nor plan/ nor inputs/, so no two folders import each other: tests/test_codebase.py checks both
-with `wing_crossings` and `circles`.
+otherwise (imports inside functions count: they still make one file depend on another). The wings
+(agents, rollout, trainer, algo) meet only through the contract and never import each other; the spec
+imports none of them nor plan/ nor inputs/, so no two folders import each other: tests/test_codebase.py
+checks both with `wing_crossings` and `circles`.
 """
 
 from __future__ import annotations
@@ -23,26 +22,18 @@ PACKAGE = REPO / "molt"
 WINGS = ("agents", "rollout", "trainer", "algo")
 # What sits above the wings and may import them; nothing else imports it back (the top level is the
 # commands and the contract). tinker/ is the service face over the same pieces (it imports the driver's).
-ORCHESTRATION = ("driver", "sft", "tinker")
+ORCHESTRATION = ("driver", "tinker")
 # Wing-to-wing imports still standing, each with its reason; tests/test_codebase.py fails on any other
 # one and on an entry that no longer happens.
 KNOWN_CROSSINGS = {
+    "molt.trainer.step_metrics -> molt.algo": "the trainer/engine gap a rank sums and reduces is algo/'s "
+                                              "statistic (gap_sums, gap_metrics: the correction's too)",
     "molt.trainer.worker -> molt.algo": "the trainer rank computes the losses algo/ defines (pure tensor "
                                         "functions chosen by name, the way the spec names them) and loads "
                                         "algo.plugins into its own registries",
     "molt.trainer.token_record -> molt.algo": "the rank's per-token record for the dump keeps the importance "
                                               "weight the loss applies: algo's importance_weights on the "
                                               "loss's own inputs",
-}
-
-
-# Old import paths of names that moved up, kept by a module-level __getattr__ that warns; only these
-# modules' __getattr__ imports are left out of the graph (a lazy import anywhere else is an edge).
-DEPRECATED_ALIASES = {
-    "molt.spec.config": "to_spec and compose moved to molt.driver.compose (they check the plans and "
-                        "algo/'s registries)",
-    "molt.spec.plugins": "load_plugins moved to molt.algo.plugins (it checks names against algo/'s "
-                         "registries)",
 }
 
 
@@ -56,8 +47,6 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     found = set()
     tree = ast.parse(path.read_text(), filename=str(path))
     own = module_name(path) if path.resolve().is_relative_to(REPO) else ""
-    if own in DEPRECATED_ALIASES:   # the alias points where the names moved: not this module's dependency
-        tree.body = [node for node in tree.body if getattr(node, "name", None) != "__getattr__"]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
@@ -65,12 +54,6 @@ def imports(path: Path, modules: set[str]) -> set[str]:
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return {name for name in found if name in modules and name != own}
-
-
-def has_alias(module: str) -> bool:
-    """Whether `module` defines a module-level __getattr__."""
-    path = REPO / (module.replace(".", "/") + ".py")
-    return any(getattr(node, "name", None) == "__getattr__" for node in ast.parse(path.read_text()).body)
 
 
 def graph() -> dict[str, set[str]]:

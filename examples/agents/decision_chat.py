@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, State
-from molt.spec.plugins import import_user_module
+from molt.spec.user_modules import import_user_module
 
 # The sibling decision_env.py, loaded by its path (see tool_chat.py).
 decision_env = import_user_module(str(Path(__file__).with_name("decision_env.py")), "molt_example")

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from molt.agents import Env, Result, State, StepEnvRunner
-from molt.spec.plugins import import_user_module
+from molt.spec.user_modules import import_user_module
 
 # The sibling tool_env.py, loaded by its path (see tool_chat.py): the answer format its score reads.
 tool_env = import_user_module(str(Path(__file__).with_name("tool_env.py")), "molt_example")

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, State
-from molt.spec.plugins import import_user_module
+from molt.spec.user_modules import import_user_module
 
 # The sibling tool_env.py, loaded by its path: putting examples/agents/ on sys.path would let its
 # math_verify.py hide the installed math_verify package from every later import in the process.

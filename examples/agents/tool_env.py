@@ -1,10 +1,10 @@
 """Multi-turn tool use (Env): the model may call a calculator or run Python, then answers.
 
-The tools the prompt shows come from the row's `tools` (rows of `python -m molt.agents.tool_tasks` carry
-`molt.agents.tool_tasks.TOOLS`) and agent.tools. Each turn, agent.tool_parser reads the calls the model
+The tools the prompt shows come from the row's `tools` (rows of `python -m molt.tasks.tool_use` carry
+`molt.tasks.tool_use.TOOLS`) and agent.tools. Each turn, agent.tool_parser reads the calls the model
 wrote; a turn with calls gets one tool message per call back (`Env.call_tools`: an unknown tool or bad
 arguments is answered "error: ..."), and the first turn without a call is the answer, which ends the
-episode. Its reward: a reasoning-gym row (`entry`, from molt.agents.tool_tasks) is scored by the task's
+episode. Its reward: a reasoning-gym row (`entry`, from molt.tasks.tool_use) is scored by the task's
 own scorer on the text inside <answer>...</answer> (else the whole reply; an answer the scorer cannot read
 scores 0, counted in info/unscorable); any other row by whether the answer's last number equals the label.
 
@@ -68,10 +68,10 @@ def answer_text(value: str) -> str:
 def score(answer: str, item: dict, label: object) -> tuple[float, dict[str, float]]:
     """The reward of the final reply `answer` to the row `item` (also tool_chat.py's, the ChatAgent path)
     and its info: `exact`, and for a reasoning-gym row `unscorable` (its scorer could not read the answer,
-    which then scores 0: molt.agents.reasoning_gym_env.score_answer)."""
+    which then scores 0: molt.tasks.reasoning_gym.score_answer)."""
     entry = item.get("entry")
     if isinstance(entry, dict) and "source_dataset" in entry.get("metadata", {}):
-        from molt.agents.reasoning_gym_env import score_answer
+        from molt.tasks.reasoning_gym import score_answer
 
         reward, unscorable = score_answer(answer, entry)
         return reward, {"exact": float(reward == 1.0), "unscorable": float(unscorable)}

@@ -22,8 +22,8 @@ The products data of docs/tool_use.md:
 
 writes PREFIX_eval.jsonl (held-out questions), PREFIX_sft.jsonl and PREFIX_sft_eval.jsonl (traces for
 `python -m molt.sft`), PREFIX_train.jsonl (RL prompts); none of the last three holds an eval question.
-Rows come from molt.agents.reasoning_gym_env (the task's generator; `label` is its answer) with a `tools`
-column: molt.agents.tool_tasks' calculator schema (the flagship's), which the chat template renders into
+Rows come from molt.tasks.reasoning_gym (the task's generator; `label` is its answer) with a `tools`
+column: molt.tasks.tool_use' calculator schema (the flagship's), which the chat template renders into
 the prompt in SFT and RL alike. A trace is the question, one calculator call on the task's own
 expression, the tool message holding the calculator's REAL output from the sandbox (checked against the
 task's answer), and the final turn tool_env.py rewards (`answer_text`). The template renders the call in
@@ -42,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from molt.agents.reasoning_gym_env import task_rows
-from molt.agents.tool_tasks import CALCULATOR as CALCULATOR_TOOL
-from molt.spec.plugins import import_user_module
+from molt.spec.user_modules import import_user_module
+from molt.tasks.reasoning_gym import task_rows
+from molt.tasks.tool_use import CALCULATOR as CALCULATOR_TOOL
 
 # The sibling tool_env.py, loaded by its path: putting examples/agents/ on sys.path would let its
 # math_verify.py hide the installed math_verify package from every later import in the process.

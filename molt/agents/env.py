@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from molt.agents.render import continuation, encode, render, text_of
-from molt.agents.runner import Runner, agent_code
+from molt.agents.runner import Runner, agent_code, prompt_messages
 from molt.agents.tools import ERROR_PREFIX, make_parser, offered_tools, parse_reply, tool_request
-from molt.agents.trace import Trace, as_finite
+from molt.agents.trace import Trace, as_finite, mark_context_cut
 from molt.inputs.vision import normalize
+from molt.spec import RunSpec
 from molt.trajectory import AgentError, Rollout, Sampler
 
 
@@ -121,12 +122,10 @@ class StepEnvRunner(Runner):
         return parse_reply(self.parser, self.tokenizer, ids, request)
 
     async def _run(self, item: dict, trace: Trace, sampler: Sampler, defaults: dict) -> Rollout:
-        agent, tok, template_kwargs = self.spec.agent, self.tokenizer, self.spec.model.chat_template_kwargs
-        tools = offered_tools(agent.tools, item)
-        request = tool_request(tools) if tools else None
-        messages, images = normalize(self.messages_of(item))
+        agent, tok = self.spec.agent, self.tokenizer
         # the conversation's rendering with a generation prompt, kept: the next turn's glue starts from it
-        text = render(tok, messages, tools, chat_template_kwargs=template_kwargs)
+        text, messages, images, tools = first_prompt(tok, self.spec, item)
+        request = tool_request(tools) if tools else None
         trace.extend_prompt(encode(tok, text), images)
         with agent_code():
             env = self.env_cls(self.spec.agent.options)
@@ -138,13 +137,14 @@ class StepEnvRunner(Runner):
         # and filters measure a response against that bound.
         cap = defaults.get("max_tokens", self.spec.rollout.max_tokens)
         for turn in range(agent.max_turns):
-            budget = min(sampling.get("max_tokens", cap), cap, agent.max_total_tokens - len(trace.ids))
+            wanted = min(sampling.get("max_tokens", cap), cap)
+            budget = min(wanted, agent.max_total_tokens - len(trace.ids))
             if budget < 1:
                 break
             turn_sampling = {**sampling, "max_tokens": budget}
             out = await sampler.generate(list(trace.ids), turn_sampling, trace.rollout_id,
                                          **({"images": list(trace.images)} if trace.images else {}))
-            trace.add_sample(out)
+            trace.add_sample(mark_context_cut(out, wanted))
             ids = list(out["token_ids"])
             action = tok.decode(ids, skip_special_tokens=True)
             content, tool_calls, malformed = self._parse(ids, tools, request)
@@ -189,6 +189,22 @@ class StepEnvRunner(Runner):
         else:
             trace.extend_prompt(encode(tok, glue), images)
         return text
+
+
+def first_prompt(tokenizer: Any, spec: RunSpec, item: dict) -> tuple[str, list[dict], list[str], list[dict]]:
+    """How an Env rollout of `item` starts: the chat template's rendering (with a generation prompt) of the
+    row's conversation and the tools it shows (agent.tools, then the row's), the conversation with its
+    image parts as placeholders, their images, and the tools."""
+    tools = offered_tools(spec.agent.tools, item)
+    messages, images = normalize(prompt_messages(item, spec.data))
+    return render(tokenizer, messages, tools, chat_template_kwargs=spec.model.chat_template_kwargs), \
+        messages, images, tools
+
+
+def prompt_ids(tokenizer: Any, spec: RunSpec, item: dict) -> list[int]:
+    """The token ids of `item`'s first prompt (`first_prompt`): what the context must hold before the
+    response (a ChatAgent's own system prompt or tools, if it adds any, come on top)."""
+    return encode(tokenizer, first_prompt(tokenizer, spec, item)[0])
 
 
 def _as_messages(observation: str | dict | list, env: str) -> list[dict]:

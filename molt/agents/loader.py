@@ -6,7 +6,7 @@ from typing import Any
 
 from molt.agents.runner import Runner
 from molt.spec import AgentSpec
-from molt.spec.plugins import import_user_module
+from molt.spec.user_modules import import_user_module
 
 
 def load_agent_runner(agent: AgentSpec) -> Any:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from molt.agents.trace import Trace, failed_rollout
-from molt.spec import RunSpec
+from molt.spec import DataSpec, RunSpec
 from molt.trajectory import AgentError, EngineDiedError, Rollout, Sampler
 
 
@@ -89,13 +89,17 @@ class Runner:
             self.judge = None
 
     def messages_of(self, item: dict) -> list[dict]:
-        data = self.spec.data
-        if item.get(data.messages_key):   # messages win over a prompt string, as in molt.inputs.data
-            return [dict(m) for m in item[data.messages_key]]
-        if item.get(data.prompt_key) is not None:
-            return [{"role": "user", "content": str(item[data.prompt_key])}]
-        raise AgentError(f"dataset row has neither '{data.prompt_key}' nor '{data.messages_key}' "
-                         f"(keys: {sorted(item)})")
+        return prompt_messages(item, self.spec.data)
 
     def label_of(self, item: dict) -> Any:
         return item.get(self.spec.data.label_key)
+
+
+def prompt_messages(item: dict, data: DataSpec) -> list[dict]:
+    """A dataset row's conversation: its messages (copied), or its prompt string as one user message."""
+    if item.get(data.messages_key):   # messages win over a prompt string, as in molt.inputs.data
+        return [dict(m) for m in item[data.messages_key]]
+    if item.get(data.prompt_key) is not None:
+        return [{"role": "user", "content": str(item[data.prompt_key])}]
+    raise AgentError(f"dataset row has neither '{data.prompt_key}' nor '{data.messages_key}' "
+                     f"(keys: {sorted(item)})")

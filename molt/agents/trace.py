@@ -27,6 +27,7 @@ class Trace:
         self.images: list[str] = []   # data URLs of the open segment's image placeholders, in order
         self.turns: list[list[int]] = []   # [turn, first token index] of the open segment's turns
         self.turn = 0                 # samples added so far: the next sample's turn
+        self.context_cuts = 0         # samples stopped by the context (`mark_context_cut`)
 
     def extend_prompt(self, ids: list[int], images: list[str] = ()) -> None:
         """Tokens the model reads but did not sample (prompt, observation, template glue), and the images
@@ -65,6 +66,7 @@ class Trace:
         self.versions += [int(v) for v in versions]
         self.routes = out.get("routed_experts")
         self.finish_reason = out.get("finish_reason") or "stop"
+        self.context_cuts += bool(out.get("context_cut"))
 
     def _expand(self, prompt: list[int]) -> bool:
         """Take the engine's `prompt` if it is `ids` with image placeholders expanded: each extra token
@@ -116,7 +118,14 @@ class Trace:
             raise AgentError("the agent sampled no tokens")
         info = {k: as_finite(v, f"info[{k!r}]") for k, v in (info or {}).items()}
         return Rollout(self.rollout_id, self.group_id, self.segments, reward, score=score, label=label,
-                       info=info)
+                       info=info, context_truncated=self.context_cuts)
+
+
+def mark_context_cut(out: Sample, max_tokens: int) -> Sample:
+    """Mark a sample that stopped on length before `max_tokens`, its turn's own bound: the context cut it
+    (the engine shrinks a request to model.max_model_len, the agent layer to agent.max_total_tokens)."""
+    out["context_cut"] = out.get("finish_reason") == "length" and len(out["token_ids"]) < max_tokens
+    return out
 
 
 def as_finite(value: Any, what: str) -> float:

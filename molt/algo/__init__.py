@@ -4,8 +4,8 @@ Every registry maps a config name (from the `algo` group) to one function, so th
 looks functions up by name and never branches on the algorithm:
 
     ESTIMATORS        algo.estimator          -> advantage estimator (compute_advantages calls it)
-    GROUP_BASELINE    the estimators that need several samples per prompt
-    TURN_CREDIT       the estimators that take per-turn returns (algo.turn_credit=turn)
+    ESTIMATOR_NEEDS   algo.estimator          -> what it needs of the run (EstimatorNeeds: a critic, a
+                                                 reference, several samples per prompt, per-turn returns)
     POLICY_LOSSES     algo.loss.policy        -> per-token policy surrogate (policy_loss calls it)
     LOSS_NORMS        algo.loss.norm          -> aggregation: normalizer and per-token scale
     CORRECTIONS       algo.correction.level   -> gated importance statistic (importance_weights)
@@ -15,17 +15,18 @@ looks functions up by name and never branches on the algorithm:
     REWARD_TRANSFORMS algo.reward.<key>       -> reward transform after the filters (shape_rewards)
     DATUM_LOSSES      a client's loss_fn        -> a summed loss over datums (molt.tinker; datum_loss)
 
-`load_plugins` imports `algo.plugins` into them and checks the spec's names against them.
+`load_plugins` imports `algo.plugins` into them; the driver checks the spec's names and needs against them
+(molt.driver.compose.check_algorithm).
 """
 
 from molt.algo.correction import CORRECTION_MODES, CORRECTIONS, gap_metrics, gap_sums, importance_weights
 from molt.algo.datum_losses import DATUM_LOSSES, datum_loss
 from molt.algo.estimators import (
+    ESTIMATOR_NEEDS,
     ESTIMATORS,
-    GROUP_BASELINE,
-    TURN_CREDIT,
     Advantages,
     EstimatorInputs,
+    EstimatorNeeds,
     compute_advantages,
     kl_penalty,
     register_estimator,
@@ -41,11 +42,12 @@ from molt.algo.rewards import REWARD_TRANSFORMS, shape_rewards
 from molt.algo.surrogates import POLICY_LOSSES
 
 __all__ = [
-    "Advantages", "CORRECTIONS", "CORRECTION_MODES", "DATUM_LOSSES", "ESTIMATORS", "EstimatorInputs",
-    "FILTERS", "GROUP_BASELINE", "KL_ESTIMATORS", "LOSS_NORMS", "POLICY_LOSSES", "REWARD_TRANSFORMS",
-    "TURN_CREDIT", "adaptive_kl_coef", "apply_filters", "compute_advantages", "datum_loss", "filter_drops",
-    "gap_metrics", "gap_sums", "group_mean", "group_sum", "importance_weights", "kl_k1", "kl_k2", "kl_k3",
-    "kl_penalty", "load_plugins", "loss_normalizer", "masked_max", "masked_mean", "masked_sum",
-    "masked_whiten", "policy_loss", "register_estimator", "rollout_rewards", "rollout_sum", "sft_loss",
-    "shape_rewards", "to_tokens", "token_gae", "token_scale", "value_loss", "with_kl_coef",
+    "adaptive_kl_coef", "Advantages", "apply_filters", "compute_advantages", "CORRECTION_MODES",
+    "CORRECTIONS", "datum_loss", "DATUM_LOSSES", "ESTIMATOR_NEEDS", "EstimatorInputs", "EstimatorNeeds",
+    "ESTIMATORS", "filter_drops", "FILTERS", "gap_metrics", "gap_sums", "group_mean", "group_sum",
+    "importance_weights", "KL_ESTIMATORS", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "load_plugins",
+    "loss_normalizer", "LOSS_NORMS", "masked_max", "masked_mean", "masked_sum", "masked_whiten",
+    "policy_loss", "POLICY_LOSSES", "register_estimator", "REWARD_TRANSFORMS", "rollout_rewards",
+    "rollout_sum", "sft_loss", "shape_rewards", "to_tokens", "token_gae", "token_scale", "value_loss",
+    "with_kl_coef",
 ]

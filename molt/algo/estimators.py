@@ -9,22 +9,19 @@ ignores the optional inputs it does not need. Its fields, for R rollouts and S s
     segment_rollout  [S]     int in [0, R): the rollout of each segment (a rollout's segments in order)
     loss_mask        [S, T]  1 on tokens the engine sampled
     algo             AlgoSpec
-    values           [S, T]  critic V(tokens < t) (gae)
-    logp, ref_logp   [S, T]  policy / reference logprobs of the sampled tokens (KL, distillation)
-    turn_returns     [S, T]  algo.turn_credit=turn only, and only to the estimators in TURN_CREDIT: each
-                             sampled token's return from its turn on; `rewards` are then each rollout's
-                             return from its first turn (its baseline is taken over those)
+    values           [S, T]  critic V(tokens < t): only with model.critic (needs_critic, e.g. gae)
+    logp, ref_logp   [S, T]  policy / reference logprobs of the sampled tokens (KL, distillation): only
+                             with model.reference (needs_reference), None otherwise
+    turn_returns     [S, T]  algo.turn_credit=turn only, and only to estimators registered with
+                             turn_credit=True: each sampled token's return from its turn on; `rewards`
+                             are then each rollout's return from its first turn (the baseline's)
 
 Output: `Advantages(advantages [S, T], returns [S, T] or None, metrics {name: 0-dim tensor})`.
-A plugin estimator written against the earlier signature, `fn(rewards, group_ids, segment_rollout,
-loss_mask, algo, values=None, logp=None, ref_logp=None[, turn_returns])`, is still accepted:
-`register_estimator` adapts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -74,36 +71,38 @@ class EstimatorInputs:
 
 Estimator = Callable[[EstimatorInputs], Advantages]
 ESTIMATORS: dict[str, Estimator] = {}
-GROUP_BASELINE: set[str] = set()    # estimators whose baseline is the prompt's other samples
-TURN_CREDIT: set[str] = set()       # estimators that take `turn_returns` (algo.turn_credit=turn)
 
 
-def register_estimator(name: str, group_baseline: bool = False,
-                       turn_credit: bool = False) -> Callable[[Estimator], Estimator]:
-    """Decorator: make `fn` the estimator for `algo.estimator: name`.
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an estimator needs of the run, which the driver checks a spec against (molt.driver.compose), so
+    that a plugin's needs are its own decorator's and not rules in the spec. `logp` and `ref_logp` are
+    computed only when the run has a reference model: an estimator that reads them says needs_reference."""
+    group_baseline: bool = False    # compares the samples of one prompt: refused with samples_per_prompt=1
+    turn_credit: bool = False       # takes `turn_returns` (algo.turn_credit=turn is refused with any other)
+    needs_critic: bool = False      # reads `values`, returns value targets: model.critic=true (and only it)
+    needs_reference: bool = False   # reads `logp` / `ref_logp`: model.reference must be set
+    whitens: bool = False           # standardizes its advantages over the batch or group (with algo.gamma=1
+                                    # an affine map of the rewards changes nothing: a batch reward
+                                    # normalization before it is warned about)
 
-    `group_baseline=True` says its advantage compares the samples of one prompt, so the spec refuses it
-    with one sample per prompt (every advantage would be 0); `turn_credit=True` that it takes the keyword
-    `turn_returns` (algo.turn_credit=turn; the spec refuses that setting with any other estimator)."""
-    def add(fn: Callable[..., Advantages]) -> Callable[..., Advantages]:
+
+ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {}
+
+
+def register_estimator(name: str, group_baseline: bool = False, turn_credit: bool = False,
+                       needs_critic: bool = False, needs_reference: bool = False,
+                       whitens: bool = False) -> Callable[[Estimator], Estimator]:
+    """Decorator: make `fn` the estimator for `algo.estimator: name`, with what it needs of the run
+    (`EstimatorNeeds`: a critic, a reference, several samples per prompt, per-turn returns)."""
+    def add(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = fn if len(inspect.signature(fn).parameters) == 1 else _from_tensors(fn)
-        if group_baseline:
-            GROUP_BASELINE.add(name)
-        if turn_credit:
-            TURN_CREDIT.add(name)
+        ESTIMATORS[name] = fn
+        ESTIMATOR_NEEDS[name] = EstimatorNeeds(group_baseline, turn_credit, needs_critic, needs_reference,
+                                               whitens)
         return fn
     return add
-
-
-def _from_tensors(fn: Callable[..., Advantages]) -> Estimator:
-    """An estimator written against the earlier signature (tensors as positional arguments)."""
-    def call(x: EstimatorInputs) -> Advantages:
-        turns = {} if x.turn_returns is None else {"turn_returns": x.turn_returns}
-        return fn(x.rewards, x.group_ids, x.segment_rollout, x.loss_mask, x.algo, x.values, x.logp,
-                  x.ref_logp, **turns)
-    return call
 
 
 def _returns(r: Tensor, segment_rollout: Tensor, loss_mask: Tensor, turn_returns: Tensor | None) -> Tensor:
@@ -136,7 +135,7 @@ def _group_size(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return group_sum(torch.ones_like(rewards), group_ids)
 
 
-@register_estimator("reinforce_pp")
+@register_estimator("reinforce_pp", whitens=True)
 def reinforce_pp(x: EstimatorInputs) -> Advantages:
     """REINFORCE++: A_t = whiten(G_t) over all sampled tokens of the batch, G_t = sum_{k>=t} gamma^(k-t) r_k
     with r_k = -kl.coef * KL_k (when kl.in_reward) plus the rollout reward on its last sampled token."""
@@ -145,13 +144,13 @@ def reinforce_pp(x: EstimatorInputs) -> Advantages:
     return Advantages(masked_whiten(returns, x.loss_mask), None, {})
 
 
-@register_estimator("reinforce_baseline", group_baseline=True)
+@register_estimator("reinforce_baseline", group_baseline=True, whitens=True)
 def reinforce_baseline(x: EstimatorInputs) -> Advantages:
     """REINFORCE++-baseline: as reinforce_pp, with the rollout reward replaced by r - mean_group(r)."""
     return reinforce_pp(dataclasses.replace(x, rewards=x.rewards - group_mean(x.rewards, x.group_ids)))
 
 
-@register_estimator("grpo", group_baseline=True, turn_credit=True)
+@register_estimator("grpo", group_baseline=True, turn_credit=True, whitens=True)
 def grpo(x: EstimatorInputs) -> Advantages:
     """GRPO: A = (r - mean_g) / (std_g + 1e-6), std unbiased; a group of one gets A = 0. With turn credit a
     token's A = (G_turn - mean_g) / (std_g + 1e-6), mean and std over the group's whole-rollout returns, and
@@ -203,7 +202,7 @@ def rloo(x: EstimatorInputs) -> Advantages:
     return Advantages(torch.where(single, torch.zeros_like(adv), adv), None, {})
 
 
-@register_estimator("gae")
+@register_estimator("gae", needs_critic=True)
 def gae(x: EstimatorInputs) -> Advantages:
     """PPO-GAE(gamma, lam) over each rollout's sampled tokens with the critic's values; advantages are
     whitened over the batch, returns (A_t + V_t before whitening) are the value targets."""
@@ -217,7 +216,7 @@ def gae(x: EstimatorInputs) -> Advantages:
                        "values_mean": masked_mean(x.values.to(returns.dtype), x.loss_mask)})
 
 
-@register_estimator("on_policy_distill")
+@register_estimator("on_policy_distill", needs_reference=True)
 def on_policy_distill(x: EstimatorInputs) -> Advantages:
     """On-policy distillation: A_t = -distill_coef * (logp_t - ref_logp_t), the teacher as reference
     (per-token reverse KL as a dense reward); rewards are ignored."""
@@ -248,7 +247,7 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, segment_rollout: Tens
     for name, x in inputs:
         if x is not None and x.shape != loss_mask.shape:
             raise ValueError(f"{name} {tuple(x.shape)} must match loss_mask {tuple(loss_mask.shape)}")
-    if turn_returns is not None and algo.estimator not in TURN_CREDIT:
+    if turn_returns is not None and not ESTIMATOR_NEEDS[algo.estimator].turn_credit:
         raise ValueError(f"algo.estimator={algo.estimator} takes no turn_returns (algo.turn_credit=turn)")
     out = ESTIMATORS[algo.estimator](EstimatorInputs(rewards, group_ids, segment_rollout, loss_mask, algo,
                                                      values, logp, ref_logp, turn_returns))

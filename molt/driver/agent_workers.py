@@ -1,4 +1,6 @@
-"""Agent workers (`agent.workers: N`): the training rollouts run in N Ray actors, not in the driver's loop.
+"""Where the agent's groups run: in the driver's process (`LocalAgents`, agent.workers=0), or in N Ray actors
+(`AgentWorkers`, `agent.workers: N`). Both have one face, which the pool (`molt.rollout.pool.GroupRunner`)
+and evaluation use: `run_group`, `take_lost`, `set_version`, `metrics`, `close`.
 
 Each worker imports agent.module and sets its runner up as the driver does (a ChatAgent's loopback server
 on a port of its own, an Env's sandbox processes, its tool calls), then runs the groups the driver hands
@@ -20,18 +22,49 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from molt.driver.judge_engines import set_up, start_judge
+from molt.driver.judge_engines import start_judge
 from molt.rollout.dispatch import Dispatcher
 from molt.spec import RunSpec
+from molt.spec.user_modules import user_file
 from molt.trajectory import Rollout
 
 START_TIMEOUT_S = 600.0   # a worker's set-up: imports, the tokenizer, a chat server (seconds on a loaded CPU)
+
+
+class LocalAgents:
+    """Groups run here, on the driver's event loop, by the agent's runner (set up by the run): training
+    rollouts through a `TrainingSampler` seeded with the current policy version, an evaluation's through
+    the dispatcher with its sampling, as on a worker."""
+
+    def __init__(self, spec: RunSpec, runner: Any, dispatcher: Dispatcher) -> None:
+        from molt.rollout.sampling import TrainingSampler
+
+        self.spec, self.runner, self.dispatcher, self.version = spec, runner, dispatcher, 0
+        self.sampler = TrainingSampler(dispatcher, spec.run.seed, lambda: self.version)
+
+    async def run_group(self, item: dict, group_id: str, n: int | None = None,
+                        sampling: dict | None = None) -> list[Rollout]:
+        sampler = self.sampler if sampling is None else self.dispatcher
+        return list(await asyncio.gather(*[
+            self.runner.run(item, f"{group_id}-{i}", group_id, sampler, sampling)
+            for i in range(n or self.spec.rollout.samples_per_prompt)]))
+
+    def take_lost(self, keys: list[str]) -> bool:
+        return self.dispatcher.take_lost(keys)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.runner.close()
 
 
 @ray.remote
@@ -49,12 +82,12 @@ class AgentWorker:
         self.runner = load_agent_runner(spec.agent)
         tokenizer = AutoTokenizer.from_pretrained(policy_path, trust_remote_code=spec.model.trust_remote_code)
         # the driver's judge engines (never a second set, never stopped here), or agent.judge.url
-        set_up(self.runner, tokenizer, spec, start_judge(spec, judge_engines))
+        self.runner.setup(tokenizer, spec, start_judge(spec, judge_engines))
         self.dispatcher = Dispatcher(list(engines), on_death=self._engine_died)
         self.dispatcher.live = set(live)
         self.sampler = TrainingSampler(self.dispatcher, spec.run.seed, lambda: self.version)
         self.deaths: dict[int, tuple[str, str]] = {}   # engine -> (actor id, why), not yet reported
-        # Out of the collector's scans, as in the driver (molt.driver.loop.start_run): the set-up's
+        # Out of the collector's scans, as in the driver (molt.driver.run.Run.start): the set-up's
         # long-lived objects made each full collection a pause of every session here.
         gc.collect()
         gc.freeze()
@@ -118,7 +151,7 @@ class AgentWorkers:
     def __init__(self, spec: RunSpec, policy_path: str, dispatcher: Dispatcher,
                  judge_engines: list | None = None) -> None:
         if spec.agent.module.endswith(".py"):   # a worker's current directory may not be the driver's
-            agent = spec.agent.model_copy(update={"module": str(Path(spec.agent.module).resolve())})
+            agent = spec.agent.model_copy(update={"module": str(user_file(spec.agent.module))})
             spec = spec.model_copy(update={"agent": agent})
         self.spec, self.policy_path, self.dispatcher = spec, policy_path, dispatcher
         self.judge_engines = list(judge_engines or [])

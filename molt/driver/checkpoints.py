@@ -192,19 +192,24 @@ def new_best(spec: RunSpec, step: int, metrics: dict[str, float]) -> float | Non
     return value if better else None
 
 
-def save_checkpoint(spec: RunSpec, step: int, groups: dict[str, Any], extra: dict[str, Any],
+# The roles whose weights a checkpoint holds (a reference is frozen: it is rebuilt from its model path).
+TRAINED_ROLES = ("policy", "critic")
+
+
+def save_checkpoint(spec: RunSpec, step: int, roles: dict[str, Any], extra: dict[str, Any],
                     best: float | None = None) -> Path:
-    """checkpoints/step_N with each trainer group's state (`extra` is the policy's and meta.json's), the HF
-    export when train.export_hf, then best.json (when `best` is a new best value) and `latest`."""
+    """checkpoints/step_N with the state of each trained role of `roles` (`extra`, the run's position, is
+    saved with the policy's and as meta.json), the HF export when train.export_hf, then best.json (when
+    `best` is a new best value) and `latest`."""
     root = checkpoints_dir(spec)
     path = root / f"step_{step:06d}"
-    for name, group in groups.items():
-        if group is not None:
-            group.save(str(path / name), extra if name == "policy" else {})
+    for name in TRAINED_ROLES:
+        if roles.get(name) is not None:
+            roles[name].save(str(path / name), extra if name == "policy" else {})
     (path / "meta.json").write_text(json.dumps(extra))
     (path / "spec.yaml").write_text(spec_yaml(spec))   # molt.export rebuilds the trainer from it
     if spec.train.export_hf:
-        groups["policy"].export_hf(str(path / "hf"))
+        roles["policy"].export_hf(str(path / "hf"))
         log.info("molt: step %d exported as a Hugging Face model to %s", step, path / "hf")
     pointers = {"latest": path.name}
     if best is not None:
@@ -220,6 +225,16 @@ def save_checkpoint(spec: RunSpec, step: int, groups: dict[str, Any], extra: dic
         if old.name != kept:
             shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def load_checkpoint(checkpoint: Path, roles: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint folder into each trained role of `roles`; returns the run's position saved with
+    the policy (`save_checkpoint`'s `extra`)."""
+    extra = roles["policy"].load(str(checkpoint / "policy"))
+    for name in TRAINED_ROLES[1:]:
+        if roles.get(name) is not None:
+            roles[name].load(str(checkpoint / name))
+    return extra
 
 
 def install_stop_handler() -> asyncio.Event:

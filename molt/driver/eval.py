@@ -4,10 +4,11 @@ Each prompt gets `rollout.eval.n` samples through the run's agent, whose samplin
 `rollout.eval`'s in place of training's (a turn may still override them; agent.max_total_tokens caps
 each turn's max_tokens as in training). Per set NAME (a file's stem):
 `eval/NAME/mean@n` is the mean reward over all samples, and `eval/NAME/pass@k` (k = 1, 2, 4, ... and n)
-the unbiased estimate of the chance that k samples hold a correct one (reward >= 1), from the c correct
-of n: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021). A failed rollout scores 0. What the agent did, as
-training logs it (molt.driver.select.agent_metrics): `eval/NAME/agent/*` and `eval/NAME/info/KEY` over the
-set's rollouts that did not fail, and `eval/NAME/failed`, how many failed. With agent.workers > 0 the
+the unbiased estimate of the chance that k samples hold a correct one (a reward of at least
+rollout.eval.pass_reward, 1 by default), from the c correct of n: 1 - C(n-c, k) / C(n, k) (Chen et al.,
+2021). A failed rollout scores 0. What the agent did, as training logs it (molt.driver.select.agent_metrics):
+`eval/NAME/agent/*` and `eval/NAME/info/KEY` over the set's rollouts that did not fail, and
+`eval/NAME/failed`, how many failed. With agent.workers > 0 the
 rollouts run on the agent workers (a prompt's n samples as one group), here as in a run.
 
     python -m molt.eval [+experiment=NAME] [key=value ...] model.path=PATH
@@ -48,31 +49,26 @@ def set_metrics(name: str, rewards: torch.Tensor, pass_reward: float) -> dict[st
     return out
 
 
-async def evaluate(spec: RunSpec, runner: Any, dispatcher: Any, eval_sets: dict[str, Any],
-                   step: int, workers: Any = None) -> dict[str, float]:
-    """Every set's metrics; all prompts of all sets are in flight at once, on the agent workers when the
-    run has them (`AgentWorkers`: the agent's code never runs in the driver), else on `runner` here."""
+async def evaluate(spec: RunSpec, groups: Any, eval_sets: dict[str, Any], step: int) -> dict[str, float]:
+    """Every set's metrics; all prompts of all sets are in flight at once, each prompt's n samples as one
+    group of `groups` (molt.driver.agent_workers: in this process, or on the agent workers, so that the
+    agent's code never runs in the driver when the run has workers)."""
     e = spec.rollout.eval
     # rollout.eval is the agent's default sampling here, where training's would be (what State /
     # ChatContext.sampling_params report and the chat server starts from), so per-turn overrides and the
-    # agent.max_total_tokens cap still apply; training rollouts in flight on `runner` keep theirs.
-    sampling = spec.rollout.eval.request()
+    # agent.max_total_tokens cap still apply; training rollouts in flight on the same runner keep theirs.
+    sampling = e.request()
     jobs = [(name, i, item) for name, items in eval_sets.items() for i, item in enumerate(items)]
-    if workers:   # a prompt's n samples as one group; the same rollout ids as below
-        groups = await asyncio.gather(*[workers.run_group(item, f"eval{step}-{name}-{i}", e.n, sampling)
-                                        for name, i, item in jobs])
-        results = [r for group in groups for r in group]
-    else:
-        results = await asyncio.gather(*[
-            runner.run(item, f"eval{step}-{name}-{i}-{k}", f"eval{step}-{name}-{i}", dispatcher, sampling)
-            for name, i, item in jobs for k in range(e.n)])
+    done = await asyncio.gather(*[groups.run_group(item, f"eval{step}-{name}-{i}", e.n, sampling)
+                                  for name, i, item in jobs])
+    results = [r for group in done for r in group]
     rewards = torch.tensor([r.reward if r.ok else 0.0 for r in results]).view(len(jobs), e.n)
     metrics, start = {}, 0
     for name, items in eval_sets.items():
         metrics.update(set_metrics(name, rewards[start:start + len(items)], e.pass_reward))
-        done = results[start * e.n:(start + len(items)) * e.n]
-        metrics[f"eval/{name}/failed"] = float(sum(not r.ok for r in done))
-        metrics |= {f"eval/{name}/{k}": v for k, v in agent_metrics([r for r in done if r.ok]).items()}
+        ran = results[start * e.n:(start + len(items)) * e.n]
+        metrics[f"eval/{name}/failed"] = float(sum(not r.ok for r in ran))
+        metrics |= {f"eval/{name}/{k}": v for k, v in agent_metrics([r for r in ran if r.ok]).items()}
         start += len(items)
     return metrics
 
@@ -85,29 +81,25 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
     """Start engines on model.path (a checkpoint folder is exported first) and evaluate every set."""
     import ray
 
-    from molt.agents import load_agent_runner
+    from molt.driver.compose import prepare
     from molt.driver.export import as_hf_folder
     from molt.driver.judge_engines import stop_engines
-    from molt.inputs.data import load_eval_sets
-    from molt.plan.models import model_path
     from molt.plan.placement import bind, init_ray
     from molt.rollout.engine import start_engines
 
     if spec.model.path is not None:
         spec.model.path = as_hf_folder(spec.model.path)
-    path = model_path(spec)
-    eval_sets = load_eval_sets(spec.data)
-    if not eval_sets:
+    inputs = prepare(spec, train=False).or_raise()   # the agent and eval sets, built once, before a start
+    if not inputs.eval_sets:
         raise ValueError("data.eval is empty: nothing to evaluate")
-    runner = load_agent_runner(spec.agent)   # a module that fails to import fails before anything starts
     own_ray = not ray.is_initialized()   # a caller's Ray (a notebook, a test session) is left running
     if own_ray:
         init_ray(spec)
     try:
         bind(spec, ROLES)   # the nodes hold the engines and agent workers the plan puts there, as for a run
-        engines = start_engines(spec, path)
+        engines = start_engines(spec, inputs.policy_path)
         try:
-            return evaluate_on(spec, path, engines, eval_sets, runner)
+            return evaluate_on(spec, inputs, engines)
         finally:
             stop_engines(engines)
     finally:
@@ -115,22 +107,21 @@ def evaluate_model(spec: RunSpec) -> dict[str, float]:
             ray.shutdown()
 
 
-def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, Any],
-                runner: Any) -> dict[str, float]:
-    """Every set's metrics on `engines` (serving the model at `path`), the agent (`runner`, not set up yet;
-    closed here) set up as for a run: in this process, or on `agent.workers` workers (`evaluate` as the
-    run's periodic evaluation calls it)."""
-    from transformers import AutoTokenizer
-
-    from molt.driver.agent_workers import start_agent_workers
-    from molt.driver.judge_engines import judge_engines, set_up, start_judge
+def evaluate_on(spec: RunSpec, inputs: Any, engines: list) -> dict[str, float]:
+    """Every eval set's metrics on `engines` (serving the model at `inputs.policy_path`), the agent
+    (`inputs.runner`, not set up yet; closed here) set up as for a run: in this process, or on
+    `agent.workers` workers."""
+    from molt.driver.agent_workers import LocalAgents, start_agent_workers
+    from molt.driver.judge_engines import judge_engines, start_judge
     from molt.rollout.dispatch import Dispatcher
+
+    runner = inputs.runner
 
     async def run() -> dict[str, float]:
         dispatcher = Dispatcher(engines)
-        workers = await start_agent_workers(spec, path, dispatcher, judge_engines(judge))
+        workers = await start_agent_workers(spec, inputs.policy_path, dispatcher, judge_engines(judge))
         try:   # with workers the agent's code never runs here: this process sets no runner up
-            return await evaluate(spec, None if workers else runner, dispatcher, eval_sets, 0, workers)
+            return await evaluate(spec, workers or LocalAgents(spec, runner, dispatcher), inputs.eval_sets, 0)
         finally:
             if workers:
                 workers.close()
@@ -138,8 +129,7 @@ def evaluate_on(spec: RunSpec, path: str, engines: list, eval_sets: dict[str, An
     judge = start_judge(spec)   # its engines start in the caller's Ray; close() stops them
     try:
         if not spec.agent.workers:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.model.trust_remote_code)
-            set_up(runner, tokenizer, spec, judge)
+            runner.setup(inputs.tokenizer, spec, judge)
         return asyncio.run(run())
     finally:
         if judge is not None:   # also when the runner's set-up failed before it took the judge

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from molt.driver.compose import to_spec
+from molt.driver.compose import Inputs, to_spec
 from molt.spec import RunSpec, SpecError
 from molt.spec.config import compose_config, spec_yaml
 
@@ -96,17 +96,45 @@ def plan(overrides: Sequence[str], multirun: bool) -> list[Job]:
     return jobs
 
 
-def show(jobs: list[Job], what: str) -> str:
-    """`spec`: each job's validated spec as YAML (one document per job); `plan`: each job's dry run
-    (warnings logged, data and agent checked, the placement plan; a dry run has no run directory)."""
+def show(jobs: list[Job]) -> str:
+    """Each job's validated spec as YAML (one document per job)."""
+    parts = [(f"# sweep job {num}: {job.label}\n" if len(jobs) > 1 else "") + spec_yaml(job.spec)
+             for num, job in enumerate(jobs)]
+    return "---\n".join(parts)
+
+
+def dry_runs(jobs: list[Job]) -> tuple[str, list[str]]:
+    """Each job's dry run (warnings logged, inputs built, the plan; a dry run has no run directory) and
+    every problem found, each one line (prefixed with its sweep job)."""
     from molt.driver.launch import dry_run
 
-    parts = []
+    parts, problems = [], []
     for num, job in enumerate(jobs):
         head = f"# sweep job {num}: {job.label}\n" if len(jobs) > 1 else ""
-        if what == "spec":
-            parts.append(head + spec_yaml(job.spec))
-        else:
-            parts.append(head + dry_run(job.spec.model_copy(update={"run": job.spec.run.model_copy(
-                update={"dir": None})})) + "\n")
-    return "---\n".join(parts) if what == "spec" else "\n".join(parts)
+        unplaced = job.spec.run.model_copy(update={"dir": None})
+        text, found = dry_run(job.spec.model_copy(update={"run": unplaced}))
+        parts.append(head + text + "\n")
+        problems += [f"{_job_prefix(jobs, num)}{one_line(err)}" for err in found]
+    return "\n".join(parts), problems
+
+
+def prepare_jobs(jobs: list[Job], multirun: bool) -> tuple[dict[int | None, Inputs], list[str]]:
+    """Every job's inputs, built before the first job starts (by Hydra's job number; None for a single
+    run), and every problem found, each one line: a sweep whose third job's data is missing starts none."""
+    from molt.driver.compose import prepare
+
+    prepared, problems = {}, []
+    for num, job in enumerate(jobs):
+        inputs = prepare(job.spec)
+        problems += [f"{_job_prefix(jobs, num)}{one_line(err)}" for err in inputs.problems]
+        prepared[num if multirun else None] = inputs
+    return prepared, problems
+
+
+def _job_prefix(jobs: list[Job], num: int) -> str:
+    return f"sweep job {num} ({jobs[num].label}): " if len(jobs) > 1 else ""
+
+
+def one_line(err: BaseException) -> str:
+    """What the user reads of a refusal: its message (one line; a spec's several problems stay listed)."""
+    return str(err) if isinstance(err, SpecError) else " ".join(str(err).split())

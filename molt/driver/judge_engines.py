@@ -8,12 +8,9 @@ fleet (molt/driver/fleet.py) owns only the policy's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 
 from molt.agents.judge import Judge
-from molt.agents.runner import Runner
 from molt.plan.models import model_path
 from molt.plan.placement import plan
 from molt.rollout.dispatch import Dispatcher
@@ -40,10 +37,8 @@ def start_judge(spec: RunSpec, engines: list | None = None) -> Judge | None:
     # The judge is never refitted: it serves its model as is, without the policy's LoRA adapters, and
     # nothing trains on its tokens, so it captures no MoE routes for replay (a dense judge has none).
     model = spec.model.model_copy(update={"lora": LoRASpec(), "router_replay": False})
-    own = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": settings.engine}),
-                                  "parallel": spec.parallel.model_copy(update={"cpu_threads": threads}),
-                                  "model": model})
-    started = start_engines(own, path, [s for s in plan(spec) if s.role == "judge"])
+    rollout = spec.rollout.model_copy(update={"engine": settings.engine})
+    started = start_engines(spec, path, [s for s in plan(spec) if s.role == "judge"], rollout, model, threads)
     try:
         return Judge.start(spec, Dispatcher(started), on_close=lambda: stop_engines(started))
     except BaseException:
@@ -61,12 +56,3 @@ def judge_engines(judge: Judge | None) -> list:
     """The engine actors a judge from `start_judge` scores on, to share with agent workers ([] for none
     or a judge at agent.judge.url)."""
     return list(judge.sampler.engines) if judge is not None and judge.sampler is not None else []
-
-
-def set_up(runner: Runner, tokenizer: Any, spec: RunSpec, judge: Judge | None) -> None:
-    """`runner.setup`, handed `judge` when there is one: an agent module's own `setup` may take only
-    (tokenizer, spec), as before runners were handed judges."""
-    if judge is None:
-        runner.setup(tokenizer, spec)
-    else:
-        runner.setup(tokenizer, spec, judge)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import os
 
+from molt.driver.compose import Inputs, prepare, warnings
 from molt.spec import RunSpec, spec_warnings
-from molt.spec.agent import TOOLS_KEY
 
 log = logging.getLogger("molt")
 
 
 def describe_plan(spec: RunSpec, nodes: list[dict] | None = None, agent_kind: str | None = None) -> str:
     """What the launcher places where, in words (printed by `run.dry_run=true` and at every start);
-    `nodes` (the bound Ray nodes) adds each plan node's address, `agent_kind` (check_inputs') the agent's."""
+    `nodes` (the bound Ray nodes) adds each plan node's address, `agent_kind` (the runner's) the agent's."""
     from molt.plan import memory
     from molt.plan.placement import describe
 
@@ -50,111 +50,25 @@ def describe_plan(spec: RunSpec, nodes: list[dict] | None = None, agent_kind: st
     return "\n".join(lines)
 
 
-def check_inputs(spec: RunSpec) -> str | None:
-    """Load the data files, import the algorithm plugins and the agent module, and refuse `model.lora` on a
-    model the engines cannot serve adapters for, so a bad path, name or model fails before anything starts.
-    Returns the agent's kind (its runner's: env or chat), None for SFT (no agent runs)."""
-    from molt.agents import load_agent_runner
-    from molt.algo import load_plugins
-    from molt.driver.sft_data import load_conversations
-    from molt.inputs.data import PromptDataset, load_eval_sets
-
-    load_plugins(spec)
-    check_expert_dispatch(spec)
-
-    if spec.train.objective == "sft":   # conversations; no agent runs
-        for path in (spec.data.train_path, *spec.data.eval):
-            load_conversations(path, spec.data)
-        return None
-    PromptDataset(spec.data.train_path, spec.data)
-    load_eval_sets(spec.data)
-    kind = load_agent_runner(spec.agent).kind
-    # The loop starts its engines one by one (start_engine), which skips start_engines' check_lora; the
-    # guard keeps a run without LoRA (a dry run too) from resolving, and so building, the model here.
-    if spec.model.lora.served_as_adapter():
-        from molt.plan.models import model_path
-        from molt.rollout.engine_args import check_lora
-
-        check_lora(model_path(spec), spec.model)
-    return kind
-
-
-# Without DeepEP, AutoModel's MoE dispatcher all-gathers every token of the expert-parallel group onto every
-# rank: memory and traffic per MoE layer grow with ep_size (30-60 GB per layer at DeepSeek-V3's shape and
-# ep 256). Up to one node's 8 GPUs (NVLink) it is AutoModel's own default; beyond, DeepEP is required.
-EP_WITHOUT_DEEPEP = 8
-
-
-def check_expert_dispatch(spec: RunSpec) -> None:
-    """Refuse `parallel.ep_size` above EP_WITHOUT_DEEPEP on cuda unless DeepEP (`deep_ep`) is importable.
-    Checked here, with the inputs, because it is a fact of the installed environment, not of the spec."""
-    import importlib.util
-
-    ep = spec.parallel.ep_size
-    if spec.parallel.device == "cuda" and ep > EP_WITHOUT_DEEPEP and not importlib.util.find_spec("deep_ep"):
-        raise ValueError(
-            f"parallel.ep_size={ep} needs DeepEP (the deep_ep module) above {EP_WITHOUT_DEEPEP}: without it "
-            "AutoModel's MoE dispatcher all-gathers every token onto every expert-parallel rank. Build it "
-            "against the installed torch (`pip install --no-build-isolation deep-ep`, needs nvcc and "
-            f"NVSHMEM; docs/install.md#gpu), or use parallel.ep_size<={EP_WITHOUT_DEEPEP}")
-
-
-# Rows per set the dry run renders: a prompt set of any size is measured in seconds; the plan says when it
-# measured fewer rows than a set has.
-LONGEST_ROWS = 2000
-
-
-def longest_prompt(spec: RunSpec) -> str:
-    """The dry run's line on context: the longest first prompt of the train and eval rows, rendered through
-    the chat template with the tools a rollout offers (agent.tools + the row's), against model.max_model_len.
-    Tool schemas are rendered into the prompt, so two of them can take most of a small context; a prompt
-    that leaves no room for a reply fails its rollouts only once the run is under way."""
-    from transformers import AutoTokenizer
-
-    from molt.agents.render import encode, render
-    from molt.inputs.data import PromptDataset, load_eval_sets
-    from molt.plan.models import model_path
-
-    data, ctx, kwargs = spec.data, spec.model.max_model_len, spec.model.chat_template_kwargs
-    try:   # a dry run downloads nothing: a hub model not in the local cache is planned without this line
-        tokenizer = AutoTokenizer.from_pretrained(model_path(spec), local_files_only=True,
-                                                  trust_remote_code=spec.model.trust_remote_code)
-    except OSError:
-        return f"data: longest prompt not measured ({model_path(spec)}: its tokenizer is not on this machine)"
-    longest, where, partial = 0, "", False
-    for name, rows in {"train": PromptDataset(data.train_path, data), **load_eval_sets(data)}.items():
-        partial |= len(rows) > LONGEST_ROWS
-        for i, row in zip(range(LONGEST_ROWS), rows, strict=False):
-            messages = row.get(data.messages_key) or [{"role": "user", "content": str(row[data.prompt_key])}]
-            tools = list(spec.agent.tools) + list(row.get(TOOLS_KEY) or [])
-            n = len(encode(tokenizer, render(tokenizer, messages, tools, True, kwargs)))
-            if n > longest:
-                longest, where = n, f"{name} row {i}"
-    where += f"; the first {LONGEST_ROWS} rows of each set" if partial else ""
-    line = f"data: longest prompt {longest} tokens with its tools ({where}) of model.max_model_len={ctx}"
-    if longest >= ctx:
-        log.warning(f"{line}: no room for a reply; raise model.max_model_len or shorten the prompt or its "
-                    "tools")
-    return line
-
-
-def dry_run(spec: RunSpec) -> str:
-    """`run.dry_run=true`: log the spec's warnings, check its inputs and return its plan; writes nothing
-    (`python -m molt` answers a dry run without Hydra's app, which would create the run directory)."""
-    for warning in spec_warnings(spec):
+def dry_run(spec: RunSpec) -> tuple[str, list[Exception]]:
+    """`run.dry_run=true`: log the warnings, build the inputs as a run would (`prepare`) and return the plan
+    with what the inputs showed (the agent's kind, the context each set leaves), and every problem found;
+    writes nothing (`python -m molt` answers a dry run without Hydra's app, which creates the run folder)."""
+    for warning in spec_warnings(spec) + warnings(spec):
         log.warning(warning)
-    kind = check_inputs(spec)
-    return describe_plan(spec, agent_kind=kind) + (f"\n{longest_prompt(spec)}" if kind else "")
+    inputs = prepare(spec)
+    kind = inputs.runner.kind if inputs.runner is not None else None
+    return "\n".join([describe_plan(spec, agent_kind=kind), *inputs.notes]), inputs.problems
 
 
-def launch(spec: RunSpec) -> dict[str, float]:
-    """Validate-time checks done; place everything and run the loop. Returns the last step's metrics."""
-    if spec.run.dry_run:
-        print(dry_run(spec))
-        return {}
-    for warning in spec_warnings(spec):
+def launch(spec: RunSpec, inputs: Inputs) -> dict[str, float]:
+    """Place everything and run the loop from `inputs` (checked: `prepare` found no problem). Returns the
+    last step's metrics."""
+    for warning in spec_warnings(spec) + warnings(spec):
         log.warning(warning)  # console and the run directory's log file
-    agent_kind = check_inputs(spec)
+    if spec.run.dry_run:
+        print(describe_plan(spec, agent_kind=inputs.runner.kind if inputs.runner else None))
+        return {}
     import ray
 
     from molt.driver.loop import train as train_rl
@@ -164,7 +78,8 @@ def launch(spec: RunSpec) -> dict[str, float]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_ray(spec)
     try:
-        print(describe_plan(spec, bind(spec), agent_kind))   # the cluster holds the plan: actors may start
-        return (train_sft if spec.train.objective == "sft" else train_rl)(spec)
+        kind = inputs.runner.kind if inputs.runner else None
+        print(describe_plan(spec, bind(spec), kind))   # the cluster holds the plan: actors may start
+        return (train_sft if spec.train.objective == "sft" else train_rl)(spec, inputs)
     finally:
         ray.shutdown()

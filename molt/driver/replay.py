@@ -22,7 +22,9 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
     import ray
     from transformers import AutoTokenizer
 
-    from molt.driver.loop import learn, spec_with_kl_coef
+    from molt.algo import with_kl_coef
+    from molt.driver.checkpoints import load_checkpoint
+    from molt.driver.loop import learn
     from molt.driver.metrics import load_rollouts
     from molt.plan.models import model_path
     from molt.plan.placement import init_ray
@@ -42,12 +44,12 @@ def replay(run_dir: Path, step: int, checkpoint: Path | None = None) -> dict[str
         init_ray(spec)
     trainers = Trainers.start(spec, pad_id)
     try:
-        extra = trainers.load(checkpoint) if checkpoint is not None else {}
+        extra = load_checkpoint(checkpoint, trainers.roles()) if checkpoint is not None else {}
         # as the loop ran this step: the adaptive KL weight the checkpoint holds (the spec's without
         # one), and the critic alone while the step was within train.critic_warmup_steps
         warmup = step - 1 < spec.train.critic_warmup_steps
-        return asyncio.run(learn(spec_with_kl_coef(spec, extra.get("kl_coef")), rollouts, trainers,
-                                 extra.get("version", 0), train_policy=not warmup))
+        return asyncio.run(learn(spec, rollouts, trainers, extra.get("version", 0),
+                                 algo=with_kl_coef(spec.algo, extra.get("kl_coef")), train_policy=not warmup))
     finally:
         trainers.stop()
 

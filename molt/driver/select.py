@@ -29,7 +29,8 @@ def rollout_metrics(spec: RunSpec, rollouts: list[Rollout]) -> dict[str, float]:
     out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(ok) > 1 else 0.0,
            "rollout/failed": float(failed), "rollout/count": float(len(rollouts)),
            "tokens/sampled": float(sum(r.num_sampled for r in rollouts)),
-           "rollout/segments_per": sum(len(r.segments) for r in ok) / max(len(ok), 1)}
+           "rollout/segments_per": sum(len(r.segments) for r in ok) / max(len(ok), 1),
+           "rollout/context_truncated": float(sum(r.context_truncated for r in rollouts))}
     return out | agent_metrics(ok)
 
 
@@ -44,6 +45,17 @@ def agent_metrics(ok: list[Rollout]) -> dict[str, float]:
         values = [float(r.info[key]) for r in ok if key in r.info]
         out[f"info/{key}"] = sum(values) / len(values)
     return out
+
+
+def context_warning(spec: RunSpec, rollouts: list[Rollout]) -> str:
+    """The first time a run's responses are cut by the context: which rollout, and what to change."""
+    cut = next(r for r in rollouts if r.context_truncated)
+    prompt = cut.segments[0].prompt_len if cut.segments else 0
+    return (f"molt: responses are cut short by the context (rollout/context_truncated counts them; first: "
+            f"rollout {cut.rollout_id}, a {prompt}-token prompt): a turn stopped before rollout.max_tokens="
+            f"{spec.rollout.max_tokens} because model.max_model_len={spec.model.max_model_len} or "
+            f"agent.max_total_tokens={spec.agent.max_total_tokens} left no more room; raise them, or lower "
+            "rollout.max_tokens")
 
 
 def drop_failed(spec: RunSpec, rollouts: list[Rollout]) -> list[Rollout]:

@@ -24,7 +24,7 @@ import torch
 
 from molt.agents.render import encode, render
 from molt.inputs.data import read_rows
-from molt.spec import DataSpec, HubDataset
+from molt.spec import DataSpec, HubDataset, RunSpec
 from molt.spec.agent import TOOLS_KEY
 
 
@@ -55,6 +55,16 @@ def _check_conversation(row: Any, data: DataSpec) -> dict[str, Any]:
 def load_conversations(path: str | Path | HubDataset, data: DataSpec) -> list[dict[str, Any]]:
     """The checked rows of a JSONL or Parquet file (or hub dataset) of conversations."""
     return read_rows(path, lambda row: _check_conversation(row, data), data)
+
+
+def load_examples(spec: RunSpec, tokenizer: Any, source: str | HubDataset) -> list[Example]:
+    """The examples of a conversation set (data.train_path or a data.eval entry), tokenized for `spec`."""
+    from molt.inputs.data_hub import describe
+
+    rows = load_conversations(source, spec.data)
+    name = describe(source) if isinstance(source, HubDataset) else str(source)
+    return tokenize_rows(rows, tokenizer, spec.data, spec.model.max_model_len, name,
+                         spec.model.chat_template_kwargs)
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,

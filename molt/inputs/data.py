@@ -18,19 +18,21 @@ from typing import Any
 
 import numpy as np
 
+from molt.inputs.data_hub import describe, hub_rows, without_null_fields
 from molt.inputs.vision import normalize
 from molt.spec import DataSpec, HubDataset, eval_names
-
-REPO_ROOT = Path(__file__).resolve().parents[2]   # molt/inputs/data.py -> the repository
+from molt.spec.user_modules import candidate_paths
 
 
 def resolve_path(path: str | Path) -> Path:
     """An absolute path as is; a relative one against the current directory, then the repository root."""
-    p = Path(path).expanduser()
-    candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, REPO_ROOT / p]))
+    candidates = candidate_paths(path)
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    folders = [c for c in candidates if c.is_dir()]
+    if folders:
+        raise IsADirectoryError(f"dataset '{path}' is a folder ({folders[0]}), not a .jsonl or .parquet file")
     raise FileNotFoundError(f"dataset file not found: '{path}' (looked at {', '.join(map(str, candidates))})")
 
 
@@ -64,23 +66,17 @@ def _check_row(row: Any, data: DataSpec, base_dir: Path | None = None) -> dict[s
                      f"keys present: {sorted(row)}")
 
 
-def without_null_fields(row: Any, messages_key: str) -> Any:
-    """An Arrow row (Parquet, a hub dataset) with the null fields of its messages dropped: a struct column
-    gives every message every field."""
-    messages = row.get(messages_key) if isinstance(row, dict) else None
-    if isinstance(messages, list):
-        row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
-                             if isinstance(m, dict) else m for m in messages]
-    return row
-
-
 def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, Any]],
               data: DataSpec) -> list[dict[str, Any]]:
     """Every row of a JSONL or Parquet file, or of a hub dataset, through `check` (which raises ValueError on
     a bad row; the error then names the file and line, or row); a source without rows is an error too."""
-    if isinstance(source, HubDataset):
-        from molt.inputs.data_hub import describe, hub_rows
+    return [row for row, _ in placed_rows(source, check, data)]
 
+
+def placed_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, Any]],
+                data: DataSpec) -> list[tuple[dict[str, Any], str]]:
+    """`read_rows`, each row with where it is ("FILE:LINE", "FILE: row N", "hub dataset ...: row N")."""
+    if isinstance(source, HubDataset):
         return _checked(describe(source), [(f": row {i}", row) for i, row in
                                            enumerate(hub_rows(source, data))], check)
     path = resolve_path(source)
@@ -106,13 +102,13 @@ def read_rows(source: str | Path | HubDataset, check: Callable[[Any], dict[str, 
 
 
 def _checked(name: str, rows: list[tuple[str, Any]], check: Callable[[Any], dict[str, Any]]
-             ) -> list[dict[str, Any]]:
+             ) -> list[tuple[dict[str, Any], str]]:
     if not rows:
         raise ValueError(f"{name}: dataset has no rows")
     items = []
     for where, row in rows:
         try:
-            items.append(check(row))
+            items.append((check(row), f"{name}{where}"))
         except ValueError as err:  # json.JSONDecodeError is a ValueError too
             raise ValueError(f"{name}{where}: malformed row: {err}") from None
     return items
@@ -124,7 +120,9 @@ class PromptDataset:
     def __init__(self, source: str | Path | HubDataset, data: DataSpec) -> None:
         source = source if isinstance(source, HubDataset) else resolve_path(source)
         base = None if isinstance(source, HubDataset) else source.parent   # image paths: relative to the file
-        self.items = read_rows(source, lambda row: _check_row(row, data, base), data)
+        placed = placed_rows(source, lambda row: _check_row(row, data, base), data)
+        self.items = [row for row, _ in placed]
+        self.places = [where for _, where in placed]   # each row's file and line, for messages
 
     def __len__(self) -> int:
         return len(self.items)

@@ -13,10 +13,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from molt.inputs.data import without_null_fields
 from molt.spec import DataSpec, HubDataset
 
 IMAGE_PLACEHOLDER = "<image>"
+
+
+def without_null_fields(row: Any, messages_key: str) -> Any:
+    """An Arrow row (Parquet, a hub dataset) with the null fields of its messages dropped: a struct column
+    gives every message every field."""
+    messages = row.get(messages_key) if isinstance(row, dict) else None
+    if isinstance(messages, list):
+        row[messages_key] = [{k: v for k, v in m.items() if v is not None or k == "content"}
+                             if isinstance(m, dict) else m for m in messages]
+    return row
 
 
 def describe(source: HubDataset) -> str:
@@ -78,7 +87,7 @@ def _image(value: Any) -> Any:
 
 
 def _transform(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    from molt.spec.plugins import import_user_module
+    from molt.spec.user_modules import import_user_module
 
     module_name, _, function = name.rpartition(":")
     try:

@@ -319,7 +319,7 @@ def describe(spec: RunSpec) -> list[str]:
     lines = [f"estimate {head}"] + [e.line() for e in ests]
     if cuda and spec.parallel.colocate and not unknown:
         lines += [e.line() for e in colocated_phases(spec)]
-    lines += [f"{role}: no estimate (model.path is a hub id: set model.arch from its config.json)"
+    lines += [f"{role}: no estimate (no config.json of its model on this machine, and no model.arch)"
               for role in unknown]
     return lines
 

@@ -1,14 +1,14 @@
 """Placement: which node runs every actor, planned before Ray starts and checked before any actor starts.
 
 The plan comes from the spec alone. Trainer roles (the policy, then the reference, then the critic;
-`parallel.world_size` ranks of one device each), engines (`rollout.engine.num_engines`, each
-`tp_size * dp_size` devices on one node) and an LLM judge's engines (`agent.judge.engine`, placed like
-engines; none for a judge at `agent.judge.url`) fill `parallel.nodes` nodes of `parallel.gpus_per_node`
-GPUs in order; agent workers (`agent.workers`, one CPU core each, no GPU) are spread evenly over the
-nodes that generate. With `parallel.trainer_nodes = K` nodes 0..K-1 train and the others generate (a
-judge's engines too); left null, all roles share every node (trainer ranks first). On CUDA a plan that
-does not fit is a spec error, so it fails before Ray starts. On CPU devices are time-shared cores, so the
-plan only maps roles to nodes.
+`parallel.world_size` = dp_size * cp_size * tp_size ranks of one device each), engines
+(`rollout.engine.num_engines`, each `rollout.engine.tp_size` devices on one node) and an LLM judge's
+engines (`agent.judge.engine`, placed like engines; none for a judge at `agent.judge.url`) fill
+`parallel.nodes` nodes of `parallel.gpus_per_node` GPUs in order; agent workers (`agent.workers`, one CPU
+core each, no GPU) are spread evenly over the nodes that generate. With `parallel.trainer_nodes = K` nodes
+0..K-1 train and the others generate (a judge's engines too); left null, all roles share every node (trainer
+ranks first). On CUDA a plan that does not fit is a spec error, so it fails before Ray starts. On CPU
+devices are time-shared cores, so the plan only maps roles to nodes.
 
 Binding, once Ray is up: plan node i is the i-th alive Ray node (with GPUs, on CUDA), the driver's node
 first, then the others by address and id. Each node's total resources must hold what the plan puts on it
@@ -256,6 +256,13 @@ def node_selector(node_id: str) -> dict[str, str]:
     return {NODE_LABEL: node_id}
 
 
+# A private local cluster: nothing else joins it. Ray starts its workers at nice 15 (`worker_niceness`), so on
+# a host where other work keeps the cores busy every trainer rank, engine and agent worker got a few percent
+# of a core (the tool example's SFT step: 0.5 s idle, 16 s beside two busy processes). They are the job:
+# nice 0.
+LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
+
+
 def init_ray(spec: RunSpec) -> None:
     """Attach to `ray.address`, or start Ray on this machine.
 
@@ -271,7 +278,8 @@ def init_ray(spec: RunSpec) -> None:
     if spec.ray.address:
         ray.init(address=spec.ray.address, runtime_env={"env_vars": env}, logging_level=quiet)
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster; nothing else joins it
+    for key, value in LOCAL_RAY_ENV.items():   # the user's own setting of either wins
+        os.environ.setdefault(key, value)
     env["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
     cpus = spec.ray.num_cpus or (max(16, os.cpu_count() or 1) if spec.parallel.device == "cpu" else None)
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},

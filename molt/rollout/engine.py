@@ -374,27 +374,34 @@ class EngineActor:
         self.llm.engine_core.shutdown()
 
 
-def start_engine(spec: Any, model_path: str, index: int, slot: Any = None) -> Any:
-    """Engine actor `index` on its plan node (molt/plan/placement.py), or on `slot`'s (a judge engine, planned
-    from the run's spec); call `ready` on it before use."""
+def start_engine(spec: Any, model_path: str, index: int, slot: Any = None, rollout: RolloutSpec | None = None,
+                 model: ModelSpec | None = None, threads: int | None = None) -> Any:
+    """Engine actor `index` on its plan node (molt/plan/placement.py: `spec` is the run's, which places it),
+    or on `slot`'s; it serves `model` with `rollout`'s engine and sampling settings (the run's policy
+    engine's when None: a judge's engine passes its own) on `threads` threads (None: the plan's). Call
+    `ready` on it before use."""
     from molt.plan.placement import cluster_nodes, colocated, cpu_threads, gpu_share, node_selector, plan
 
+    rollout, model = rollout or spec.rollout, model or spec.model
     ids = [n["NodeID"] for n in cluster_nodes(spec)]
     slot = slot or next(s for s in plan(spec) if s.role == "engine" and s.index == index)
-    threads = cpu_threads(spec, "engine", index)
+    threads = threads or cpu_threads(spec, "engine", index)
     share = gpu_share(spec) if colocated(spec, slot.role) else 1.0
-    options = dict(actor_options(spec.rollout.engine, spec.parallel.device, threads, share),
+    options = dict(actor_options(rollout.engine, spec.parallel.device, threads, share),
                    label_selector=node_selector(ids[slot.node]))
     follow = threads if spec.parallel.device == "cpu" and spec.parallel.cpu_threads is None else None
-    return EngineActor.options(**options).remote(model_path, spec.rollout, spec.model, spec.run.seed, index,
+    return EngineActor.options(**options).remote(model_path, rollout, model, spec.run.seed, index,
                                                  colocated(spec, slot.role), follow)
 
 
-def start_engines(spec: Any, model_path: str, slots: list | None = None) -> list:
-    """Start `rollout.engine.num_engines` engine actors from a `RunSpec` (on `slots`' nodes, if given) and
-    wait until they are ready."""
-    check_lora(model_path, spec.model)
-    slots = slots or [None] * spec.rollout.engine.num_engines
-    engines = [start_engine(spec, model_path, i, slot) for i, slot in enumerate(slots)]
-    ray.get([e.ready.remote() for e in engines], timeout=spec.rollout.engine.start_timeout_s)
+def start_engines(spec: Any, model_path: str, slots: list | None = None, rollout: RolloutSpec | None = None,
+                  model: ModelSpec | None = None, threads: int | None = None) -> list:
+    """Start the engine actors of `rollout.engine.num_engines` (on `slots`' nodes, if given; the other
+    arguments as `start_engine`'s) and wait until they are ready."""
+    rollout, model = rollout or spec.rollout, model or spec.model
+    check_lora(model_path, model)
+    slots = slots or [None] * rollout.engine.num_engines
+    engines = [start_engine(spec, model_path, i, slot, rollout, model, threads)
+               for i, slot in enumerate(slots)]
+    ray.get([e.ready.remote() for e in engines], timeout=rollout.engine.start_timeout_s)
     return engines

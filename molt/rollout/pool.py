@@ -14,22 +14,35 @@ next `set_version` or `next_batch` its prompt item is re-queued (sampled again f
 and counted in `stats()["stale_requeued"]`. A group that `lost(rollout_ids)` says an engine died under is
 restarted whole, first in line (never handed out half re-sampled), and counted in
 `stats()["engine_requeued"]`.
+
+Where a group's rollouts run is the `GroupRunner`'s business (molt.driver.agent_workers: in this process,
+or on agent workers): the pool asks it for whole groups, whether an engine died under one, and tells it
+each new policy version.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ray.exceptions import RayActorError
 
 from molt.trajectory import Rollout
 
-RolloutFn = Callable[[dict, str, int], Awaitable[Rollout]]
-GroupFn = Callable[[dict, str], Awaitable[list[Rollout]]]
+
+class GroupRunner(Protocol):
+    async def run_group(self, item: dict, group_id: str) -> list[Rollout]:
+        """The group's rollouts (rollout.samples_per_prompt of `item`); an agent's failure is a failed
+        rollout, and what this raises is a bug the pool hands to `next_batch`."""
+
+    def take_lost(self, rollout_ids: list[str]) -> bool:
+        """Whether an engine died under any of these rollouts (the pool restarts their group whole)."""
+
+    def set_version(self, version: int) -> None:
+        """The policy version the engines hold now (training requests are seeded with it)."""
 
 
 @dataclass
@@ -42,27 +55,20 @@ class Finished:
 
 
 class RolloutPool:
-    def __init__(self, items: Iterator[dict], rollout_fn: RolloutFn, samples_per_prompt: int,
-                 groups_in_flight: int, max_staleness: int, engines: list[Any] = (),
-                 refill_during_batch: bool = True, lost: Callable[[list[str]], bool] | None = None,
+    def __init__(self, items: Iterator[dict], groups: GroupRunner, groups_in_flight: int, max_staleness: int,
+                 engines: list[Any] = (), refill_during_batch: bool = True,
                  on_generating: Callable[[bool], None] | None = None, first_group: int = 0,
-                 oldest_first: bool = False, group_fn: GroupFn | None = None,
-                 on_version: Callable[[int], None] | None = None) -> None:
+                 oldest_first: bool = False) -> None:
         self.items = iter(items)
         # False = sync mode: groups start only when a batch is asked for, and only those it still lacks,
         # so while the trainer steps nothing generates and every batch is sampled by the current policy.
         self.refill_during_batch = refill_during_batch
         self.group_items: dict[str, dict] = {}  # prompt item of every group not yet handed out
-        self.rollout_fn = rollout_fn
-        # a whole group at once (agent workers: one call per group), instead of `rollout_fn` per sample
-        self.group_fn = group_fn
-        self.on_version = on_version          # told every new policy version (agent workers seed with it)
-        self.n = samples_per_prompt
+        self.groups = groups
         self.depth = groups_in_flight
         self.max_staleness = max_staleness
         self.oldest_first = oldest_first    # rollout.handout=oldest: first in, first out within the bound
         self.engines = engines              # the live list: a restarted engine replaces its slot
-        self.lost = lost
         self.version = 0
         self.requeued: deque[dict] = deque()
         self.done: list[Finished] = []      # finished groups not yet handed out
@@ -81,8 +87,7 @@ class RolloutPool:
         """The policy version the engines now run (call after each refit): groups it makes too stale are
         re-queued at once and their slots refilled, so the engines sample with the new policy right away."""
         self.version = version
-        if self.on_version:
-            self.on_version(version)
+        self.groups.set_version(version)
         self._requeue_stale()
         if self.refill_during_batch:
             self._fill()
@@ -129,11 +134,10 @@ class RolloutPool:
             self.counts["stale_requeued"] += 1
 
     async def _group(self, item: dict, group_id: str, order: int) -> None:
-        # `rollout_fn` turns the agent's failures into failed rollouts itself; what it raises is a bug,
+        # The runner turns the agent's failures into failed rollouts itself; what it raises is a bug,
         # handed to `next_batch`, which raises it in the loop (a background task's error is otherwise lost).
         try:
-            group = list(await self.group_fn(item, group_id) if self.group_fn else
-                         await asyncio.gather(*[self.rollout_fn(item, group_id, i) for i in range(self.n)]))
+            group = list(await self.groups.run_group(item, group_id))
         except Exception as err:
             self.crash = err
             self.finished.set()
@@ -141,7 +145,7 @@ class RolloutPool:
         finally:
             self.tasks.discard(asyncio.current_task())
             self._report_generating()
-        if self.lost is not None and self.lost([r.rollout_id for r in group]):
+        if self.groups.take_lost([r.rollout_id for r in group]):
             self.group_items.pop(group_id, None)
             self.requeued.appendleft(item)
             self.counts["engine_requeued"] += 1

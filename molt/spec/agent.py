@@ -14,9 +14,10 @@ TOOLS_KEY = "tools"   # a dataset row's tool schemas (RL prompts and SFT convers
 
 
 def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
-    """`tools` if it is a list of OpenAI function schemas with distinct names, else a ValueError naming
-    `where` (agent.tools, or a dataset row). The shape of a tool list is the spec's (agent.tools is a key);
-    the agents check each row's `tools` with it as well (molt.agents.tools.offered_tools)."""
+    """`tools` if it is a list of OpenAI function schemas with distinct names whose parameters are JSON
+    Schema, else a ValueError naming `where` (agent.tools, or a dataset row). The shape of a tool list is
+    the spec's (agent.tools is a key); the driver checks each row's `tools` with it before a run starts
+    (molt.driver.compose), and the agents again (molt.agents.tools.offered_tools)."""
     if not isinstance(tools, list):
         raise ValueError(f"{where} must be a list of tool schemas, got {type(tools).__name__}")
     names = []
@@ -28,10 +29,27 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
                              '{"type": "function", "function": {"name": ..., "parameters": {...}}}: '
                              f"{json.dumps(tool)[:200]}")
         names.append(fn["name"])
+        schema_error = _schema_error(fn.get("parameters", {}))
+        if schema_error:
+            raise ValueError(f"{where}[{i}] ({fn['name']}): its parameters are not a valid JSON Schema: "
+                             f"{schema_error}")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"{where} names the tool(s) {twice} more than once")
     return tools
+
+
+def _schema_error(schema: dict[str, Any]) -> str | None:
+    """jsonschema's first objection to `schema` (as the metaschema of its $schema, 2020-12 by default), or
+    None: the template shows the model these parameters, and the tool parser reads calls against them."""
+    from jsonschema import exceptions, validators
+
+    try:
+        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
+    except exceptions.SchemaError as err:
+        where = "/".join(map(str, err.absolute_path)) or "(top)"
+        return f"at {where}: {err.message}"
+    return None
 
 
 class JudgeSpec(Strict):

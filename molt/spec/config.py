@@ -7,7 +7,6 @@ is checked one step up, in molt.driver.compose, before anything starts; `python 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from molt.spec import RunSpec, SpecError, unknown_key_message, validate_spec
-from molt.spec.derived import DERIVED_KEYS
 
 CONFIG_MODULE = "molt.conf"
 GROUPS = ("experiment", "model", "parallel", "algo", "agent")
@@ -29,14 +27,7 @@ def _store_spec_defaults() -> None:
     model.reference_tiny) a new entry is an addition, `+key.entry=value`, as Hydra's error says."""
     from hydra.core.config_store import ConfigStore
 
-    node = RunSpec().model_dump(mode="json")
-    for dotted in DERIVED_KEYS:   # null: an old `key=value` reaches the spec's message, not "not in struct"
-        *parents, key = dotted.split(".")
-        section = node
-        for part in parents:
-            section = section[part]
-        section[key] = None
-    ConfigStore.instance().store(name=SPEC_DEFAULTS, node=node)
+    ConfigStore.instance().store(name=SPEC_DEFAULTS, node=RunSpec().model_dump(mode="json"))
 
 
 _store_spec_defaults()
@@ -104,15 +95,3 @@ def choices_of(cfg: DictConfig) -> dict[str, str]:
 
 def spec_yaml(spec: RunSpec) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(spec.model_dump(mode="json")))
-
-
-def __getattr__(name: str) -> Any:
-    # to_spec and compose also check the plans and algo/'s registries, so they live above the spec
-    # (molt.driver.compose); the old imports keep working. tools/import_graph.py leaves such aliases out.
-    if name in ("to_spec", "compose"):
-        warnings.warn(f"molt.spec.config.{name} moved: import it from molt.driver.compose",
-                      DeprecationWarning, stacklevel=2)
-        from molt.driver import compose
-
-        return getattr(compose, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -74,15 +74,15 @@ class ModelSpec(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="compute dtype of engines and trainer (master weights stay float32; CPU: "
         "the trainer under CPU autocast); float16 is refused: the trainer has no loss scaling")
-    max_model_len: int = Field(256, description="context length in tokens: the prompt plus every turn")
+    max_model_len: int = Field(256, ge=2, description="context length in tokens: the prompt plus every turn")
     reference: str | None = Field(
         None, description="frozen reference / teacher model (any size, the policy's tokenizer); 'policy' = "
         "a frozen copy of the start; 'tiny' = built offline from reference_tiny")
     reference_tiny: dict[str, int] = Field(
         default_factory=dict, description="tiny-model options of the reference when reference=tiny (e.g. a "
         "larger teacher to distill from)")
-    critic: bool = Field(False, description="train a value model beside the policy (gae needs one; "
-                         "only gae uses it)")
+    critic: bool = Field(False, description="train a value model beside the policy, for an estimator "
+                         "that reads its values (needs_critic: gae, or a plugin's; refused for the others)")
     router_replay: bool = Field(False, description="MoE: replay the engine's routed experts in training")
     freeze_router: bool = Field(False, description="MoE: do not train the router weights")
     freeze_vision: bool = Field(False, description="VLM: train the language model only, not the vision tower")

@@ -46,7 +46,7 @@ OWNED_ENGINE_ARGS = {"model": "model.path", "tensor_parallel_size": "rollout.eng
 # evaluation (`rollout.eval.request()`), which agents see and may override per turn.
 REQUEST_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
 
-class SamplingSpec(Strict):
+class EvalSamplingSpec(Strict):
     """How the eval sets are sampled (rollout.eval): greedy unless set."""
 
     temperature: float = Field(0.0, description="sampling temperature (0 = greedy)")
@@ -86,7 +86,7 @@ class RolloutSpec(Strict):
         256.0, gt=0, description="a refit streams the weights to the engines in chunks of at most this "
         "size; a larger tensor is gathered, cast and sent a range of rows (of experts) at a time")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="the vLLM engines")
-    eval: SamplingSpec = Field(default_factory=SamplingSpec,
+    eval: EvalSamplingSpec = Field(default_factory=EvalSamplingSpec,
                                description="sampling of the eval set (train.eval_every)")
 
     def request(self) -> dict[str, Any]:

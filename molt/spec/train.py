@@ -23,15 +23,15 @@ class TrainSpec(Strict):
         "entropy) runs over this many sampled positions at a time, recomputed per chunk in the backward, so "
         "its extra memory is chunk x vocab, not tokens x vocab (null = as many as keep a chunk's fp32 logits "
         "within 128 MiB)")
-    lr: float = Field(5e-4, description="AdamW learning rate of the policy")
+    lr: float = Field(5e-4, gt=0, description="AdamW learning rate of the policy")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="after warm-up: constant, or cosine / linear decay to 0 at train.steps")
     warmup_steps: int = Field(0, ge=0, description="steps of linear learning-rate warm-up")
-    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this (> 0: torch "
                              "scales gradients by grad_clip / norm, so 0 would zero them and < 0 flip them)")
-    critic_lr: float = Field(1e-3, description="AdamW learning rate of the critic")
+    critic_lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the critic")
     save_every: int = Field(50, ge=0, description="checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = Field(
         2, ge=1, description="checkpoints kept on disk: the newest N, plus the best one (train.best_metric)")

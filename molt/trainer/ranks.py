@@ -3,14 +3,13 @@
 The group places one `TrainerWorker` per rank (one GPU each on CUDA) on the node the placement plan gives
 it (molt/plan/placement.py), has them rendezvous into one torch.distributed group, and turns each call into
 the same collective call on every rank: rows of a batch are padded to a multiple of dp_size and split
-into equal contiguous shards (tp/cp ranks of one data shard get the same rows), and rank 0's answer is
+into equal contiguous shards (the cp and tp ranks of one data shard get the same rows), and rank 0's answer is
 returned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,9 +18,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from molt.plan.models import check_same_tokenizer, model_path
+from molt.plan.models import model_path
 from molt.plan.placement import NCCL_ENV, cluster_nodes, gpu_share, node_selector, plan
-from molt.spec import ParallelSpec, RunSpec
+from molt.spec import AlgoSpec, ParallelSpec, RunSpec
 from molt.trainer.batch import pad_rows
 
 ROLES = ("policy", "reference", "critic")
@@ -62,8 +61,6 @@ class TrainerRanks:
             raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
         self.spec, self.role = spec, role
         self._rows = 0   # the rows of the last update's batch (its shards are padded)
-        if role == "reference":
-            check_same_tokenizer(spec)
         path = model_path(spec, role)   # resolved here, once: ranks only read the folder
         par = spec.parallel
         bundle = {"CPU": 1, "GPU": gpu_share(spec)} if par.device == "cuda" else {"CPU": 1}
@@ -122,16 +119,16 @@ class TrainerRanks:
             raise ValueError(f"values() needs the critic, this group is the {self.role}")
         return self._forward(batch)
 
-    def update(self, batch: dict[str, torch.Tensor], kl_coef: float | None = None,
+    def update(self, batch: dict[str, torch.Tensor], algo: AlgoSpec | None = None,
                record: bool = False) -> dict[str, float]:
         """train.minibatches x train.epochs optimizer steps over the batch (policy: policy_loss; critic:
-        value_loss); `kl_coef` replaces algo.kl.coef for this batch. Returns the step's metrics as the run
-        logs them: the policy's under train/ (its trainer/engine gap under mismatch/), the critic's under
+        value_loss) with the step's `algo` (None: the spec's). Returns the step's metrics as the run logs
+        them: the policy's under train/ (its trainer/engine gap under mismatch/), the critic's under
         critic/. `record`: the ranks keep what the policy loss computed on each token (`token_record`)."""
         if self.role == "reference":
             raise ValueError("the reference model is frozen")
         shards, self._rows = self._shards(batch)
-        return gather([w.update.remote(s, kl_coef, record)
+        return gather([w.update.remote(s, algo, record)
                        for w, s in zip(self.workers, shards, strict=True)])[0]
 
     def token_record(self) -> dict[str, torch.Tensor]:
@@ -219,16 +216,11 @@ class Trainers:
         return cls(TrainerRanks(spec, "policy"), TrainerRanks(spec, "reference") if spec.model.reference
                    else None, TrainerRanks(spec, "critic") if spec.model.critic else None, pad_id)
 
-    def groups(self) -> list[TrainerRanks]:
-        return [group for group in (self.policy, self.reference, self.critic) if group]
+    def roles(self) -> dict[str, TrainerRanks]:
+        """The groups the run has, by role (a checkpoint holds one folder per role that trains)."""
+        return {role: group for role, group in (("policy", self.policy), ("reference", self.reference),
+                                                 ("critic", self.critic)) if group}
 
     def stop(self) -> None:
-        for group in self.groups():
+        for group in self.roles().values():
             group.shutdown()
-
-    def load(self, checkpoint: Path) -> dict[str, Any]:
-        """Load a checkpoint into the policy (and the critic); returns the policy's saved extra state."""
-        extra = self.policy.load(str(checkpoint / "policy"))
-        if self.critic:
-            self.critic.load(str(checkpoint / "critic"))
-        return extra

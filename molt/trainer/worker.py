@@ -21,14 +21,11 @@ from molt import refit
 from molt.algo import (
     LOSS_NORMS,
     datum_loss,
-    gap_metrics,
-    gap_sums,
     load_plugins,
     loss_normalizer,
     policy_loss,
     sft_loss,
     value_loss,
-    with_kl_coef,
 )
 from molt.spec import AlgoSpec, RunSpec
 from molt.trainer import rank_state, weights
@@ -52,12 +49,11 @@ from molt.trainer.offload import HostStateAdamW
 from molt.trainer.packing import pack, token_budget_groups, unpack
 from molt.trainer.router_replay import set_routes
 from molt.trainer.schedule import lr_factor
+from molt.trainer.step_metrics import StepMetrics
 from molt.trainer.threads import RankThreads
 from molt.trainer.token_record import TokenRecord
 from molt.trainer.tower import sharded_tower, tower_in_every_forward
 
-# With several updates per batch these are also logged for the last update alone (`<name>_last`).
-LAST_UPDATE_METRICS = ("ratio_mean", "approx_kl", "clip_frac_low", "clip_frac_high")
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, but not per token (molt.trainer.batch)
 
 
@@ -72,8 +68,10 @@ class TrainerWorker:
         # (CPU; CUDA at world size 1, where AutoModel does not shard): None when FSDP2 casts, or fp32.
         self.autocast = autocast_dtype(self.spec)
         self.sft = self.spec.train.objective == "sft"
-        if self.sft:   # SFT scores the model's own distribution: the rollout's sampling does not apply
-            self.spec.rollout.temperature, self.spec.rollout.top_p, self.spec.rollout.top_k = 1.0, 1.0, -1
+        # The distribution a token is scored under when its batch row does not record the one it was sampled
+        # from: the run's sampling; SFT scores the model's own distribution (nothing was sampled).
+        r = self.spec.rollout
+        self.scoring = (1.0, 1.0, -1) if self.sft else (r.temperature, r.top_p, r.top_k)
         self.threads = RankThreads(self.spec, role, rank)   # CPU: follows set_engines_idle
         self.step = 0
         self.refit_group: dist.ProcessGroup | None = None   # rank 0: the group to the engine workers
@@ -211,8 +209,9 @@ class TrainerWorker:
         with head_input(head) as hidden, autocast, tower_in_every_forward(self.model, placeholder):
             logits = self.model(**inputs, **({} if cp is None else {"cp_shard": cp}), use_cache=False).logits
         logits = logits.float()
-        r = self.spec.rollout
-        sampling = tuple(scoring.get(k, getattr(r, k)) for k in RECORDED_SAMPLING)
+        # the distribution each token was sampled from: recorded per token, else `self.scoring`
+        sampling = tuple(scoring.get(k, default)
+                         for k, default in zip(RECORDED_SAMPLING, self.scoring, strict=True))
         if hidden:   # only sampled tokens are scored (the loss and the mismatch need no other)
             with autocast:
                 chunk = chunk_tokens(self.spec, head.weight.shape[0])
@@ -250,16 +249,17 @@ class TrainerWorker:
         # compute the same loss and metrics: count each replica once
         return (t / self.spec.parallel.replica_ranks).tolist()
 
-    def update(self, shard: dict[str, torch.Tensor], kl_coef: float | None = None,
+    def update(self, shard: dict[str, torch.Tensor], algo: AlgoSpec | None = None,
                record: bool = False) -> dict[str, float]:
         """train.epochs passes over this rank's shard split into train.minibatches row chunks, one
         optimizer step per chunk; returns globally reduced metrics (same on all ranks) under the names the
-        run logs (`_reduce_metrics`). `kl_coef` replaces algo.kl.coef for this batch (the adaptive KL
-        controller's current value). `record`: keep what the policy loss saw of each token (`token_record`).
+        run logs (molt/trainer/step_metrics.py). `algo` is the step's (the loop's: the adaptive KL
+        controller's weight in algo.kl.coef); None: the spec's. `record`: keep what the policy loss saw of
+        each token (`token_record`).
 
         With more than one update the policy's old logprobs are computed once here, before the first
         update, unless the batch brings them; with one update they are the update's own forward."""
-        spec, algo = self.spec, with_kl_coef(self.spec.algo, kl_coef)
+        spec, algo = self.spec, algo or self.spec.algo
         updates = spec.train.minibatches * spec.train.epochs
         if updates > 1 and self.role == "policy" and not self.sft and "old_logp" not in shard:
             shard = dict(shard, old_logp=self.forward(shard))
@@ -268,22 +268,23 @@ class TrainerWorker:
         bounds = [rows * i // spec.train.minibatches for i in range(spec.train.minibatches + 1)]
         self.model.train()
         self.record = TokenRecord(*shard["input_ids"].shape) if record and self.role == "policy" else None
-        sums: dict[str, float] = {}
-        grad_norms = []
+        metrics = StepMetrics()
         for epoch in range(spec.train.epochs):
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 last = epoch == spec.train.epochs - 1 and hi == rows
                 part = {k: v[lo:hi] for k, v in shard.items()}
-                grad_norm = self._update(part, algo, sums, first_pass=epoch == 0, last=last and updates > 1)
+                grad_norm = self._update(part, algo, metrics, epoch == 0, last and updates > 1)
                 if grad_norm is not None:
-                    grad_norms.append(grad_norm)
-        if not grad_norms:  # the same on every rank: all of them raise
+                    metrics.grad_norms.append(grad_norm)
+        if not metrics.grad_norms:  # the same on every rank: all of them raise
             raise ValueError("update got a batch without sampled tokens (loss_mask is all 0)")
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()  # counts the batches this role trains on, not updates (schedule.py)
         self.step += 1
         self._release_cached_memory()
-        return self._reduce_metrics(sums, grad_norms, lr)
+        # One worker class serves both roles, so its role names the section; the loop logs these as they are.
+        section = "critic/" if self.role == "critic" else "train/"
+        return metrics.reduce(section, lr, updates > 1, self._all_sum, self.device)
 
     def _release_cached_memory(self) -> None:
         """parallel.colocate on cuda: the blocks this pass freed go back to the GPU, where the engine wakes
@@ -291,9 +292,9 @@ class TrainerWorker:
         if self.cuda and self.spec.parallel.colocate:
             torch.cuda.empty_cache()
 
-    def _update(self, part: dict[str, torch.Tensor], algo: AlgoSpec, sums: dict[str, float], first_pass: bool,
+    def _update(self, part: dict[str, torch.Tensor], algo: AlgoSpec, step: StepMetrics, first_pass: bool,
                 last: bool) -> float | None:
-        """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `sums`.
+        """Forward/backward over the micro-batches of `part` and one optimizer step; adds to `step`.
         Returns the gradient norm, or None when no rank's `part` holds a sampled token (no step)."""
         mbs = self._micro_batches(part)
         budget = self.spec.response_budget   # seq-mean-token-sum-norm's fixed divisor
@@ -301,9 +302,6 @@ class TrainerWorker:
         norm = self._all_sum([sum(normalizer(mb["loss_mask"], budget) for mb in mbs)])[0]
         if norm == 0:
             return None
-
-        def add(key: str, value: float) -> None:
-            sums[key] = sums.get(key, 0.0) + float(value)
         record = self.record.part(part["input_ids"].shape[0]) if self.record and first_pass else None
         for mb in mbs:
             mask = mb["loss_mask"] > 0
@@ -327,22 +325,9 @@ class TrainerWorker:
                 # of them unless the loop marks older-policy tokens out with `current_mask`).
                 current = mask & (mb["current_mask"] > 0) if "current_mask" in mb else mask
                 if first_pass and "behaviour_logp" in mb and current.any():
-                    for key, value in gap_sums((lb["old_logp"] - mb["behaviour_logp"])[current]).items():
-                        if key == "max_abs":
-                            sums["mismatch/max_abs"] = max(sums.get("mismatch/max_abs", 0.0), value)
-                        else:
-                            add(f"mismatch/{key}", value)
+                    step.gap((lb["old_logp"] - mb["behaviour_logp"])[current])
             loss.backward()
-            add("loss", loss.detach())
-            add("weight", n_tok)
-            add("tokens", n_tok if first_pass else 0)
-            add("w/threads", self.threads.mean() * n_tok)
-            for key, value in metrics.items():
-                add(f"w/{key}", float(value) * n_tok)  # token-weighted means across micro-batches/ranks
-                if last and key in LAST_UPDATE_METRICS:
-                    add(f"l/{key}", float(value) * n_tok)
-            if last:
-                add("l/weight", n_tok)
+            step.micro_batch(loss, n_tok, metrics, self.threads.mean(), first_pass, last)
         return self._step(self.spec.train.grad_clip)
 
     def _step(self, max_norm: float) -> float:
@@ -356,37 +341,6 @@ class TrainerWorker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
-
-    def _reduce_metrics(self, sums: dict[str, float], grad_norms: list[float], lr: float) -> dict[str, float]:
-        """Means over the batch's updates: loss and grad_norm per update, the rest token-weighted; `tokens`
-        counts the batch once; `<metric>_last` (several updates) is the last update's alone. Named as the
-        run logs them: `critic/*` for the critic, `train/*` for the policy, `mismatch/*` for the gap."""
-        keys = sorted(k for k in sums if k != "mismatch/max_abs")
-        # every rank must join the same all-reduce even when its shard held no sampled tokens
-        objs: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(objs, keys)
-        keys = sorted(set().union(*objs))
-        total = dict(zip(keys, self._all_sum([sums.get(k, 0.0) for k in keys]), strict=True))
-        peak = torch.tensor([sums.get("mismatch/max_abs", 0.0)], device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        updates = len(grad_norms)
-        # One worker class serves both roles, so its role names the section; the loop logs these as they are.
-        section = "critic/" if self.role == "critic" else "train/"
-        out = {f"{section}loss": total.pop("loss") / updates,
-               f"{section}grad_norm": sum(grad_norms) / updates, f"{section}lr": lr,
-               f"{section}tokens": max(total.pop("tokens", 0.0), 1.0)}
-        if self.spec.train.minibatches * self.spec.train.epochs > 1:
-            out[f"{section}updates"] = float(updates)
-        weight, last_weight = max(total.pop("weight"), 1.0), max(total.pop("l/weight", 0.0), 1.0)
-        for key, value in total.items():
-            if key.startswith("w/"):
-                out[f"{section}{key[2:]}"] = value / weight
-            elif key.startswith("l/"):
-                out[f"{section}{key[2:]}_last"] = value / last_weight
-        if "mismatch/abs_sum" in total:   # the trainer/engine gap, under the names the run logs
-            out.update(gap_metrics({"tokens": total["mismatch/tokens"], "abs_sum": total["mismatch/abs_sum"],
-                                    "k3_sum": total["mismatch/k3_sum"], "max_abs": float(peak)}))
-        return out
 
     def token_record(self) -> dict[str, torch.Tensor]:
         """The last `update(record=True)`'s per-token record of this rank's shard ([rows, T] per field)."""
@@ -404,7 +358,7 @@ class TrainerWorker:
         fn = datum_loss(loss, config)
         self.model.train(backward)
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
-        sums: dict[str, float] = {"loss": 0.0}
+        sums = StepMetrics()
         start = 0
         with torch.enable_grad() if backward else torch.no_grad():
             for mb in self._micro_batches(shard):
@@ -414,20 +368,15 @@ class TrainerWorker:
                 value, _ = fn(logp, mb)
                 if backward:
                     value.backward()
-                sums["loss"] += float(value.detach())
+                sums.add("loss", value.detach())
                 current = mb["current_mask"] > 0
                 if current.any():
-                    for key, gap in gap_sums((logp.detach() - mb["behaviour_logp"])[current]).items():
-                        sums[f"mismatch/{key}"] = max(sums.get(f"mismatch/{key}", 0.0), gap) \
-                            if key == "max_abs" else sums.get(f"mismatch/{key}", 0.0) + gap
+                    sums.gap((logp.detach() - mb["behaviour_logp"])[current])
                 if start < out.shape[0]:   # the inert micro-batches that even out ranks come last
                     out[start:start + rows, :length] = logp.detach().cpu()
                 start += rows
-        peak = torch.tensor([sums.pop("mismatch/max_abs", 0.0)], device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         keys = ["loss", "mismatch/tokens", "mismatch/abs_sum", "mismatch/k3_sum"]
-        total = dict(zip(keys, self._all_sum([sums.get(k, 0.0) for k in keys]), strict=True))
-        return out, {**total, "mismatch/max_abs": float(peak)}
+        return out, sums.totals(keys, self._all_sum, self.device)
 
     def apply_gradients(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                         max_norm: float) -> float:

@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 from faultlib import FAULTY, small_spec
+from poollib import FnGroups
 
 from molt.agents import load_agent_runner
 from molt.driver.loop import learn
@@ -44,7 +45,8 @@ async def run_batch(spec, tok, engine) -> list:
         return await runner.run(row, f"{group_id}-{index}", group_id, dispatcher)
 
     items = [{"prompt": "a", "label": "a", "faults": faults} for faults in GROUPS]
-    pool = RolloutPool(iter(items), rollout_fn, 4, len(items), 1, [engine], refill_during_batch=False)
+    pool = RolloutPool(iter(items), FnGroups(rollout_fn, 4), len(items), 1, [engine],
+                       refill_during_batch=False)
     groups = await pool.next_batch(len(items))
     await pool.close()
     return [r for g in groups for r in g]

@@ -12,8 +12,10 @@ from contextlib import closing
 from pathlib import Path
 
 from faultlib import FAULTY, small_spec
+from poollib import FnGroups
 
 from molt.agents import load_agent_runner
+from molt.driver.agent_workers import LocalAgents
 from molt.driver.eval import evaluate
 from molt.driver.metrics import RunLogger, load_rollouts
 from molt.inputs.data import PromptDataset
@@ -37,7 +39,7 @@ def test_the_router_forgets_every_rollout_when_it_ends(tok, engine, tmp_path):
 
     async def main() -> list:
         items = [{"prompt": "a"}] * 6
-        pool = RolloutPool(iter(items), rollout_fn, 4, 3, 1, [engine], refill_during_batch=False)
+        pool = RolloutPool(iter(items), FnGroups(rollout_fn, 4), 3, 1, [engine], refill_during_batch=False)
         groups = await pool.next_batch(3) + await pool.next_batch(3)
         await pool.close()
         return [r for g in groups for r in g]
@@ -47,7 +49,8 @@ def test_the_router_forgets_every_rollout_when_it_ends(tok, engine, tmp_path):
     assert dispatcher.sticky == {}
     data = tmp_path / "eval.jsonl"
     data.write_text('{"prompt": "a", "label": "a"}\n{"prompt": "b", "label": "b"}\n')
-    asyncio.run(evaluate(spec, runner, dispatcher, {"set": PromptDataset(str(data), spec.data)}, 1))
+    sets = {"set": PromptDataset(str(data), spec.data)}
+    asyncio.run(evaluate(spec, LocalAgents(spec, runner, dispatcher), sets, 1))
     assert dispatcher.sticky == {}
 
 

@@ -16,6 +16,7 @@ import signal
 import pytest
 import ray
 from faultlib import small_spec, train_once
+from poollib import FnGroups
 
 from molt.agents import load_agent_runner
 from molt.driver.fleet import Fleet
@@ -122,8 +123,8 @@ def test_engines_come_back_refitted_and_groups_restart_whole(ray_session, spare,
 
         def pool() -> RolloutPool:
             items = iter([{"prompt": c, "label": c} for c in "abcdefgh"])
-            return RolloutPool(items, rollout_fn, 4, 4, 1, dispatcher.engines, refill_during_batch=False,
-                               lost=dispatcher.take_lost)
+            return RolloutPool(items, FnGroups(rollout_fn, 4, lost=dispatcher.take_lost), 4, 1,
+                               dispatcher.engines, refill_during_batch=False)
 
         async def batch_while(kill) -> RolloutPool:
             """A batch of 4 groups; `kill()` runs once both engines have requests in flight."""

@@ -24,10 +24,10 @@ from faultlib import REPO, small_spec
 from molt.agents import StepEnvRunner, load_agent_runner
 from molt.agents import sandbox as sandbox_module
 from molt.agents.sandbox import SandboxUnavailable, run_python
-from molt.agents.tool_tasks import PYTHON
 from molt.driver.select import drop_failed, rollout_metrics
 from molt.rollout.dispatch import Dispatcher
 from molt.spec import AgentSpec
+from molt.tasks.tool_use import PYTHON
 
 TOOL_ENV = str(REPO / "examples" / "agents" / "tool_env.py")
 

@@ -24,7 +24,7 @@ from faultlib import small_spec
 from test_agents import Recorder, assert_exact
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
-from molt.agents import server as server_module
+from molt.agents import http as connections
 from molt.agents.server import LoopbackServer
 from molt.agents.trace import Trace
 from molt.rollout.dispatch import Dispatcher
@@ -212,7 +212,7 @@ def test_slow_malformed_and_oversized_requests_do_not_block_other_sessions(tok, 
         body_head = (head + "Content-Length: 1000\r\n\r\n").encode() + b'{"model": '
         out = {}
         # 1) While a head and a body trickle in (with a deadline far away), other sessions are served.
-        monkeypatch.setattr(server_module, "READ_TIMEOUT_S", 600.0)
+        monkeypatch.setattr(connections, "READ_TIMEOUT_S", 600.0)
         stop = asyncio.Event()
         slow = [asyncio.create_task(raw_exchange(port, head.encode(), b"X-Slow: " + b"a" * 500, stop)),
                 asyncio.create_task(raw_exchange(port, body_head, b" " * 500, stop))]
@@ -228,7 +228,7 @@ def test_slow_malformed_and_oversized_requests_do_not_block_other_sessions(tok, 
         big = b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n"
         out["oversized"] = await raw_exchange(port, big)
         # 3) With the deadline near, a trickled head is dropped unanswered, a trickled body gets 408.
-        monkeypatch.setattr(server_module, "READ_TIMEOUT_S", 1.5)
+        monkeypatch.setattr(connections, "READ_TIMEOUT_S", 1.5)
         out["slow_head"], out["slow_body"] = await asyncio.gather(
             raw_exchange(port, head.encode(), b"X-Slow: " + b"a" * 200),
             raw_exchange(port, body_head, b" " * 200))
@@ -253,8 +253,8 @@ def test_a_late_client_keeps_its_connection_until_the_idle_timeout(tok, monkeypa
     """A client whose event loop runs hundreds of sessions may send its first request after connecting, or
     its next after a reply, many seconds late: the head deadline starts at a head's first byte, so only
     IDLE_TIMEOUT_S closes such a connection (before, the turn failed with a connection error)."""
-    monkeypatch.setattr(server_module, "READ_TIMEOUT_S", 0.4)
-    monkeypatch.setattr(server_module, "IDLE_TIMEOUT_S", 2.5)
+    monkeypatch.setattr(connections, "READ_TIMEOUT_S", 0.4)
+    monkeypatch.setattr(connections, "IDLE_TIMEOUT_S", 2.5)
     server = started(tok)
     request = b"POST /s/nobody/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 

@@ -16,6 +16,7 @@ import pytest
 import ray
 import torch
 from faultlib import small_spec, train_once
+from poollib import FnGroups
 from trainerlib import full_weights, one_rank
 
 from molt.driver.checkpoints import find_checkpoint, save_checkpoint
@@ -29,7 +30,7 @@ from molt.trajectory import Segment
 def test_rank_killed_during_a_checkpoint_write_leaves_the_previous_one(ray_session, tmp_path):
     spec = small_spec(run={"dir": str(tmp_path), "resume": "auto"})
     data = PromptIterator(PromptDataset(spec.data.train_path, spec.data), seed=0)
-    pool = RolloutPool(iter([]), None, 1, 1, 0)
+    pool = RolloutPool(iter([]), FnGroups(None, 1), 1, 0)
     policy = TrainerRanks(spec, "policy")
     train_once(policy)
     saved = full_weights(policy)

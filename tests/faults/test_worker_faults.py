@@ -16,9 +16,14 @@ from faultlib import small_spec
 
 from molt.driver.metrics import load_rollouts
 
-# One second per rollout: the kill lands while the worker's groups are in flight.
+# One second per rollout: the kill lands while the worker's groups are in flight. Each execution of the
+# module (an import) appends its process id beside it: once per process, in the driver and in each worker.
 SLOW_ENV = '''
 import asyncio
+import os
+
+with open(__file__ + ".executions", "a") as f:
+    f.write(f"{os.getpid()}\\n")
 
 from molt.agents import Env, Result, StepEnvRunner
 
@@ -102,6 +107,9 @@ def test_a_killed_agent_worker_loses_only_its_groups(ray_session, tmp_path, capf
     assert killed and last["agent/worker_restarts"] == 1.0 and last["agent/groups_rerun"] >= 1
     assert "agent worker" in capfd.readouterr().out
     check_every_group_trained_once(run_dir, 3, 4)
+    # the agent module executed once per process: the driver's (this one), two workers and the replacement
+    pids = [int(p) for p in (tmp_path / "slow_env.py.executions").read_text().split()]
+    assert len(pids) == len(set(pids)) == 4 and os.getpid() in pids and killed[0] in pids
     deadline = time.time() + 30   # the replacement worker was stopped with the run
     while set(worker_pids()) - others and time.time() < deadline:
         time.sleep(0.2)

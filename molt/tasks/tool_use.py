@@ -1,9 +1,9 @@
 """Tasks a model gains from tools on: reasoning-gym questions with the tool schemas in every row.
 
-    python -m molt.agents.tool_tasks OUT_DIR [--mix flagship|tiny] [--train N] [--eval M] [--seed S]
+    python -m molt.tasks.tool_use OUT_DIR [--mix flagship|tiny] [--train N] [--eval M] [--seed S]
 
 writes OUT_DIR/tool_MIX_train.jsonl and OUT_DIR/tool_MIX_eval.jsonl (the eval questions are held out
-of the training rows; metrics eval/tool_MIX_eval/...). A row is a row of molt.agents.reasoning_gym_env
+of the training rows; metrics eval/tool_MIX_eval/...). A row is a row of molt.tasks.reasoning_gym
 ({"messages", "label", "entry"}) plus `tools`, the schemas of the mix's tools, which the Env path renders
 through the chat template. The agent that runs them is examples/agents/tool_env.py (the calculator and
 Python tools in the sandbox; the answer scored by the task's own scorer). Needs `pip install molt[tasks]`.
@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from molt.agents.reasoning_gym_env import task_rows
+from molt.tasks.reasoning_gym import task_rows
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / // % ** and brackets).",
@@ -62,7 +62,7 @@ def mix_rows(mix: str, size: int, seed: int, exclude: set[str] = frozenset()) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m molt.agents.tool_tasks",
+    parser = argparse.ArgumentParser(prog="python -m molt.tasks.tool_use",
                                      description="Write a tool-use task mix as Molt JSONL datasets.")
     parser.add_argument("out", type=Path, help="output folder")
     parser.add_argument("--mix", choices=sorted(MIXES), default="flagship")

@@ -2,14 +2,14 @@
 
 Needs the optional extra: `pip install molt[tasks]`. Rows come from
 
-    python -m molt.agents.reasoning_gym_env TASK OUT.jsonl [--size N] [--seed S] [--config JSON] [--sft]
+    python -m molt.tasks.reasoning_gym TASK OUT.jsonl [--size N] [--seed S] [--config JSON] [--sft]
                                             [--unique] [--exclude FILE ...]
 
 one per task entry: {"messages": [{"role": "user", "content": question}], "label": answer, "entry": the
 entry}. `--config` passes the task's own options (e.g. '{"max_digits": 1}'); `--sft` adds the reference
 answer as the assistant turn, a conversation for `python -m molt.sft`; `--unique` keeps one row per
 question; `--exclude` drops the questions of other such files (a held-out eval set). With `agent.module:
-molt.agents.reasoning_gym_env` the reward is the task's own `score_answer` on the model's answer: the text
+molt.tasks.reasoning_gym` the reward is the task's own `score_answer` on the model's answer: the text
 inside <answer>...</answer> when the response has one (reasoning-gym's convention), else the whole
 response, stripped. `info/exact` is the fraction of answers scored exactly 1. A scorer that raises on an
 answer it cannot read (prime_factorization's `int()` on text) scores it 0, as the wrong answer it is, and
@@ -51,7 +51,7 @@ class ReasoningGymEnv(Env):
         entry = state.item.get("entry")
         if not isinstance(entry, dict) or "source_dataset" not in entry.get("metadata", {}):
             raise ValueError("the row has no reasoning-gym 'entry' with metadata.source_dataset; write rows "
-                             "with python -m molt.agents.reasoning_gym_env")
+                             "with python -m molt.tasks.reasoning_gym")
         score, unscorable = score_answer(state.action, entry)
         return Result(reward=score, info={"exact": float(score == 1.0), "unscorable": float(unscorable)})
 
@@ -80,7 +80,7 @@ def task_rows(task: str, size: int, seed: int, config: dict[str, Any], sft: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m molt.agents.reasoning_gym_env",
+    parser = argparse.ArgumentParser(prog="python -m molt.tasks.reasoning_gym",
                                      description="Write a reasoning-gym task as a Molt JSONL dataset.")
     parser.add_argument("task", help="reasoning-gym task name, e.g. basic_arithmetic")
     parser.add_argument("out", type=Path, help="output .jsonl")
