@@ -88,7 +88,7 @@ def logprobs_of(output: types.ForwardBackwardOutput) -> list[np.ndarray]:
 
 
 def test_capabilities_info_and_tokenizer(served) -> None:
-    from molt.inputs.data import REPO_ROOT
+    from molt.spec.user_modules import REPO_ROOT
 
     # the SDK these tests drive is the version the service serves (pyproject.toml's tinker extra)
     pinned = re.search(r'"tinker==([0-9.]+)"', (REPO_ROOT / "pyproject.toml").read_text())[1]
