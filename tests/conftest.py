@@ -239,8 +239,8 @@ def vlm_spec():
     """The RunSpec of the tiny vision-language model (conf/model/tiny_vl.yaml) that `vlm_engine` serves."""
     import yaml
 
-    from molt.spec.user_modules import REPO_ROOT
     from molt.spec import RunSpec
+    from molt.spec.user_modules import REPO_ROOT
 
     model = yaml.safe_load((REPO_ROOT / "conf" / "model" / "tiny_vl.yaml").read_text())
     return RunSpec.model_validate({

@@ -52,6 +52,7 @@ def forked_ranks(spec: RunSpec, work: Callable[[Any], Any], role: str = "policy"
     from this one; their results in rank order. A fork inherits the worker's modules already imported here,
     so a rank starts at once (a spawned process or a Ray actor imports for ≈10 CPU-s); the ranks form a real
     gloo group. Forked processes must not start OpenMP thread pools: `parallel.cpu_threads` must be 1."""
+    import gc
     import multiprocessing
     import pickle
     import traceback
@@ -79,8 +80,17 @@ def forked_ranks(spec: RunSpec, work: Callable[[Any], Any], role: str = "policy"
             results.put((rank, None, traceback.format_exc()))
 
     processes = [context.Process(target=rank_main, args=(r,), daemon=True) for r in range(size)]
-    for p in processes:
-        p.start()
+    # A rank must never free what it inherits. This process's uncollected garbage may hold an earlier
+    # rank's process group (`one_rank`'s, in a reference cycle until the next full collection), whose
+    # destructor waits until the group's threads stop waiting on it; a fork copies no thread, so a child's
+    # first full collection would hang there. Objects frozen at the fork stay out of the children's
+    # collections (the gc module's recipe for fork without exec).
+    gc.freeze()
+    try:
+        for p in processes:
+            p.start()
+    finally:
+        gc.unfreeze()
     got: list[tuple[int, bytes | None, str | None]] = []
     try:
         while len(got) < size and not any(error for *_, error in got):   # a failed rank stops the rest
