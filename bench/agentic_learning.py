@@ -35,6 +35,9 @@ DATA = OUT / "agentic_learning" / "data"
 QUIET = ["logging.wandb.mode=disabled", "logging.plots=false", "logging.progress=false",
          "logging.dump_rollouts=false"]
 TARGET = 0.3   # held-out accuracy above the SFT model's, every seed's mean
+# RL steps per task: the greedy decision flips by step 10 on chain and recovery, by 20 on choice (whose
+# SFT policy starts near even odds between two tools, so the sampled choice has further to move)
+STEPS = {"choice": 20, "chain": 10, "recovery": 10}
 
 
 def write_data() -> None:
@@ -168,7 +171,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2", help="comma list of run.seed values of the RL runs")
     p.add_argument("--credits", default="rollout,turn", help="the chain task's algo.turn_credit values")
     p.add_argument("--chat-seeds", default="0,1,2", help="seeds of the choice task's ChatAgent runs")
-    p.add_argument("--steps", type=int, default=10, help="RL steps per run (the greedy decisions flip by 10)")
+    p.add_argument("--steps", type=int, default=None, help=f"RL steps of every run (default: {STEPS})")
     p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--reuse", action="store_true", help="read back finished runs with identical overrides")
@@ -184,7 +187,7 @@ def main() -> None:
              for credit in (args.credits.split(",") if task == "chain" else ("rollout",))]
     if "choice" in tasks:
         cells += [("choice", "rollout", "chat", int(seed)) for seed in args.chat_seeds.split(",") if seed]
-    runs = [rl(*cell, model, args.steps, args.reuse, args.timeout) for cell in cells]
+    runs = [rl(*cell, model, args.steps or STEPS[cell[0]], args.reuse, args.timeout) for cell in cells]
     if not runs:
         return
     groups: dict[tuple, list[dict]] = {}
@@ -199,7 +202,7 @@ def main() -> None:
     body = "\n".join([
         "## Agentic learning: RL teaches decisions (choice, chain, recovery) over seeds", "", header(),
         f"- work: one SFT run (`+experiment=decision_sft`, {args.sft_steps} steps, "
-        f"{tuned['wall_s']:.0f} s), then {len(runs)} RL runs of {args.steps} steps from its export "
+        f"{tuned['wall_s']:.0f} s), then {len(runs)} RL runs of {args.steps or STEPS} steps from its export "
         f"(`+experiment=decision_TASK`); decision metrics: choice `info/right_tool`, chain `info/chained`, "
         "recovery `info/retried`; values are the mean (min–max) over seeds",
         f"- command: `{command}`; wall of all runs: {total / 60:.0f} min; 1-minute load average at each "
