@@ -141,3 +141,78 @@ def test_a_response_cut_by_the_context_is_counted(tok, engine):
             assert "responses are cut short by the context" in context_warning(spec, rollouts)
     assert counted["agent.max_total_tokens"] >= 1 and counted["model.max_model_len"] >= 1, counted
     assert counted["no cut"] == 0
+
+
+# A second user turn after the first reply: the 10-token prompt, a reply of 8 and this turn's 11 tokens of
+# glue (<|im_end|><|im_start|>user\nc<|im_end|><|im_start|>assistant, measured on the tiny model's ChatML)
+# make 29, so agent.max_total_tokens=32 leaves the second reply 3 of its 8 tokens (7 or fewer whenever the
+# first reply ran 3 tokens or more, as a random-init model's nearly always does).
+TWO_TURNS = """
+from molt.agents import Env, Result, StepEnvRunner
+
+class TwoTurns(Env):
+    async def step(self, state):
+        if state.turn == 0:
+            return Result(reward=0.0, observation="c", terminated=False)
+        return Result(reward=len(state.action_ids) / 8)   # what the context cut takes away
+
+AgentRunner = StepEnvRunner(TwoTurns)
+"""
+
+
+def test_a_run_whose_context_cuts_responses_counts_them_and_says_so_once(tok, engine, trainer, tmp_path,
+                                                                         caplog):
+    """Three steps of the loop (pool → learn → refit, logged as a run logs them) on the shared engine and
+    trainer, every second turn cut by agent.max_total_tokens: each step's metrics.jsonl row counts the cut
+    responses (rollout/context_truncated, checked against the dumped tokens), and the warning that names
+    them is logged once, at the first step, not at every step."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from molt.driver.compose import compose, prepare
+    from molt.driver.fleet import Fleet
+    from molt.driver.loop import rl_step
+    from molt.driver.metrics import RunLogger, load_rollouts
+    from molt.driver.run import Run, train_steps
+    from molt.trainer.ranks import Trainers
+
+    module = tmp_path / "two_turns.py"
+    module.write_text(TWO_TURNS)
+    spec = compose([f"agent.module={module}", "agent.max_turns=2", "agent.max_total_tokens=32",
+                    "train.steps=3", "train.prompts_per_step=2", "rollout.samples_per_prompt=4",
+                    "train.micro_batch_size=8", "train.save_every=0", "train.eval_every=0",
+                    "model.max_model_len=1024", "parallel.cpu_threads=1", "rollout.engine.kv_cache_gib=0.25",
+                    "rollout.engine.enforce_eager=true", "logging.plots=false", "logging.progress=false",
+                    "logging.wandb.mode=disabled", f"run.dir={tmp_path / 'run'}"])
+    inputs = prepare(spec).or_raise()   # the dry run's context check passes: the first turn fits
+    inputs.runner.setup(inputs.tokenizer, spec)
+
+    async def scenario() -> None:
+        fleet = Fleet(spec, inputs.policy_path, engines=[engine])
+        run = Run(spec, inputs, fleet, Trainers(trainer, pad_id=tok.pad_token_id), RunLogger(spec))
+        try:
+            await run.begin(None, refit_engines=False)
+            await train_steps(run, rl_step)
+        finally:   # the shared trainer and engine back on the initial weights, as version 0
+            await run.pool.close()
+            run.logger.close()
+            await asyncio.to_thread(trainer.load, trainer.initial)
+            await fleet.refit(0)
+
+    trainer.load(trainer.initial)
+    with caplog.at_level(logging.WARNING, logger="molt"):
+        asyncio.run(scenario())
+    run_dir = Path(spec.run.dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        cut = 0
+        for rollout in load_rollouts(run_dir / "rollouts" / f"step_{r['step']:06d}.jsonl"):
+            [segment] = rollout.segments   # ChatML: one segment, the second turn's tokens last
+            last = sum(segment.loss_mask[segment.turns[-1][1]:])
+            cut += segment.finish_reason == "length" and len(segment.turns) == 2 and last < 8
+        assert r["rollout/context_truncated"] == cut >= 1, (r["step"], r["rollout/context_truncated"], cut)
+    warnings = [m for m in caplog.messages if "responses are cut short by the context" in m]
+    assert len(warnings) == 1, warnings
+    assert "agent.max_total_tokens=32" in warnings[0] and "rollout.max_tokens=8" in warnings[0]
