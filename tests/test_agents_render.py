@@ -180,8 +180,9 @@ def test_a_run_whose_context_cuts_responses_counts_them_and_says_so_once(tok, en
     module = tmp_path / "two_turns.py"
     module.write_text(TWO_TURNS)
     spec = compose([f"agent.module={module}", "agent.max_turns=2", "agent.max_total_tokens=32",
-                    "train.steps=3", "train.prompts_per_step=2", "rollout.samples_per_prompt=4",
-                    "train.micro_batch_size=8", "train.save_every=0", "train.eval_every=0",
+                    "rollout.max_tokens=8", "train.steps=3", "train.prompts_per_step=2",
+                    "rollout.samples_per_prompt=4", "train.micro_batch_size=8", "train.save_every=0",
+                    "train.eval_every=0",
                     "model.max_model_len=1024", "parallel.cpu_threads=1", "rollout.engine.kv_cache_gib=0.25",
                     "rollout.engine.enforce_eager=true", "logging.plots=false", "logging.progress=false",
                     "logging.wandb.mode=disabled", f"run.dir={tmp_path / 'run'}"])
